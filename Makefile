@@ -1,0 +1,35 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   - train, preempt with a real SIGTERM, resume, verify bit-identical weights
+#   make test   - install what the tests need (venv, etcd, control-plane binaries) and run every tier
+SHELL := /bin/bash
+export PREEMPTIBLE_CACHE ?= $(HOME)/.cache/preemptible
+VENV := $(PREEMPTIBLE_CACHE)/venv
+PY := $(VENV)/bin/python
+export PATH := $(VENV)/bin:$(PATH)
+
+.PHONY: setup demo test test-unit lint cluster-binaries cluster-up bench
+
+setup:
+	@bash scripts/bootstrap.sh
+
+demo: setup
+	$(PY) -m trainer_runtime.demo
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+cluster-binaries: setup
+	bash tests/cluster/build.sh
+
+test: setup lint cluster-binaries
+	$(PY) -m pytest tests
+
+test-unit: setup
+	$(PY) -m pytest tests/unit
+
+cluster-up: setup cluster-binaries
+	$(PY) -m tests.cluster.up
+
+bench: setup
+	$(PY) benchmarks/resume_time.py

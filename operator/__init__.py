@@ -1,0 +1,3 @@
+"""preemptible operator (import name ``preemptible_operator``)."""
+
+__all__: list[str] = []
