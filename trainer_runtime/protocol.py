@@ -1,0 +1,134 @@
+"""The contract between the operator and the runtime (see DESIGN.md), in one torch-free module.
+
+Environment variable names, the preemption exit code, the termination message and the metric
+names live here so both halves import the same constants.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "ENV_ATTEMPT",
+    "ENV_GRACE_SECONDS",
+    "ENV_KILL_WAIT_SECONDS",
+    "ENV_METRICS_HOST",
+    "ENV_METRICS_PORT",
+    "ENV_OUTPUT_DIR",
+    "ENV_RESUME_FROM",
+    "ENV_TERMINATION_LOG",
+    "EXIT_PREEMPTED",
+    "METRIC_NAMES",
+    "DEFAULT_KILL_WAIT_SECONDS",
+    "DEFAULT_TERMINATION_LOG",
+    "SaveTimings",
+    "StepTimings",
+    "TerminationMessage",
+    "read_termination_message",
+    "write_termination_message",
+]
+
+ENV_OUTPUT_DIR = "PREEMPTIBLE_OUTPUT_DIR"
+ENV_RESUME_FROM = "PREEMPTIBLE_RESUME_FROM"
+ENV_GRACE_SECONDS = "PREEMPTIBLE_GRACE_SECONDS"
+ENV_KILL_WAIT_SECONDS = "PREEMPTIBLE_KILL_WAIT_SECONDS"
+ENV_ATTEMPT = "PREEMPTIBLE_ATTEMPT"
+ENV_METRICS_PORT = "PREEMPTIBLE_METRICS_PORT"
+# Address the /metrics server binds to; the operator sets it to the pod IP (downward API) so that
+# several pods sharing one network namespace (the test node agent) do not collide. Default: all.
+ENV_METRICS_HOST = "PREEMPTIBLE_METRICS_HOST"
+# Where the termination message goes; default /dev/termination-log when that file exists.
+ENV_TERMINATION_LOG = "PREEMPTIBLE_TERMINATION_LOG"
+
+DEFAULT_KILL_WAIT_SECONDS = 3.0
+DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+
+# EX_TEMPFAIL from sysexits.h: "temporary failure, the user is invited to retry". Distinct from
+# 0 (finished), 1 (error) and 128+N (killed by a signal).
+EXIT_PREEMPTED = 75
+
+# Prometheus series the runtime serves and the operator scrapes (gauges unless noted).
+METRIC_NAMES = {
+    "step": "preemptible_global_step",
+    "max_steps": "preemptible_max_steps",
+    "epoch": "preemptible_epoch",
+    "step_seconds_last": "preemptible_step_seconds_last",
+    "step_seconds_ema": "preemptible_step_seconds_ema",
+    "step_seconds_p99": "preemptible_step_seconds_p99",
+    "step_seconds_max": "preemptible_step_seconds_max",
+    "save_seconds_last": "preemptible_save_seconds_last",
+    "save_seconds_max": "preemptible_save_seconds_max",
+    "last_complete_checkpoint_step": "preemptible_last_complete_checkpoint_step",
+    "stop_requested": "preemptible_stop_requested",
+}
+
+
+class StepTimings(BaseModel):
+    """Wall-clock seconds per optimizer step, as measured by the runtime."""
+
+    model_config = ConfigDict(extra="ignore")
+    last: float | None = None
+    ema: float | None = None
+    p99: float | None = None
+    max: float | None = None
+    count: int = 0
+
+
+class SaveTimings(BaseModel):
+    """Wall-clock seconds per checkpoint save (sentinel created to manifest committed)."""
+
+    model_config = ConfigDict(extra="ignore")
+    last: float | None = None
+    max: float | None = None
+    count: int = 0
+
+
+class TerminationMessage(BaseModel):
+    """What the runtime writes to the termination-message file before it exits.
+
+    Kubernetes keeps at most 4096 bytes of it, so keep it small.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+    reason: Literal["preempted", "completed", "failed"]
+    step: int = Field(description="Global step reached when the process stopped.")
+    checkpoint: str | None = Field(default=None, description="Path of the checkpoint just written.")
+    complete: bool = Field(default=False, description="Whether that checkpoint is complete.")
+    attempt: int | None = None
+    step_seconds: StepTimings = Field(default_factory=StepTimings)
+    save_seconds: SaveTimings = Field(default_factory=SaveTimings)
+    sigterm_to_exit_seconds: float | None = None
+    message: str | None = Field(default=None, description="Human-readable detail (errors).")
+
+
+def write_termination_message(msg: TerminationMessage, path: str | None = None) -> str | None:
+    """Write ``msg`` where Kubernetes reads it; returns the path used, or None when there is none.
+
+    The path is ``path``, else $PREEMPTIBLE_TERMINATION_LOG, else /dev/termination-log if it exists.
+    """
+    target = path or os.environ.get(ENV_TERMINATION_LOG)
+    if not target:
+        if not os.path.exists(DEFAULT_TERMINATION_LOG):
+            return None
+        target = DEFAULT_TERMINATION_LOG
+    data = msg.model_dump_json(exclude_none=True)
+    with open(target, "w", encoding="utf-8") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return target
+
+
+def read_termination_message(text: str | None) -> TerminationMessage | None:
+    """Parse a termination message; None when it is empty or not ours (e.g. a Python traceback)."""
+    if not text:
+        return None
+    try:
+        data: Any = json.loads(text)
+        return TerminationMessage.model_validate(data)
+    except (ValueError, TypeError):
+        return None
