@@ -3,9 +3,10 @@
 #   make test   - install what the tests need (venv, etcd, control-plane binaries) and run every tier
 SHELL := /bin/bash
 export PREEMPTIBLE_CACHE ?= $(HOME)/.cache/preemptible
-VENV := $(PREEMPTIBLE_CACHE)/venv
+# this checkout's environment (scripts/bootstrap.sh) and the shared one with the dependencies
+VENV := $(CURDIR)/.venv
 PY := $(VENV)/bin/python
-export PATH := $(VENV)/bin:$(PATH)
+export PATH := $(VENV)/bin:$(PREEMPTIBLE_CACHE)/venv/bin:$(PATH)
 
 .PHONY: setup demo test test-unit lint cluster-binaries cluster-up bench
 
@@ -16,8 +17,8 @@ demo: setup
 	$(PY) -m trainer_runtime.demo
 
 lint: setup
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+	ruff check .
+	ruff format --check .
 
 cluster-binaries: setup
 	bash tests/cluster/build.sh

@@ -1,15 +1,39 @@
 #!/usr/bin/env bash
-# Creates (once) the project's virtual environment outside the repository and installs the project
-# into it. Everything lives under PREEMPTIBLE_CACHE so a fresh clone reuses torch and friends.
+# Sets up Python for this checkout. Two layers, so that a fresh clone costs seconds once the machine
+# has the heavy wheels (torch is several GB):
+#   $PREEMPTIBLE_CACHE/venv   third-party dependencies from pyproject.toml, shared by every checkout
+#   <checkout>/.venv          this checkout, installed editable; sees the shared layer through a .pth
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE="${PREEMPTIBLE_CACHE:-$HOME/.cache/preemptible}"
-VENV="$CACHE/venv"
+BASE="$CACHE/venv"
+LOCAL="$PWD/.venv"
 mkdir -p "$CACHE"
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "==> creating virtual environment in $VENV"
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip
+
+if [ ! -x "$BASE/bin/python" ]; then
+  echo "==> creating the shared dependency environment in $BASE"
+  python3 -m venv "$BASE"
+  "$BASE/bin/pip" install -q --disable-pip-version-check --upgrade pip
 fi
-echo "==> installing preemptible (editable) and its dependencies into $VENV"
-"$VENV/bin/pip" install -q --disable-pip-version-check -e ".[dev]"
+echo "==> installing dependencies from pyproject.toml into $BASE (first time: torch, several minutes)"
+"$BASE/bin/python" - <<'PY' > "$CACHE/requirements.txt"
+import tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+deps = list(project["dependencies"]) + list(project["optional-dependencies"]["dev"])
+print("\n".join(deps + ["setuptools>=68", "wheel"]))
+PY
+"$BASE/bin/pip" install -q --disable-pip-version-check -r "$CACHE/requirements.txt"
+
+if [ ! -x "$LOCAL/bin/python" ]; then
+  echo "==> creating $LOCAL"
+  python3 -m venv --without-pip "$LOCAL"
+fi
+site_local=$("$LOCAL/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+site_base=$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# addsitedir (not a bare path line) so the shared layer's own .pth hooks run too. The explicit
+# `import operator` pins the standard-library module before a checkout root on sys.path could
+# shadow it with our operator/ directory (the import package is preemptible_operator).
+echo "import operator, site; site.addsitedir('$site_base')" > "$site_local/_preemptible_shared_deps.pth"
+echo "==> installing preemptible (editable) into $LOCAL"
+"$BASE/bin/pip" --python "$LOCAL/bin/python" install -q --disable-pip-version-check \
+  --no-deps --no-build-isolation -e .
