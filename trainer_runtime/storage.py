@@ -1,0 +1,260 @@
+"""One small facade over fsspec: the only module of the runtime that touches a filesystem.
+
+Paths given to the methods are relative to the URL the :class:`Storage` was opened on. Local and
+mounted filesystems (a PVC is one) get real durability: every file written through
+:meth:`Storage.open_write` is flushed and fsynced before it counts as written, and
+:meth:`Storage.atomic_write_json` writes a temporary file and renames it over the target, then
+fsyncs the directory. Object stores (s3, gcs, ...) make an object durable and visible in one piece
+when its upload completes, so there the final name is written directly.
+
+Every backend error becomes a :class:`~trainer_runtime.errors.StorageError` naming the URL, the
+operation and the cause. This module is torch-free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from typing import Any, BinaryIO
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from trainer_runtime.errors import StorageError
+
+__all__ = ["HashingWriter", "Storage"]
+
+
+class HashingWriter:
+    """A write-only file handle that counts bytes and computes sha256 while writing.
+
+    Checksums are computed from the bytes as they go out, never by reading the file back.
+    """
+
+    def __init__(self, handle: BinaryIO, storage: Storage, rel: str) -> None:
+        self._handle = handle
+        self._storage = storage
+        self._rel = rel
+        self._sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        with self._storage._op("write", self._rel):
+            self._handle.write(data)
+        self._sha.update(data)
+        self.size += len(data)
+        return len(data)
+
+    @property
+    def sha256(self) -> str:
+        return self._sha.hexdigest()
+
+
+class Storage:
+    """A directory on any fsspec filesystem: a plain path, ``file://``, ``memory://``, ``s3://``...
+
+    ``storage_options`` are passed to the fsspec filesystem (credentials, endpoints).
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        if not isinstance(url, str) or not url:
+            raise StorageError(
+                repr(url), "open filesystem", ValueError("URL must be a non-empty str")
+            )
+        self.url = url.rstrip("/") or url
+        self.storage_options = dict(storage_options or {})
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **self.storage_options)
+        except Exception as exc:
+            raise StorageError(url, "open filesystem", exc) from exc
+        self.fs: fsspec.AbstractFileSystem = fs
+        self.root: str = root.rstrip("/") or root
+        # Real files with real fsync and rename: local disks and mounted volumes (PVCs, NFS).
+        self.is_local = isinstance(fs, LocalFileSystem)
+
+    def __repr__(self) -> str:
+        return f"Storage({self.url!r})"
+
+    # -- paths ---------------------------------------------------------------------------------
+    def join(self, *parts: str) -> str:
+        """The URL (or plain path, when opened on one) of ``parts`` under this storage."""
+        tail = "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+        if not tail:
+            return self.url
+        return f"{self.url}/{tail}" if self.url != "/" else f"/{tail}"
+
+    def _path(self, rel: str) -> str:
+        rel = rel.strip("/")
+        if not rel:
+            return self.root
+        return f"{self.root}/{rel}" if self.root != "/" else f"/{rel}"
+
+    @contextmanager
+    def _op(self, operation: str, rel: str) -> Iterator[None]:
+        try:
+            yield
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise StorageError(self.join(rel), operation, exc) from exc
+
+    # -- queries -------------------------------------------------------------------------------
+    def _fresh(self, path: str) -> None:
+        # Object-store filesystems cache listings; other processes (ranks, the next attempt)
+        # change the directory under us, so every query starts uncached.
+        with suppress(Exception):
+            self.fs.invalidate_cache(path)
+
+    def exists(self, rel: str = "") -> bool:
+        path = self._path(rel)
+        with self._op("exists", rel):
+            self._fresh(path)
+            return bool(self.fs.exists(path))
+
+    def isdir(self, rel: str = "") -> bool:
+        path = self._path(rel)
+        with self._op("isdir", rel):
+            self._fresh(path)
+            return bool(self.fs.isdir(path))
+
+    def _ls(self, rel: str) -> list[dict[str, Any]]:
+        path = self._path(rel)
+        with self._op("list", rel):
+            self._fresh(path)
+            return list(self.fs.ls(path, detail=True))
+
+    def listdir(self, rel: str = "") -> dict[str, int]:
+        """Files directly under ``rel``: name -> size in bytes (directories are not included)."""
+        out: dict[str, int] = {}
+        for entry in self._ls(rel):
+            if entry.get("type") == "file":
+                out[entry["name"].rstrip("/").rsplit("/", 1)[-1]] = int(entry.get("size") or 0)
+        return out
+
+    def subdirs(self, rel: str = "") -> list[str]:
+        """Names of the directories directly under ``rel``, sorted."""
+        names = []
+        base = self._path(rel).rstrip("/")
+        for entry in self._ls(rel):
+            name = entry["name"].rstrip("/")
+            if entry.get("type") == "directory" and name != base:
+                names.append(name.rsplit("/", 1)[-1])
+        return sorted(names)
+
+    def walk_files(self, rel: str = "") -> dict[str, int]:
+        """Every file under ``rel`` at any depth: path relative to ``rel`` -> size in bytes."""
+        base = self._path(rel).rstrip("/")
+        with self._op("list", rel):
+            self._fresh(base)
+            found = self.fs.find(base, detail=True)
+        out: dict[str, int] = {}
+        for name, entry in found.items():
+            if entry.get("type", "file") != "file":
+                continue
+            name = name.rstrip("/")
+            relname = name[len(base) + 1 :] if name.startswith(base + "/") else name
+            out[relname] = int(entry.get("size") or 0)
+        return out
+
+    def read_bytes(self, rel: str) -> bytes:
+        with self._op("read", rel):
+            return bytes(self.fs.cat_file(self._path(rel)))
+
+    def read_json(self, rel: str) -> Any:
+        data = self.read_bytes(rel)
+        try:
+            return json.loads(data)
+        except ValueError as exc:
+            raise StorageError(self.join(rel), "parse JSON", exc) from exc
+
+    # -- writes --------------------------------------------------------------------------------
+    def makedirs(self, rel: str = "") -> None:
+        with self._op("create directory", rel):
+            self.fs.makedirs(self._path(rel), exist_ok=True)
+
+    @contextmanager
+    def open_write(self, rel: str) -> Iterator[HashingWriter]:
+        """Write a file; on a clean exit it is flushed and fsynced (local) or uploaded (remote)."""
+        path = self._path(rel)
+        with self._op("open for writing", rel):
+            if self.is_local:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                handle: Any = open(path, "wb")  # noqa: SIM115 - closed below
+            else:
+                handle = self.fs.open(path, "wb")
+        writer = HashingWriter(handle, self, rel)
+        try:
+            yield writer
+        except BaseException:
+            with suppress(Exception):
+                handle.close()
+            raise
+        with self._op("flush and fsync" if self.is_local else "close (upload)", rel):
+            handle.flush()
+            if self.is_local:
+                os.fsync(handle.fileno())
+            handle.close()
+
+    def write_bytes(self, rel: str, data: bytes) -> tuple[int, str]:
+        """Write ``data`` durably; returns (size, sha256)."""
+        with self.open_write(rel) as fh:
+            fh.write(data)
+        return fh.size, fh.sha256
+
+    def write_json(self, rel: str, obj: Any) -> tuple[int, str]:
+        return self.write_bytes(rel, _json_bytes(obj))
+
+    def atomic_write_json(self, rel: str, obj: Any) -> tuple[int, str]:
+        """Write JSON so that readers see either nothing/the old content or all of the new.
+
+        Local: temp file, fsync, rename over the target, fsync the directory. Object stores: one
+        upload of the final name (an object becomes visible only once complete).
+        """
+        data = _json_bytes(obj)
+        if not self.is_local:
+            return self.write_bytes(rel, data)
+        head, _, name = rel.strip("/").rpartition("/")
+        tmp_name = f".{name}.tmp-{uuid.uuid4().hex[:12]}"
+        tmp_rel = f"{head}/{tmp_name}" if head else tmp_name
+        try:
+            result = self.write_bytes(tmp_rel, data)
+            with self._op("rename into place", rel):
+                os.replace(self._path(tmp_rel), self._path(rel))
+        except BaseException as exc:
+            with suppress(Exception):
+                os.unlink(self._path(tmp_rel))
+            if isinstance(exc, StorageError) and exc.url != self.join(rel):
+                # report the file the caller asked for, not our temporary name
+                raise StorageError(
+                    self.join(rel), f"atomic write ({exc.operation} of {tmp_name})", exc.cause
+                ) from exc.cause
+            raise
+        self.fsync_dir(head)
+        return result
+
+    def remove(self, rel: str) -> None:
+        with self._op("remove", rel):
+            self.fs.rm_file(self._path(rel))
+
+    def rm_tree(self, rel: str) -> None:
+        with self._op("remove tree", rel):
+            self.fs.rm(self._path(rel), recursive=True)
+
+    def fsync_dir(self, rel: str = "") -> None:
+        """Make directory entries (new, renamed, removed files) durable; no-op off local disks."""
+        if not self.is_local:
+            return
+        with self._op("fsync directory", rel):
+            fd = os.open(self._path(rel), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")
