@@ -1,0 +1,181 @@
+"""pytest fixtures of the real control plane (loaded by tests/conftest.py for every test dir).
+
+- ``control_plane`` (session): etcd, kube-apiserver, kube-controller-manager, kube-scheduler.
+- ``node_agent`` (session): nodes ``node-1`` and ``node-2`` whose pods run as local processes.
+- ``kueue`` (session, opt-in): Kueue with a ClusterQueue, flavor and priority classes.
+- ``namespace`` (function): a fresh namespace, deleted afterwards.
+- ``kueue_namespace`` (function): a fresh namespace with the LocalQueue ``kueue.local_queue``.
+
+Binaries missing: the tests fail when $CI is set and are skipped otherwise. Component logs go to
+a temporary directory whose path is shown with every failing cluster test and kept after a failed
+session (removed after a clean one unless PREEMPTIBLE_KEEP_CLUSTER_LOGS=1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from collections.abc import Generator, Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from .binaries import Binaries, MissingBinariesError, find_binaries
+from .controlplane import START_TIMEOUT, ControlPlane
+from .kueue import Kueue
+from .node_agent import NodeAgent
+from .processes import wait_until
+
+__all__ = [
+    "control_plane",
+    "kueue",
+    "kueue_namespace",
+    "namespace",
+    "node_agent",
+]
+
+NODE_NAMES = ("node-1", "node-2")
+_CLUSTER_FIXTURES = {"control_plane", "node_agent", "kueue", "namespace", "kueue_namespace"}
+
+
+class _Session:
+    workdir: Path | None = None
+    failures = 0
+
+
+def _say(config: pytest.Config, message: str) -> None:
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"[cluster] {message}")
+    else:
+        print(f"[cluster] {message}", flush=True)
+
+
+def _binaries() -> Binaries:
+    try:
+        return find_binaries()
+    except MissingBinariesError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(str(exc), pytrace=False)
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def control_plane(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
+    binaries = _binaries()
+    workdir = Path(tempfile.mkdtemp(prefix="preemptible-cluster-"))
+    _Session.workdir = workdir
+    plane = ControlPlane(binaries, workdir, say=lambda m: _say(request.config, m))
+    try:
+        plane.start()
+    except BaseException as exc:
+        plane.stop()
+        _Session.failures += 1
+        raise RuntimeError(
+            f"control plane failed to start ({exc}); logs in {plane.logs_dir}"
+        ) from exc
+    try:
+        yield plane
+    finally:
+        plane.stop()
+        keep = _Session.failures or os.environ.get("PREEMPTIBLE_KEEP_CLUSTER_LOGS")
+        if keep:
+            _say(request.config, f"cluster logs kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def node_agent(control_plane: ControlPlane, request: pytest.FixtureRequest) -> Iterator[NodeAgent]:
+    agent = NodeAgent(
+        control_plane.kubeconfig,
+        control_plane.workdir / "node-agent",
+        nodes=NODE_NAMES,
+        apiserver_port=control_plane.apiserver_port,
+        k8s_version=control_plane.binaries.k8s_version,
+    )
+    try:
+        agent.start(timeout=START_TIMEOUT)
+        _say(request.config, f"node agent: nodes {list(NODE_NAMES)}, log {agent.log_file}")
+        yield agent
+    finally:
+        agent.stop()
+
+
+@pytest.fixture(scope="session")
+def kueue(control_plane: ControlPlane, request: pytest.FixtureRequest) -> Iterator[Kueue]:
+    try:
+        control_plane.binaries.require_kueue()
+    except MissingBinariesError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(str(exc), pytrace=False)
+        pytest.skip(str(exc))
+    instance = Kueue(control_plane)
+    try:
+        instance.start()
+        _say(request.config, f"kueue: ready in {instance.started_seconds:.1f} s")
+        yield instance
+    finally:
+        instance.stop()
+
+
+def _namespace_name(request: pytest.FixtureRequest) -> str:
+    stem = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    return f"t-{stem}-{uuid.uuid4().hex[:5]}"
+
+
+@pytest.fixture
+def namespace(control_plane: ControlPlane, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace (its default ServiceAccount exists), deleted after the test."""
+    name = _namespace_name(request)
+    with control_plane.api_client() as client:
+        core = kubernetes.client.CoreV1Api(client)
+        core.create_namespace(
+            {"metadata": {"name": name, "labels": {"preemptible.dev/test": "true"}}}
+        )
+        wait_until(
+            f"ServiceAccount {name}/default",
+            lambda: core.read_namespaced_service_account("default", name) is not None,
+            timeout=START_TIMEOUT,
+        )
+    try:
+        yield name
+    finally:
+        with contextlib.suppress(ApiException), control_plane.api_client() as client:
+            kubernetes.client.CoreV1Api(client).delete_namespace(name)
+
+
+@pytest.fixture
+def kueue_namespace(kueue: Kueue, namespace: str) -> str:
+    """A fresh namespace with the LocalQueue ``kueue.local_queue`` pointing at the ClusterQueue."""
+    kueue.create_local_queue(namespace)
+    return namespace
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[Any]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if not report.failed or _Session.workdir is None:
+        return report
+    if not _CLUSTER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return report
+    _Session.failures += 1
+    workdir = _Session.workdir
+    logs = sorted(p.name for p in (workdir / "logs").glob("*.log"))
+    report.sections.append(
+        (
+            "cluster logs",
+            f"component logs in {workdir / 'logs'}: {', '.join(logs)}\n"
+            f"node agent log and pod logs in {workdir / 'node-agent'}",
+        )
+    )
+    return report

@@ -1,0 +1,122 @@
+"""`make cluster-up`: the test tier's cluster (control plane, Kueue with its queues, node agent) for
+interactive use. Prints the kubeconfig, runs until Ctrl-C or SIGTERM, then stops everything.
+
+    python -m tests.cluster.up [--no-kueue] [--workdir DIR] [--nodes node-1,node-2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import kubernetes
+
+from .binaries import MissingBinariesError, find_binaries
+from .controlplane import ControlPlane
+from .kueue import Kueue
+from .node_agent import NodeAgent
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m tests.cluster.up", description=__doc__)
+    parser.add_argument("--no-kueue", action="store_true", help="do not start Kueue")
+    parser.add_argument("--workdir", type=Path, help="state and logs (default: a new temp dir)")
+    parser.add_argument("--nodes", default="node-1,node-2", help="comma-separated node names")
+    parser.add_argument("--keep", action="store_true", help="keep the workdir after stopping")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    try:
+        binaries = find_binaries()
+    except MissingBinariesError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="preemptible-cluster-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+
+    plane = ControlPlane(binaries, workdir)
+    kueue: Kueue | None = None
+    agent: NodeAgent | None = None
+    failed = False
+    try:
+        plane.start()
+        if not args.no_kueue:
+            kueue = Kueue(plane)
+            kueue.start()
+            print(f"kueue: ready in {kueue.started_seconds:.1f} s", flush=True)
+        agent = NodeAgent(
+            plane.kubeconfig,
+            workdir / "node-agent",
+            nodes=[n for n in args.nodes.split(",") if n],
+            apiserver_port=plane.apiserver_port,
+            k8s_version=binaries.k8s_version,
+        )
+        agent.start()
+        if kueue is not None:
+            # A LocalQueue in "default" so that a Job labelled with it is admitted right away.
+            kueue.create_local_queue("default")
+        _banner(plane, kueue, agent)
+        while not stop.wait(1.0):
+            plane.check_alive()
+    except KeyboardInterrupt:
+        pass
+    except Exception as exc:
+        failed = True
+        print(f"error: {exc}\nlogs: {plane.logs_dir}", file=sys.stderr)
+    finally:
+        print("stopping ...", flush=True)
+        t0 = time.monotonic()
+        if agent is not None:
+            agent.stop()
+        if kueue is not None:
+            kueue.stop()
+        plane.stop()
+        print(f"stopped in {time.monotonic() - t0:.1f} s", flush=True)
+        if args.keep or failed or args.workdir:
+            print(f"state and logs kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if failed else 0
+
+
+def _banner(plane: ControlPlane, kueue: Kueue | None, agent: NodeAgent) -> None:
+    with plane.api_client() as client:
+        version = kubernetes.client.VersionApi(client).get_code().git_version
+    lines = [
+        f"cluster up: Kubernetes {version} at {plane.server} "
+        f"(control plane ready in {plane.started_seconds:.1f} s)",
+        f"nodes (node agent): {', '.join(agent.nodes)}; pod logs under {agent.workdir / 'pods'}",
+        f"component logs: {plane.logs_dir}",
+        f"admin kubeconfig: {plane.kubeconfig}",
+        f"restricted identity ({plane.restricted_user}, no RBAC grants): "
+        f"{plane.restricted_kubeconfig_path}",
+    ]
+    if kueue is not None:
+        lines.append(
+            f"kueue: ClusterQueue {kueue.cluster_queue} (quota {kueue.quota}), LocalQueue "
+            f"{kueue.local_queue} in namespace default, priorities {list(kueue.priorities)}"
+        )
+    if plane.binaries.kubectl is not None:
+        lines.append(f"kubectl: {plane.binaries.kubectl}")
+    lines += [
+        "",
+        f"export KUBECONFIG={plane.kubeconfig}",
+        "",
+        "Ctrl-C (or SIGTERM) stops everything.",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
