@@ -1,0 +1,272 @@
+"""A tiny, deterministic training script: what the demo trains and what test pods run.
+
+    python -m trainer_runtime.toy [--max-steps N] [--save-steps K] [--step-sleep SECONDS]
+        [--save-total-limit L] [--output-dir URL] [--seed S] [--fail-at-step N] ...
+
+It trains a small MLP with dropout (so the RNG state must survive a resume) on a synthetic
+classification set generated from ``--seed`` with :class:`trainer_runtime.Trainer` and
+``enable_jit_checkpoint=True``. It follows the operator's environment contract: the output dir
+defaults to $PREEMPTIBLE_OUTPUT_DIR and the Trainer resumes per $PREEMPTIBLE_RESUME_FROM.
+
+Test hooks: ``--step-sleep`` makes every optimizer step slow (the sleep happens inside the forward
+pass, so a signal lands in a step in flight); ``--save-sleep`` routes checkpoints through the
+``slowfile://`` filesystem of :mod:`trainer_runtime.testing` so saves are slow;
+``--enospc-after-bytes`` routes them through ``fulldiskfile://`` (disk full after N bytes);
+``--events-file`` appends one JSON line per event (train_begin, step_begin, step_end, save_begin,
+save_committed, save, train_end) so tests wait for real events instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from trainer_runtime import testing
+from trainer_runtime.protocol import ENV_OUTPUT_DIR
+
+__all__ = ["ToyDataset", "ToyModel", "build_trainer", "main", "parse_args"]
+
+FEATURES = 16
+HIDDEN = 32
+CLASSES = 4
+
+
+class ToyDataset(Dataset):
+    """``size`` samples ``{"x": float[16], "labels": int}`` labelled by a random linear teacher.
+
+    A pure function of ``seed``: the same seed gives the same tensors in every process.
+    """
+
+    def __init__(self, size: int = 512, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(size, FEATURES, generator=gen)
+        teacher = torch.randn(FEATURES, CLASSES, generator=gen)
+        noise = 0.5 * torch.randn(size, CLASSES, generator=gen)
+        self.labels = (self.x @ teacher + noise).argmax(dim=-1)
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[index], "labels": self.labels[index]}
+
+
+class ToyModel(nn.Module):
+    """Linear -> GELU -> Dropout -> Linear; returns ``{"loss", "logits"}`` (HF convention)."""
+
+    def __init__(self, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(FEATURES, HIDDEN),
+            nn.GELU(),
+            nn.Dropout(dropout),
+            nn.Linear(HIDDEN, CLASSES),
+        )
+
+    def forward(
+        self, x: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        logits = self.net(x)
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = nn.functional.cross_entropy(logits, labels)
+        return out
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m trainer_runtime.toy",
+        description="Train a tiny deterministic MLP with preemption-safe checkpoints.",
+    )
+    p.add_argument("--max-steps", type=int, default=40, help="optimizer steps in total")
+    p.add_argument("--save-steps", type=int, default=10, help="periodic checkpoint every K steps")
+    p.add_argument("--save-total-limit", type=int, default=None, help="keep at most L checkpoints")
+    p.add_argument(
+        "--output-dir",
+        default=None,
+        help=f"checkpoint root (any fsspec URL); default ${ENV_OUTPUT_DIR}",
+    )
+    p.add_argument("--seed", type=int, default=42, help="seed of the data, the model and training")
+    p.add_argument("--batch-size", type=int, default=8, help="per-device train batch size")
+    p.add_argument("--num-samples", type=int, default=512, help="size of the synthetic dataset")
+    p.add_argument("--learning-rate", type=float, default=1e-2)
+    p.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    p.add_argument("--logging-steps", type=int, default=5)
+    p.add_argument(
+        "--resume-from",
+        default=None,
+        help="checkpoint path or 'latest' (default: the Trainer reads $PREEMPTIBLE_RESUME_FROM)",
+    )
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of sleep in every step")
+    p.add_argument(
+        "--train-begin-sleep",
+        type=float,
+        default=0.0,
+        help="seconds of sleep after training begins, before the first step",
+    )
+    p.add_argument(
+        "--fail-at-step", type=int, default=None, help="raise a real exception at step N"
+    )
+    p.add_argument(
+        "--save-sleep",
+        type=float,
+        default=0.0,
+        help="seconds each checkpoint file takes to write (slowfile:// filesystem)",
+    )
+    p.add_argument(
+        "--enospc-after-bytes",
+        type=int,
+        default=None,
+        help="fail checkpoint writes with ENOSPC after N bytes (fulldiskfile:// filesystem)",
+    )
+    p.add_argument("--events-file", default=None, help="append one JSON line per event here")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = p.parse_args(argv)
+    for name in ("max_steps", "save_steps", "batch_size", "num_samples", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.save_sleep > 0 and args.enospc_after_bytes is not None:
+        p.error("--save-sleep and --enospc-after-bytes cannot be combined: pick one fault")
+    if args.output_dir is None:
+        args.output_dir = os.environ.get(ENV_OUTPUT_DIR) or None
+    if not args.output_dir:
+        p.error(f"no output dir: pass --output-dir URL or set ${ENV_OUTPUT_DIR}")
+    return args
+
+
+def _fault_url(url: str, protocol: str) -> str:
+    """Route a local output dir through one of the test filesystems."""
+    if "://" in url and not url.startswith("file://"):
+        raise SystemExit(
+            f"--save-sleep/--enospc-after-bytes need a local output dir, got {url!r}: "
+            "pass a plain path or a file:// URL"
+        )
+    path = url.removeprefix("file://")
+    return f"{protocol}://{os.path.abspath(path)}"
+
+
+def _make_callback(args: argparse.Namespace) -> Any:
+    from trainer_runtime.callbacks import TrainerCallback
+
+    events = args.events_file
+
+    class ToyCallback(TrainerCallback):
+        """Progress lines, events for tests, and the injected failure."""
+
+        def on_train_begin(self, targs: Any, state: Any, control: Any, **kw: Any) -> None:
+            testing.append_event(events, "train_begin", step=state.global_step)
+            print(f"[toy] train begin at step {state.global_step}/{state.max_steps}", flush=True)
+            if args.train_begin_sleep > 0:
+                time.sleep(args.train_begin_sleep)
+
+        def on_step_begin(self, targs: Any, state: Any, control: Any, **kw: Any) -> None:
+            step = state.global_step + 1
+            testing.append_event(events, "step_begin", step=step)
+            if args.fail_at_step is not None and step == args.fail_at_step:
+                raise RuntimeError(f"toy: injected failure at step {step} (--fail-at-step)")
+
+        def on_step_end(self, targs: Any, state: Any, control: Any, **kw: Any) -> None:
+            testing.append_event(events, "step_end", step=state.global_step)
+
+        def on_log(self, targs: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            if logs and "loss" in logs:
+                print(
+                    f"[toy] step {state.global_step}/{state.max_steps} loss {logs['loss']:.4f}",
+                    flush=True,
+                )
+
+        def on_save(self, targs: Any, state: Any, control: Any, **kw: Any) -> None:
+            testing.append_event(events, "save", step=state.global_step)
+            print(f"[toy] checkpoint saved at step {state.global_step}", flush=True)
+
+        def on_train_end(self, targs: Any, state: Any, control: Any, **kw: Any) -> None:
+            testing.append_event(events, "train_end", step=state.global_step)
+
+    return ToyCallback()
+
+
+def build_trainer(args: argparse.Namespace) -> Any:
+    """The Trainer the toy runs (also used by the resume benchmark)."""
+    from trainer_runtime.trainer import Trainer
+    from trainer_runtime.training_args import TrainingArguments
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)  # model init
+    model = ToyModel()
+    if args.step_sleep > 0:
+        # Inside the forward pass: a signal sent "mid-step" really lands in a step in flight.
+        delay = args.step_sleep
+        model.register_forward_pre_hook(lambda _m, _a: time.sleep(delay))
+
+    output_dir = args.output_dir
+    if args.save_sleep > 0 or args.enospc_after_bytes is not None or args.events_file:
+        testing.register_test_filesystems()
+        testing.configure_faults(
+            save_sleep=args.save_sleep,
+            enospc_after_bytes=args.enospc_after_bytes,
+            events_file=args.events_file,
+        )
+        if args.enospc_after_bytes is not None:
+            output_dir = _fault_url(output_dir, "fulldiskfile")
+        elif args.save_sleep > 0:
+            output_dir = _fault_url(output_dir, "slowfile")
+
+    targs = TrainingArguments(
+        output_dir=output_dir,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        learning_rate=args.learning_rate,
+        save_strategy="steps",
+        save_steps=args.save_steps,
+        save_total_limit=args.save_total_limit,
+        logging_steps=args.logging_steps,
+        seed=args.seed,
+        enable_jit_checkpoint=True,
+        use_cpu=True,
+        report_to="none",
+    )
+    return Trainer(
+        model=model,
+        args=targs,
+        train_dataset=ToyDataset(args.num_samples, seed=args.seed),
+        callbacks=[_make_callback(args)],
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    trainer = build_trainer(args)
+    print(
+        f"[toy] output_dir={trainer.args.output_dir} max_steps={args.max_steps} "
+        f"save_steps={args.save_steps} seed={args.seed} pid={os.getpid()}",
+        flush=True,
+    )
+    result = trainer.train(resume_from_checkpoint=args.resume_from)
+    state = trainer.state
+    loss = getattr(result, "training_loss", math.nan)
+    if state.global_step < args.max_steps:
+        # Only reachable as a plain library run (no operator env): a JIT stop returns here.
+        print(
+            f"[toy] stopped early at step {state.global_step}/{args.max_steps} "
+            "(preempted; resume with --resume-from latest)",
+            flush=True,
+        )
+        from trainer_runtime.protocol import EXIT_PREEMPTED
+
+        return EXIT_PREEMPTED
+    print(f"[toy] finished at step {state.global_step} training_loss {loss:.4f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
