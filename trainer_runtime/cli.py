@@ -220,7 +220,17 @@ def _add_grace(sub: Any) -> None:
     p.set_defaults(func=_cmd_grace)
 
 
-SUBCOMMANDS: dict[str, Callable[[Any], None]] = {"inspect": _add_inspect, "grace": _add_grace}
+def _add_launch(sub: Any) -> None:
+    from trainer_runtime.launch import add_launch_parser
+
+    add_launch_parser(sub)
+
+
+SUBCOMMANDS: dict[str, Callable[[Any], None]] = {
+    "inspect": _add_inspect,
+    "grace": _add_grace,
+    "launch": _add_launch,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,114 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainer_runtime.callbacks import EVENTS, CallbackHandler, DefaultFlowCallback, TrainerCallback
+from trainer_runtime.protocol import ENV_OUTPUT_DIR, ENV_RESUME_FROM
+from trainer_runtime.state import TrainerControl, TrainerState
+
+from .test_resume import make_trainer
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_OUTPUT_DIR, raising=False)
+    monkeypatch.delenv(ENV_RESUME_FROM, raising=False)
+
+
+class Recorder(TrainerCallback):
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+        self.logs: list[dict[str, float]] = []
+
+
+def _recording(event: str) -> Any:
+    def method(self: Recorder, args: Any, state: TrainerState, control: Any, **kw: Any) -> None:
+        self.events.append((event, state.global_step))
+        if event == "on_log":
+            self.logs.append(kw["logs"])
+
+    return method
+
+
+for _e in EVENTS:
+    setattr(Recorder, _e, _recording(_e))
+
+
+def test_event_order_of_a_run(tmp_path: Path) -> None:
+    rec = Recorder()
+    # 16 samples, bs 4, GA 2: 2 steps per epoch; 1 epoch
+    from .tiny import ClassificationData
+
+    trainer = make_trainer(
+        tmp_path,
+        ClassificationData(n=16),
+        num_train_epochs=1,
+        save_steps=2,
+        logging_steps=2,
+        warmup_steps=0,
+    )
+    trainer.add_callback(rec)
+    trainer.train()
+    names = [e for e, _ in rec.events]
+    step_events = [
+        "on_step_begin",
+        "on_substep_end",
+        "on_pre_optimizer_step",
+        "on_optimizer_step",
+        "on_step_end",
+    ]
+    assert names == [
+        "on_train_begin",
+        "on_epoch_begin",
+        *step_events,
+        *step_events,
+        "on_log",
+        "on_save",
+        "on_epoch_end",
+        "on_train_end",
+    ]
+    assert (
+        rec.logs[0]["loss"] > 0 and "learning_rate" in rec.logs[0] and rec.logs[0]["epoch"] == 1.0
+    )
+    assert trainer.state.log_history[0]["step"] == 2
+
+
+def test_add_pop_remove() -> None:
+    handler = CallbackHandler([DefaultFlowCallback])
+    rec = Recorder()
+    handler.add_callback(rec)
+    handler.add_callback(Recorder)
+    assert handler.callback_list.splitlines() == ["DefaultFlowCallback", "Recorder", "Recorder"]
+    assert handler.pop_callback(rec) is rec
+    popped = handler.pop_callback(Recorder)
+    assert isinstance(popped, Recorder) and popped is not rec
+    handler.add_callback(rec)
+    handler.remove_callback(Recorder)
+    assert handler.callback_list == "DefaultFlowCallback"
+    assert handler.pop_callback(Recorder) is None
+
+
+def test_callback_can_replace_control() -> None:
+    class Replace(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> TrainerControl:
+            return TrainerControl(should_training_stop=True)
+
+    handler = CallbackHandler([Replace()])
+    control = handler.on_step_end(None, TrainerState(), TrainerControl())
+    assert control.should_training_stop
+
+
+def test_callback_can_stop_training(tmp_path: Path) -> None:
+    class Stop(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step == 2:
+                control.should_training_stop = True
+
+    trainer = make_trainer(tmp_path, save_strategy="no")
+    trainer.add_callback(Stop)
+    out = trainer.train()
+    assert out.global_step == 2
+    assert not list(tmp_path.iterdir())  # save_strategy="no": nothing written

@@ -1,0 +1,94 @@
+"""The SIGTERM latch: records the first SIGTERM only; decisions use an injected clock."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from trainer_runtime.protocol import ENV_GRACE_SECONDS, ENV_KILL_WAIT_SECONDS
+from trainer_runtime.signals import SigtermLatch
+
+
+class FakeClock:
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_kill_wait_then_act() -> None:
+    clock = FakeClock()
+    latch = SigtermLatch(kill_wait=3.0, grace_seconds=30.0, clock=clock)
+    assert not latch.triggered and not latch.should_act()
+    assert latch.elapsed() is None and latch.seconds_left() is None
+    latch.trigger()
+    assert latch.triggered and not latch.should_act()
+    clock.now += 2.999
+    assert not latch.should_act()
+    clock.now += 0.001
+    assert latch.should_act()
+    assert latch.elapsed() == pytest.approx(3.0)
+    assert latch.seconds_left() == pytest.approx(27.0)
+
+
+def test_second_sigterm_never_resets() -> None:
+    clock = FakeClock()
+    latch = SigtermLatch(kill_wait=3.0, clock=clock)
+    latch.trigger()
+    clock.now += 2.0
+    latch.trigger()
+    clock.now += 1.0
+    assert latch.count == 2
+    assert latch.elapsed() == pytest.approx(3.0)
+    assert latch.should_act()
+
+
+@pytest.mark.parametrize(
+    ("env", "kill_wait", "grace"),
+    [
+        ({}, 3.0, None),
+        ({ENV_KILL_WAIT_SECONDS: "0.5", ENV_GRACE_SECONDS: "60"}, 0.5, 60.0),
+        ({ENV_KILL_WAIT_SECONDS: "soon", ENV_GRACE_SECONDS: "-1"}, 3.0, None),
+    ],
+)
+def test_settings_from_env(
+    monkeypatch: pytest.MonkeyPatch, env: dict, kill_wait: float, grace: float | None
+) -> None:
+    for name in (ENV_KILL_WAIT_SECONDS, ENV_GRACE_SECONDS):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    latch = SigtermLatch()
+    assert latch.kill_wait == kill_wait
+    assert latch.grace_seconds == grace
+
+
+def test_real_sigterm_sets_latch_and_handler_is_restored() -> None:
+    seen: list[int] = []
+
+    def previous(signum: int, frame: object) -> None:
+        seen.append(signum)
+
+    old = signal.signal(signal.SIGTERM, previous)
+    try:
+        latch = SigtermLatch(kill_wait=0.0)
+        with latch:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+            # The handler runs at the next bytecode boundary of the main thread.
+            for _ in range(1000):
+                if latch.count == 2:
+                    break
+            assert latch.triggered and latch.count == 2 and latch.should_act()
+        assert signal.getsignal(signal.SIGTERM) is previous
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):
+            if seen:
+                break
+        assert seen == [signal.SIGTERM]
+        assert latch.count == 2
+    finally:
+        signal.signal(signal.SIGTERM, old)

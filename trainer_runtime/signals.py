@@ -1,0 +1,143 @@
+"""The SIGTERM latch: the signal handler only records when the first SIGTERM arrived.
+
+All decisions (wait ``kill_wait``, finish the optimizer step in flight, save, exit) are taken by the
+training loop at step boundaries, never inside the handler: a handler that saved or raised could
+interrupt a collective or a half-written file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from trainer_runtime.protocol import (
+    DEFAULT_KILL_WAIT_SECONDS,
+    ENV_GRACE_SECONDS,
+    ENV_KILL_WAIT_SECONDS,
+)
+
+__all__ = ["SigtermLatch", "grace_seconds_from_env", "kill_wait_from_env"]
+
+logger = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+def _float_env(name: str, default: float | None) -> float | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        logger.warning("ignoring %s=%r: not a number (using %s)", name, raw, default)
+        return default
+    if value < 0:
+        logger.warning("ignoring %s=%r: negative (using %s)", name, raw, default)
+        return default
+    return value
+
+
+def kill_wait_from_env() -> float:
+    """Seconds to wait after SIGTERM before acting: $PREEMPTIBLE_KILL_WAIT_SECONDS, default 3."""
+    value = _float_env(ENV_KILL_WAIT_SECONDS, DEFAULT_KILL_WAIT_SECONDS)
+    assert value is not None
+    return value
+
+
+def grace_seconds_from_env() -> float | None:
+    """This pod's grace period ($PREEMPTIBLE_GRACE_SECONDS), the deadline after SIGTERM; or None."""
+    return _float_env(ENV_GRACE_SECONDS, None)
+
+
+class SigtermLatch:
+    """Records the monotonic time of the first SIGTERM; later signals never reset it.
+
+    ``clock`` is injectable so the decision logic is testable without sleeping. ``install`` chains
+    to the previous handler's bookkeeping only by restoring it on ``uninstall`` (the previous
+    handler is not called: the default one would kill the process).
+    """
+
+    def __init__(
+        self,
+        kill_wait: float | None = None,
+        grace_seconds: float | None = None,
+        clock: Clock = time.monotonic,
+        signum: int = signal.SIGTERM,
+    ) -> None:
+        self.kill_wait = kill_wait_from_env() if kill_wait is None else float(kill_wait)
+        self.grace_seconds = grace_seconds_from_env() if grace_seconds is None else grace_seconds
+        self.clock = clock
+        self.signum = signum
+        self.received_at: float | None = None
+        self.count = 0
+        self._previous: Any = None
+        self._installed = False
+
+    # -- signal plumbing
+    def install(self) -> bool:
+        """Install the handler; False (and no handler) when not in the main thread."""
+        if self._installed:
+            return True
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("SIGTERM handler not installed: train() is not in the main thread")
+            return False
+        self._previous = signal.signal(self.signum, self._handle)
+        self._installed = True
+        return True
+
+    def uninstall(self) -> None:
+        """Restore the handler that was in place before ``install``."""
+        if not self._installed:
+            return
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(
+                self.signum, self._previous if self._previous is not None else signal.SIG_DFL
+            )
+        self._installed = False
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # Keep the handler trivial: record, nothing else (no I/O, no locks).
+        self.trigger()
+
+    # -- state
+    def trigger(self) -> None:
+        """Record a SIGTERM (what the handler does; tests call it directly)."""
+        self.count += 1
+        if self.received_at is None:
+            self.received_at = self.clock()
+
+    @property
+    def triggered(self) -> bool:
+        return self.received_at is not None
+
+    def elapsed(self) -> float | None:
+        """Seconds since the first SIGTERM, or None."""
+        if self.received_at is None:
+            return None
+        return self.clock() - self.received_at
+
+    def should_act(self) -> bool:
+        """True once a SIGTERM arrived and ``kill_wait`` seconds have passed since."""
+        elapsed = self.elapsed()
+        return elapsed is not None and elapsed >= self.kill_wait
+
+    def seconds_left(self) -> float | None:
+        """Seconds until the grace deadline (negative when past it); None without a deadline."""
+        elapsed = self.elapsed()
+        if elapsed is None or self.grace_seconds is None:
+            return None
+        return self.grace_seconds - elapsed
+
+    def __enter__(self) -> SigtermLatch:
+        self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()

@@ -1,0 +1,1006 @@
+"""The Trainer: a Hugging Face style training loop that survives preemption.
+
+Reading order: ``train`` -> ``_train`` (``while not should_stop(): train_step()``) ->
+``train_step`` (one optimizer step over the gradient-accumulation micro-batches) ->
+``training_step`` (one micro-batch: forward, loss, backward). Checkpoints go through
+checkpoint_io's writer/reader; SIGTERM only sets a latch (signals.py) which the loop reads at
+step boundaries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import logging
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from trainer_runtime import distributed, losses
+from trainer_runtime.callbacks import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    TrainerCallback,
+)
+from trainer_runtime.checkpoint_io import CheckpointReader, CheckpointWriter, rotate_checkpoints
+from trainer_runtime.checkpoints import (
+    TRAINER_STATE_NAME,
+    CheckpointInfo,
+    CheckpointStore,
+    attempt_from_env,
+)
+from trainer_runtime.data import default_data_collator
+from trainer_runtime.data_args import build_train_dataloader, is_iterable_dataset, set_dataset_epoch
+from trainer_runtime.errors import ConfigurationError, ResumeError
+from trainer_runtime.metrics import TrainingMetrics, metrics_from_env
+from trainer_runtime.neftune import enable_neftune
+from trainer_runtime.optim import create_optimizer, create_scheduler
+from trainer_runtime.protocol import (
+    ENV_ATTEMPT,
+    ENV_OUTPUT_DIR,
+    ENV_RESUME_FROM,
+    EXIT_PREEMPTED,
+    TerminationMessage,
+    write_termination_message,
+)
+from trainer_runtime.rng import capture_rng_state, restore_rng_state
+from trainer_runtime.samplers import ResumableBatchSampler
+from trainer_runtime.signals import SigtermLatch
+from trainer_runtime.state import PREEMPTIBLE_KEY, TrainerControl, TrainerState
+from trainer_runtime.storage import Storage
+from trainer_runtime.timings import SaveTimer, StepTimer
+from trainer_runtime.trainer_utils import TrainOutput, set_seed
+from trainer_runtime.training_args import TrainingArguments
+
+__all__ = ["Trainer"]
+
+logger = logging.getLogger(__name__)
+
+# Checkpoint file names (Hugging Face names where they exist; safetensors/JSON instead of pickles).
+MODEL_NAME = "model.safetensors"
+OPTIMIZER_NAME = "optimizer.safetensors"
+SCHEDULER_NAME = "scheduler.json"
+TRAINING_ARGS_NAME = "training_args.json"
+_ALIASES_KEY = "preemptible.aliases"
+
+
+def under_operator() -> bool:
+    """The operator's environment contract is present: exit codes and termination messages apply."""
+    return bool(os.environ.get(ENV_OUTPUT_DIR) or os.environ.get(ENV_ATTEMPT))
+
+
+def rng_file_name(rank: int, world_size: int) -> str:
+    return "rng_state.safetensors" if world_size == 1 else f"rng_state_{rank}.safetensors"
+
+
+def _to_device(data: Any, device: torch.device) -> Any:
+    if isinstance(data, torch.Tensor):
+        return data.to(device, non_blocking=True)
+    if isinstance(data, Mapping):
+        return type(data)({k: _to_device(v, device) for k, v in data.items()})  # type: ignore[call-arg]
+    if isinstance(data, (list, tuple)):
+        return type(data)(_to_device(v, device) for v in data)
+    return data
+
+
+def model_state_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The state_dict as CPU tensors, tied (storage-sharing) entries stored once.
+
+    safetensors refuses shared storage; the dropped names are kept in the metadata as aliases.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    for name, tensor in model.state_dict().items():
+        key = (
+            tensor.device,
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+        )
+        if tensor.numel() > 0 and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = tensor.detach().to("cpu").contiguous()
+    return tensors, {_ALIASES_KEY: json.dumps(aliases)} if aliases else {}
+
+
+def load_model_state(
+    model: nn.Module, tensors: dict[str, torch.Tensor], meta: dict[str, str]
+) -> None:
+    state = dict(tensors)
+    for alias, target in json.loads(meta.get(_ALIASES_KEY, "{}")).items():
+        state[alias] = state[target]
+    model.load_state_dict(state, strict=True)
+
+
+class _DataPosition:
+    """Where the loop is in the data: epoch and micro-batches consumed in it."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.batch = 0
+
+    def to_dict(self, kind: str) -> dict[str, Any]:
+        return {"kind": kind, "epoch": self.epoch, "batch": self.batch}
+
+
+class Trainer:
+    """Train a ``torch.nn.Module`` whose forward returns the loss first (a mapping with ``loss`` or
+    a tuple), on a map-style or iterable dataset of examples, with resumable checkpoints and
+    just-in-time checkpointing on SIGTERM.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        args: TrainingArguments | None = None,
+        data_collator: Callable[[list[Any]], Any] | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        compute_loss_func: Callable[..., torch.Tensor] | None = None,
+        compute_metrics: Callable[..., dict[str, float]] | None = None,
+        callbacks: list[TrainerCallback | type[TrainerCallback]] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
+    ) -> None:
+        if model is None:
+            raise ConfigurationError("Trainer requires a model: pass model=<torch.nn.Module>")
+        self.args = args if args is not None else TrainingArguments()
+        set_seed(self.args.seed, deterministic=self.args.full_determinism)
+        self.accelerator = Accelerator(cpu=self.args.use_cpu)
+        self.model = model.to(self.accelerator.device)
+        self.model_wrapped: nn.Module = self.model
+        self.data_collator = data_collator or default_data_collator
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.processing_class = processing_class
+        self.compute_loss_func = compute_loss_func
+        self.compute_metrics = compute_metrics
+        self.optimizer, self.lr_scheduler = optimizers
+        self.state = TrainerState(
+            is_local_process_zero=self.accelerator.is_local_main_process,
+            is_world_process_zero=self.accelerator.is_main_process,
+        )
+        self.control = TrainerControl()
+        self.callback_handler = CallbackHandler(
+            [DefaultFlowCallback, *(callbacks or [])],
+            model=self.model,
+            processing_class=processing_class,
+        )
+        self.label_names = list(self.args.label_names or ["labels"])
+        self.step_timer = StepTimer()
+        self.save_timer = SaveTimer()
+        self.sigterm_to_exit: list[float] = []
+        # Tests may set it (e.g. with an injected clock) before calling train().
+        self.sigterm_latch: SigtermLatch | None = None
+        self._latch_used = False
+        self.metrics: TrainingMetrics | None = None
+        self.train_dataloader: DataLoader | None = None
+        self.train_sampler: ResumableBatchSampler | None = None
+        self.last_checkpoint: CheckpointInfo | None = None
+        self.preempted = False
+        self._position = _DataPosition()
+        self._data_iter: Iterator[Any] | None = None
+        self._num_batches: int | None = None  # micro-batches per epoch (map-style only)
+        # running loss sums: of this train() call, and since the last log entry
+        self._loss_total, self._steps_total = 0.0, 0
+        self._loss_since_log, self._steps_since_log = 0.0, 0
+        self._last_grad_norm: float | None = None
+        self._accepts_loss_kwargs: bool | None = None
+        # keyword arguments the forward accepts; None: any (**kwargs); computed on first use
+        self._forward_keys: frozenset[str] | None = None
+        self._forward_keys_known = False
+        self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+
+    # -- callbacks ---------------------------------------------------------------------------------
+    def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(
+        self, callback: TrainerCallback | type[TrainerCallback]
+    ) -> TrainerCallback | None:
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        self.callback_handler.remove_callback(callback)
+
+    def _event(self, name: str, **kwargs: Any) -> None:
+        self.control = getattr(self.callback_handler, name)(
+            self.args, self.state, self.control, **kwargs
+        )
+
+    # -- public entry point ------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: bool | str | None = None, **kwargs: Any) -> TrainOutput:
+        """Train; resume from ``resume_from_checkpoint`` (True: newest complete checkpoint of
+        output_dir; a path; None: $PREEMPTIBLE_RESUME_FROM; False: never).
+
+        Under the operator's environment, a JIT stop ends the process with EXIT_PREEMPTED after
+        writing the termination message; as a plain library it returns with
+        ``control.should_training_stop`` set and ``trainer.preempted`` True.
+        """
+        if kwargs:
+            raise ConfigurationError(f"train() got unexpected arguments {sorted(kwargs)}")
+        operator = under_operator()
+        if self.sigterm_latch is None or self._latch_used:
+            # A fresh latch per run: a SIGTERM that stopped an earlier train() call is spent.
+            self.sigterm_latch = SigtermLatch()
+        latch = self.sigterm_latch
+        self._latch_used = True
+        # Installed before the checkpoint is loaded: a SIGTERM during a slow resume is latched
+        # (and answered with a checkpoint) instead of killing the process.
+        if self.args.enable_jit_checkpoint:
+            latch.install()
+        keep_handler = False
+        try:
+            checkpoint = self._resolve_resume(resume_from_checkpoint)
+            output = self._train(checkpoint)
+            if operator and self.preempted:
+                # None on a rank that did not itself receive the SIGTERM (another rank did)
+                elapsed = latch.elapsed()
+                self._write_termination("preempted", sigterm_to_exit=elapsed)
+                logger.warning(
+                    "preempted: checkpoint %s written, exiting with %d%s",
+                    self.last_checkpoint.path if self.last_checkpoint else None,
+                    EXIT_PREEMPTED,
+                    f" {elapsed:.2f} s after SIGTERM" if elapsed is not None else "",
+                )
+                # Keep ignoring SIGTERM while the interpreter shuts down: a second SIGTERM must
+                # not turn exit code 75 into death by signal.
+                keep_handler = True
+                raise SystemExit(EXIT_PREEMPTED)
+            if operator:
+                self._write_termination("completed")
+            return output
+        except BaseException as exc:
+            if operator and not isinstance(exc, SystemExit | KeyboardInterrupt):
+                self._write_termination("failed", message=f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            if not keep_handler:
+                latch.uninstall()
+
+    # -- resume resolution -------------------------------------------------------------------------
+    def _resolve_resume(self, resume: bool | str | None) -> CheckpointInfo | None:
+        from_env = False
+        if resume is None:
+            raw = os.environ.get(ENV_RESUME_FROM, "").strip()
+            if not raw:
+                return None
+            from_env = True
+            resume = True if raw.lower() == "latest" else raw
+        if resume is False:
+            return None
+        output_dir = str(self.args.output_dir)
+        if resume is True:
+            store = CheckpointStore(output_dir)
+            for info in store.incomplete():
+                logger.warning("skipping incomplete checkpoint %s: %s", info.path, info.reason)
+            latest = store.latest_complete()
+            if latest is None:
+                if from_env:
+                    logger.info(
+                        "%s=latest but %s has no complete checkpoint: starting from scratch",
+                        ENV_RESUME_FROM,
+                        output_dir,
+                    )
+                    return None
+                raise ResumeError(
+                    f"resume_from_checkpoint=True but {output_dir} has no complete checkpoint; "
+                    "train without resume_from_checkpoint or pass a checkpoint path"
+                )
+            logger.info("resuming from the newest complete checkpoint %s", latest.path)
+            return latest
+        path = str(resume)
+        info = CheckpointStore(output_dir).inspect(path)
+        if not info.complete:
+            raise ResumeError(
+                f"cannot resume from {path}: {info.reason or 'checkpoint incomplete'}"
+            )
+        return info
+
+    # -- setup -------------------------------------------------------------------------------------
+    def _is_iterable(self) -> bool:
+        return is_iterable_dataset(self.train_dataset)
+
+    def _data_seed(self) -> int:
+        return self.args.data_seed if self.args.data_seed is not None else self.args.seed
+
+    def _model_input_name(self) -> str | None:
+        names = getattr(self.processing_class, "model_input_names", None)
+        return names[0] if names else None
+
+    def get_train_dataloader(self) -> DataLoader:
+        """The training DataLoader (data_args.build_train_dataloader): map-style datasets are driven
+        by the resumable batch sampler of ``train_sampling_strategy``, sharded over ranks."""
+        if self.train_dataset is None:
+            raise ConfigurationError("Trainer.train() requires a train_dataset")
+        if self._is_iterable() and distributed.is_distributed():
+            logger.warning(
+                "iterable dataset with %d ranks: each rank iterates the dataset as given; "
+                "shard it per rank (torch.distributed.get_rank()) to avoid duplicates",
+                distributed.world_size(),
+            )
+        # The DataLoader gets a private generator (data_seed): it draws its base seed from it, not
+        # from the global torch RNG, so creating an iterator mid-epoch on resume does not shift
+        # the global RNG.
+        loader = build_train_dataloader(
+            self.train_dataset,
+            self.args,
+            collate_fn=self.data_collator,
+            seed=self._data_seed(),
+            gradient_accumulation_steps=self.args.gradient_accumulation_steps,
+            num_replicas=distributed.world_size(),
+            rank=distributed.rank(),
+            max_steps=self.args.max_steps,
+            model_input_name=self._model_input_name(),
+        )
+        sampler = loader.batch_sampler
+        self.train_sampler = sampler if isinstance(sampler, ResumableBatchSampler) else None
+        return loader
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        if self.optimizer is None:
+            self.optimizer = create_optimizer(self.model, self.args)
+        if self.lr_scheduler is None:
+            self.lr_scheduler = create_scheduler(self.optimizer, self.args, num_training_steps)
+
+    def _plan_steps(self) -> tuple[int, int]:
+        """(max_steps, num_train_epochs) of the run."""
+        args = self.args
+        if self._is_iterable():
+            if args.max_steps <= 0:
+                raise ConfigurationError(
+                    f"max_steps={args.max_steps} with an iterable train_dataset: its length is "
+                    "unknown, so set max_steps to the number of optimizer steps to train"
+                )
+            return args.max_steps, math.ceil(args.num_train_epochs)
+        assert self.train_sampler is not None
+        self._num_batches = len(self.train_sampler)
+        if self._num_batches == 0:
+            raise ConfigurationError(
+                f"the train_dataset yields no batch (size {len(self.train_dataset)}, "  # type: ignore[arg-type]
+                f"per_device_train_batch_size={args.per_device_train_batch_size}, "
+                f"dataloader_drop_last={args.dataloader_drop_last})"
+            )
+        steps_per_epoch = math.ceil(self._num_batches / args.gradient_accumulation_steps)
+        if args.max_steps > 0:
+            max_steps = args.max_steps
+        else:
+            max_steps = max(1, math.ceil(args.num_train_epochs * steps_per_epoch))
+        return max_steps, math.ceil(max_steps / steps_per_epoch)
+
+    def _setup(self, checkpoint: CheckpointInfo | None) -> None:
+        args = self.args
+        self.train_dataloader = self.get_train_dataloader()
+        max_steps, num_epochs = self._plan_steps()
+        self.create_optimizer_and_scheduler(max_steps)
+        self.model_wrapped = self.accelerator.prepare_model(self.model)
+        self.callback_handler.objects.update(
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            train_dataloader=self.train_dataloader,
+        )
+        self.state = TrainerState(
+            max_steps=max_steps,
+            num_train_epochs=num_epochs,
+            train_batch_size=args.per_device_train_batch_size,
+            logging_steps=args.steps_from_ratio(args.logging_steps, max_steps),
+            save_steps=args.steps_from_ratio(args.save_steps, max_steps),
+            is_local_process_zero=self.accelerator.is_local_main_process,
+            is_world_process_zero=self.accelerator.is_main_process,
+        )
+        self.control = TrainerControl()
+        self._position = _DataPosition()
+        self.last_checkpoint = None
+        if checkpoint is not None:
+            self._load_checkpoint(checkpoint)
+        self.state.preemptible["attempt"] = attempt_from_env()
+        if self.state.global_step >= self.state.max_steps:
+            # Resumed from the final checkpoint (e.g. preempted right after it): nothing to do.
+            logger.info(
+                "step %d already reaches max_steps=%d: nothing to train",
+                self.state.global_step,
+                self.state.max_steps,
+            )
+            self.control.should_training_stop = True
+        self._start_epoch_iterator(skip=self._position.batch)
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def _train(self, checkpoint: CheckpointInfo | None) -> TrainOutput:
+        self._setup(checkpoint)
+        self.preempted = False
+        self.metrics = self.metrics or metrics_from_env()
+        self._publish_metrics()
+        started = time.perf_counter()
+        try:
+            # NEFTune noise only while training; the hook goes on every exit path.
+            with enable_neftune(self.model, self.args.neftune_noise_alpha):
+                self._event("on_train_begin")
+                self._event("on_epoch_begin")
+                while not self.should_stop():
+                    self.train_step()
+                    self._after_step()
+            self._event("on_train_end")
+        finally:
+            if self.metrics is not None:
+                self.metrics.close()
+                self.metrics = None
+        return self._train_output(time.perf_counter() - started)
+
+    def should_stop(self) -> bool:
+        """Stop when done, when a callback asks, or (all ranks agreeing) after a SIGTERM."""
+        # should_training_stop is the same on every rank (it follows the step count), so skipping
+        # the collective below when it is set keeps the ranks in step. A finished run is
+        # "completed" even if a SIGTERM arrived during its last step.
+        if self.control.should_training_stop:
+            return True
+        if not self.args.enable_jit_checkpoint:
+            return False
+        wants_jit = bool(self.sigterm_latch and self.sigterm_latch.should_act())
+        # Every rank takes part in the collective every step, so they stop at the same step.
+        if distributed.agree_to_stop(wants_jit):
+            self._stop_for_preemption()
+            return True
+        return False
+
+    def train_step(self) -> None:
+        """One optimizer step over up to gradient_accumulation_steps micro-batches."""
+        started = time.perf_counter()
+        self.control._new_step()
+        batches = self._next_micro_batches()
+        num_items = losses.count_items_in_batch(
+            batches,
+            shift_labels=losses.is_causal_lm(self.model),
+            label_name=self.label_names[0],
+            across_ranks=self.args.average_tokens_across_devices and distributed.is_distributed(),
+        )
+        self._event("on_step_begin")
+        self.model_wrapped.train()
+        step_loss = torch.zeros((), device=self.accelerator.device)
+        for i, batch in enumerate(batches):
+            last = i == len(batches) - 1
+            # Gradients are all-reduced once per optimizer step, on the last micro-batch.
+            sync = (
+                contextlib.nullcontext() if last else self.accelerator.no_sync(self.model_wrapped)
+            )
+            with sync:
+                step_loss += self.training_step(
+                    self.model_wrapped, batch, num_items, num_micro_batches=len(batches)
+                )
+            if not last:
+                self._event("on_substep_end")
+        self._event("on_pre_optimizer_step")
+        if self.args.max_grad_norm > 0:
+            norm = self.accelerator.clip_grad_norm_(
+                self.model.parameters(), self.args.max_grad_norm
+            )
+            self._last_grad_norm = float(norm)
+        assert self.optimizer is not None and self.lr_scheduler is not None
+        self.optimizer.step()
+        self._event("on_optimizer_step")
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.global_step += 1
+        # One host sync per step: the measured step time then includes the device work, which
+        # is what the grace period must cover.
+        loss_value = float(step_loss.item())
+        self._loss_total += loss_value
+        self._steps_total += 1
+        self._loss_since_log += loss_value
+        self._steps_since_log += 1
+        self.step_timer.record(time.perf_counter() - started)
+        self._update_epoch_float()
+        self._event("on_step_end")
+
+    def training_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        num_items_in_batch: int | None = None,
+        num_micro_batches: int = 1,
+    ) -> torch.Tensor:
+        """Forward, loss scaled to its share of the optimizer step, backward; returns the loss."""
+        inputs = self._prepare_inputs(inputs)
+        loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        assert isinstance(loss, torch.Tensor)
+        scaled = losses.loss_is_scaled(
+            None,
+            model_accepts_loss_kwargs=self._model_accepts_loss_kwargs(),
+            has_compute_loss_func=self.compute_loss_func is not None,
+            num_items_in_batch=num_items_in_batch,
+        )
+        if not scaled:
+            loss = self._scale_mean_loss(inputs, loss, num_items_in_batch, num_micro_batches)
+        self.accelerator.backward(loss)
+        return loss.detach()
+
+    def _scale_mean_loss(
+        self,
+        inputs: Mapping[str, Any],
+        loss: torch.Tensor,
+        num_items: int | None,
+        num_micro_batches: int,
+    ) -> torch.Tensor:
+        """Turn a per-micro-batch mean loss into its exact share of the accumulated batch.
+
+        A model that does not take ``num_items_in_batch`` returns the mean over its own label
+        tokens; weighting it by (tokens here / tokens in the step) makes the sum over micro-batches
+        the mean over the whole step. Without labels, the micro-batches are averaged.
+        """
+        if num_items:
+            local = losses.count_items_in_batch(
+                [inputs],
+                shift_labels=losses.is_causal_lm(self.model),
+                label_name=self.label_names[0],
+            )
+            if local is not None:
+                if local == 0:
+                    # A mean over zero tokens is NaN; this micro-batch carries no signal.
+                    return loss.nan_to_num(0.0) * 0.0
+                weight = local / num_items
+                if self.args.average_tokens_across_devices and distributed.is_distributed():
+                    weight *= distributed.world_size()
+                return loss * weight
+        return loss / num_micro_batches
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """The loss of one micro-batch (Hugging Face semantics, see losses.compute_loss)."""
+        loss, outputs = losses.compute_loss(
+            model,
+            inputs,
+            num_items_in_batch=num_items_in_batch,
+            compute_loss_func=self.compute_loss_func,
+            label_names=self.label_names,
+            accepts_loss_kwargs=self._model_accepts_loss_kwargs(),
+            world_size=distributed.world_size(),
+            average_tokens_across_devices=self.args.average_tokens_across_devices,
+        )
+        return (loss, outputs) if return_outputs else loss
+
+    def _prepare_inputs(self, inputs: Any) -> Any:
+        if not isinstance(inputs, Mapping):
+            raise TypeError(
+                f"a batch must be a mapping of model inputs, got {type(inputs).__name__}; "
+                "return dicts from the dataset or the data_collator"
+            )
+        inputs = dict(inputs)
+        if self.args.remove_unused_columns:
+            inputs = self._remove_unused(inputs)
+        return _to_device(inputs, self.accelerator.device)
+
+    def _model_accepts_loss_kwargs(self) -> bool:
+        if self._accepts_loss_kwargs is None:
+            self._accepts_loss_kwargs = losses.model_accepts_loss_kwargs(self.model)
+        return self._accepts_loss_kwargs
+
+    def _remove_unused(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        if not self._forward_keys_known:
+            self._forward_keys_known = True
+            try:
+                params = inspect.signature(self.model.forward).parameters
+            except (TypeError, ValueError):
+                params = None
+            if params is not None and not any(
+                p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+            ):
+                keep = set(params)
+                if self.compute_loss_func is not None:
+                    keep |= set(self.label_names)  # popped before the forward pass
+                self._forward_keys = frozenset(keep)
+        if self._forward_keys is None:
+            return inputs
+        return {k: v for k, v in inputs.items() if k in self._forward_keys}
+
+    # -- data --------------------------------------------------------------------------------------
+    def _start_epoch_iterator(self, skip: int = 0) -> None:
+        """Iterator over the current epoch, positioned ``skip`` micro-batches in."""
+        assert self.train_dataloader is not None
+        epoch = self._position.epoch
+        if self.train_sampler is not None:
+            self.train_sampler.load_state_dict({"epoch": epoch, "start": skip})
+            self._data_iter = iter(self.train_dataloader)
+            return
+        set_dataset_epoch(self.train_dataset, epoch, self._data_seed())
+        self._data_iter = iter(self.train_dataloader)
+        if skip:
+            logger.warning(
+                "skipping %d batches of the iterable dataset to restore the data position; this "
+                "iterates (and collates) them and may be slow (set ignore_data_skip=True to start "
+                "the epoch over instead)",
+                skip,
+            )
+            for _ in range(skip):
+                next(self._data_iter)
+
+    def _epoch_exhausted(self) -> bool:
+        return self._num_batches is not None and self._position.batch >= self._num_batches
+
+    def _next_micro_batches(self) -> list[Any]:
+        """Up to gradient_accumulation_steps micro-batches; never spans two epochs."""
+        assert self._data_iter is not None
+        batches: list[Any] = []
+        while len(batches) < self.args.gradient_accumulation_steps:
+            if self._epoch_exhausted():
+                break
+            try:
+                batch = next(self._data_iter)
+            except StopIteration:
+                if not batches and self._position.batch == 0:
+                    raise ConfigurationError(
+                        "the iterable train_dataset yielded no batch in epoch "
+                        f"{self._position.epoch}"
+                    ) from None
+                self._num_batches_seen_end()
+                if batches:
+                    break
+                # An iterable dataset ran out at a step boundary: next epoch, keep going.
+                self._end_epoch()
+                continue
+            batches.append(batch)
+            self._position.batch += 1
+        if not batches:
+            raise RuntimeError("the train dataloader produced no batch for an optimizer step")
+        return batches
+
+    def _num_batches_seen_end(self) -> None:
+        # For iterable datasets the epoch length is only known once it ends.
+        if self.train_sampler is None:
+            self._num_batches = self._position.batch
+
+    def _end_epoch(self) -> None:
+        """on_epoch_end (epoch strategies log/save here), then move to the next epoch's data."""
+        self._update_epoch_float()
+        self._event("on_epoch_end")
+        self._log_and_save()
+        if self.control.should_training_stop:
+            return
+        self._position.epoch += 1
+        self._position.batch = 0
+        if self.train_sampler is None:
+            self._num_batches = None
+        self._start_epoch_iterator()
+        self.control._new_epoch()
+        self._event("on_epoch_begin")
+
+    def _update_epoch_float(self) -> None:
+        if self._num_batches:
+            self.state.epoch = self._position.epoch + self._position.batch / self._num_batches
+        else:
+            self.state.epoch = float(self._position.epoch)
+
+    def _after_step(self) -> None:
+        """Log and save as the callbacks decided; close the epoch when its data is used up."""
+        self._log_and_save()
+        if self._epoch_exhausted() or self.control.should_epoch_stop:
+            self._end_epoch()
+
+    def _log_and_save(self) -> None:
+        if self.control.should_log:
+            self._log_training()
+        if self.control.should_save:
+            self.save_checkpoint()
+        self.control.should_log = False
+        self.control.should_save = False
+        self._publish_metrics()
+
+    def _log_training(self) -> None:
+        if not self._steps_since_log:
+            return
+        assert self.lr_scheduler is not None
+        logs: dict[str, float] = {
+            "loss": self._loss_since_log / self._steps_since_log,
+            "learning_rate": float(self.lr_scheduler.get_last_lr()[0]),
+            "epoch": float(self.state.epoch or 0.0),
+        }
+        if self._last_grad_norm is not None:
+            logs["grad_norm"] = self._last_grad_norm
+        self._loss_since_log, self._steps_since_log = 0.0, 0
+        self.log(logs)
+
+    def log(self, logs: dict[str, float]) -> None:
+        """Append ``logs`` (plus the step) to state.log_history and call on_log."""
+        if self.state.epoch is not None and "epoch" not in logs:
+            logs = {**logs, "epoch": float(self.state.epoch)}
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self._event("on_log", logs=logs)
+
+    def _train_output(self, runtime: float) -> TrainOutput:
+        steps = self._steps_total
+        train_loss = self._loss_total / steps if steps else 0.0
+        metrics = {
+            "train_runtime": round(runtime, 4),
+            "train_steps_per_second": round(steps / runtime, 3) if runtime > 0 else 0.0,
+            "train_loss": train_loss,
+            "epoch": float(self.state.epoch or 0.0),
+        }
+        self.state.log_history.append({**metrics, "step": self.state.global_step})
+        self._loss_total, self._steps_total = 0.0, 0
+        self._loss_since_log, self._steps_since_log = 0.0, 0
+        return TrainOutput(self.state.global_step, train_loss, metrics)
+
+    # -- JIT ---------------------------------------------------------------------------------------
+    def _stop_for_preemption(self) -> None:
+        latch = self.sigterm_latch
+        assert latch is not None
+        if latch.triggered:
+            logger.warning(
+                "SIGTERM received %.2f s ago: stopping at step %d to write a checkpoint",
+                latch.elapsed() or 0.0,
+                self.state.global_step,
+            )
+        else:
+            logger.warning(
+                "another rank received SIGTERM: stopping at step %d to write a checkpoint",
+                self.state.global_step,
+            )
+        left = latch.seconds_left()
+        if left is not None and self.save_timer.max is not None and left < self.save_timer.max:
+            logger.error(
+                "GRACE PERIOD TOO SHORT: %.2f s left before the deadline, the longest save took "
+                "%.2f s; the checkpoint of step %d may not finish (raise the grace period)",
+                left,
+                self.save_timer.max,
+                self.state.global_step,
+            )
+        self.save_checkpoint(jit=True)
+        left = latch.seconds_left()
+        if left is not None and left < 0:
+            logger.error(
+                "GRACE PERIOD EXCEEDED: the JIT checkpoint finished %.2f s after SIGTERM, %.2f s "
+                "past the %.0f s grace period; on Kubernetes the pod would have been killed",
+                latch.elapsed() or 0.0,
+                -left,
+                latch.grace_seconds or 0.0,
+            )
+        self.preempted = True
+        self.control.should_training_stop = True
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def _preemptible_record(self, jit: bool) -> dict[str, Any]:
+        sigterm = list(self.sigterm_to_exit)
+        if jit and self.sigterm_latch is not None and self.sigterm_latch.elapsed() is not None:
+            # Measured when trainer_state.json is written, the last file before the commit.
+            sigterm.append(round(self.sigterm_latch.elapsed() or 0.0, 6))
+        kind = "iterable" if self.train_sampler is None else "map"
+        position = {**self._position.to_dict(kind), **self._data_layout()}
+        return {
+            **self.state.preemptible,
+            "step_seconds": self.step_timer.to_model().model_dump(),
+            "save_seconds": self.save_timer.to_model().model_dump(),
+            "sigterm_to_exit_seconds": sigterm,
+            "attempt": attempt_from_env(),
+            "data_position": position,
+        }
+
+    def _data_layout(self) -> dict[str, Any]:
+        """What the meaning of a data position depends on (checked on resume)."""
+        args = self.args
+        layout: dict[str, Any] = {
+            "batch_size": args.per_device_train_batch_size,
+            "world_size": distributed.world_size(),
+            "data_seed": self._data_seed(),
+        }
+        if self.train_sampler is not None:
+            layout["strategy"] = args.train_sampling_strategy
+        return layout
+
+    def save_checkpoint(self, jit: bool = False) -> CheckpointInfo:
+        """Write ``checkpoint-<global_step>`` (all ranks); a step is never saved twice."""
+        step = self.state.global_step
+        if self.last_checkpoint is not None and self.last_checkpoint.step == step:
+            return self.last_checkpoint
+        started = time.perf_counter()
+        rank, world = distributed.rank(), distributed.world_size()
+        writer = CheckpointWriter(
+            str(self.args.output_dir),
+            step,
+            rank=rank,
+            world_size=world,
+            barrier=distributed.barrier,
+        )
+        writer.begin()
+        main = self.accelerator.is_main_process
+        if main:
+            tensors, meta = model_state_tensors(self.model)
+            writer.write_tensors(MODEL_NAME, tensors, meta)
+        if not self.args.save_only_model:
+            assert self.optimizer is not None and self.lr_scheduler is not None
+            if main:
+                writer.write_optimizer_state(OPTIMIZER_NAME, self.optimizer.state_dict())
+                writer.write_json(SCHEDULER_NAME, self.lr_scheduler.state_dict())
+            rng_tensors, rng_meta = capture_rng_state()
+            writer.write_tensors(rng_file_name(rank, world), rng_tensors, rng_meta)
+        if main:
+            writer.write_json(TRAINING_ARGS_NAME, self.args.to_dict())
+            state = self.state.to_dict()
+            state[PREEMPTIBLE_KEY] = self._preemptible_record(jit)
+            writer.write_json(TRAINER_STATE_NAME, state)
+        info = writer.commit()
+        seconds = info.save_seconds if info.save_seconds is not None else None
+        self.save_timer.record(seconds if seconds is not None else time.perf_counter() - started)
+        self.last_checkpoint = info
+        logger.info("saved %s in %.3f s", info.path, self.save_timer.last or 0.0)
+        if self.args.save_total_limit is not None and main:
+            removed = rotate_checkpoints(
+                str(self.args.output_dir), self.args.save_total_limit, protect=(info.name,)
+            )
+            for path in removed:
+                logger.info(
+                    "rotated out %s (save_total_limit=%d)", path, self.args.save_total_limit
+                )
+        distributed.barrier()
+        self._event("on_save", checkpoint=info.path)
+        self._publish_metrics()
+        return info
+
+    def save_model(self, output_dir: str | None = None) -> str | None:
+        """Write the weights (model.safetensors) and training_args.json to ``output_dir``
+        (default: args.output_dir). Not a checkpoint: nothing to resume from. Returns the
+        directory on the main process, None elsewhere."""
+        target = output_dir or str(self.args.output_dir)
+        if not self.accelerator.is_main_process:
+            distributed.barrier()
+            return None
+        from safetensors.torch import save as st_save
+
+        storage = Storage(target)
+        storage.makedirs("")
+        tensors, meta = model_state_tensors(self.model)
+        storage.write_bytes(MODEL_NAME, st_save(tensors, metadata=meta or None))
+        storage.write_json(TRAINING_ARGS_NAME, self.args.to_dict())
+        distributed.barrier()
+        return target
+
+    def is_world_process_zero(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def is_local_process_zero(self) -> bool:
+        return self.accelerator.is_local_main_process
+
+    def _load_checkpoint(self, info: CheckpointInfo) -> None:
+        """Restore model, optimizer, scheduler, RNG, state and data position from ``info``."""
+        reader = CheckpointReader(info.path)
+        listed = {e["path"] for e in (reader.info.manifest or {}).get("files", [])}
+
+        def has(name: str) -> bool:
+            # Stock Hugging Face checkpoints have no manifest: look at the directory.
+            return name in listed if reader.info.manifest else reader.exists(name)
+
+        if not has(MODEL_NAME):
+            raise ResumeError(
+                f"cannot resume from {info.path}: it has no {MODEL_NAME} (sharded or pickled "
+                "weights are not supported)"
+            )
+        load_model_state(
+            self.model, reader.load_tensors(MODEL_NAME), reader.load_metadata(MODEL_NAME)
+        )
+        state = reader.load_json(TRAINER_STATE_NAME)
+        record = dict(state.get(PREEMPTIBLE_KEY) or {})
+        restored = TrainerState.from_dict(state)
+        # Keep this run's plan (max_steps may have been raised), take the progress from the file.
+        self.state.global_step = restored.global_step
+        self.state.epoch = restored.epoch
+        self.state.log_history = restored.log_history
+        self.state.num_input_tokens_seen = restored.num_input_tokens_seen
+        self.state.total_flos = restored.total_flos
+        self.state.best_metric = restored.best_metric
+        self.state.best_global_step = restored.best_global_step
+        self.state.best_model_checkpoint = restored.best_model_checkpoint
+        self.state.stateful_callbacks = restored.stateful_callbacks
+        self.state.preemptible = record
+        self.step_timer.load(record.get("step_seconds"))
+        self.save_timer.load(record.get("save_seconds"))
+        if info.save_seconds is not None:
+            # trainer_state.json is written before its own save is timed; the manifest knows.
+            self.save_timer.record(info.save_seconds)
+        self.sigterm_to_exit = [float(x) for x in record.get("sigterm_to_exit_seconds") or []]
+
+        assert self.optimizer is not None and self.lr_scheduler is not None
+        rank, world = distributed.rank(), distributed.world_size()
+        rng_name = rng_file_name(rank, world)
+        if has(OPTIMIZER_NAME) and has(SCHEDULER_NAME):
+            self.optimizer.load_state_dict(reader.load_optimizer_state(OPTIMIZER_NAME))
+            self.lr_scheduler.load_state_dict(reader.load_json(SCHEDULER_NAME))
+        else:
+            logger.warning(
+                "%s has no optimizer/scheduler state (saved with save_only_model?): the optimizer "
+                "starts fresh and the schedule is fast-forwarded to step %d; the run will not be "
+                "identical to an uninterrupted one",
+                info.path,
+                self.state.global_step,
+            )
+            with warnings.catch_warnings():
+                # "lr_scheduler.step() before optimizer.step()": intended when fast-forwarding.
+                warnings.simplefilter("ignore", UserWarning)
+                for _ in range(self.state.global_step):
+                    self.lr_scheduler.step()
+        if has(rng_name):
+            restore_rng_state(reader.load_tensors(rng_name), reader.load_metadata(rng_name))
+        else:
+            logger.warning("%s has no %s: RNG state not restored", info.path, rng_name)
+
+        position = record.get("data_position") or {}
+        changed = {
+            key: (position[key], value)
+            for key, value in self._data_layout().items()
+            if key in position and position[key] != value
+        }
+        if changed and not self.args.ignore_data_skip:
+            logger.warning(
+                "the data layout changed since %s was saved (%s): the data position is restored "
+                "as a batch count, so the samples seen will differ from an uninterrupted run",
+                info.path,
+                ", ".join(f"{k}: {old} -> {new}" for k, (old, new) in changed.items()),
+            )
+        self._position.epoch = int(position.get("epoch", int(self.state.epoch or 0)))
+        self._position.batch = 0 if self.args.ignore_data_skip else int(position.get("batch", 0))
+        if self._num_batches is not None and self._position.batch >= self._num_batches:
+            # Saved right at the end of an epoch (its end was already handled): next epoch.
+            self._position.epoch += 1
+            self._position.batch = 0
+        self.last_checkpoint = info
+        logger.info(
+            "resumed from %s: step %d, epoch %d, batch %d of the epoch",
+            info.path,
+            self.state.global_step,
+            self._position.epoch,
+            self._position.batch,
+        )
+
+    # -- reporting ---------------------------------------------------------------------------------
+    def _publish_metrics(self) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.update(
+            step=self.state.global_step,
+            max_steps=self.state.max_steps,
+            epoch=self.state.epoch,
+            step_seconds=self.step_timer.to_model(),
+            save_seconds=self.save_timer.to_model(),
+            last_complete_checkpoint_step=self.last_checkpoint.step
+            if self.last_checkpoint
+            else None,
+            stop_requested=bool(self.sigterm_latch and self.sigterm_latch.triggered),
+        )
+
+    def _write_termination(
+        self, reason: str, *, message: str | None = None, sigterm_to_exit: float | None = None
+    ) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        checkpoint = self.last_checkpoint
+        msg = TerminationMessage(
+            reason=reason,  # type: ignore[arg-type]
+            step=self.state.global_step,
+            checkpoint=checkpoint.path if checkpoint else None,
+            complete=bool(checkpoint and checkpoint.complete),
+            attempt=attempt_from_env(),
+            step_seconds=self.step_timer.to_model(),
+            save_seconds=self.save_timer.to_model(),
+            sigterm_to_exit_seconds=sigterm_to_exit,
+            message=message[:2000] if message else None,
+        )
+        try:
+            write_termination_message(msg)
+        except OSError as exc:
+            logger.error("cannot write the termination message: %s", exc)
