@@ -8,7 +8,7 @@ VENV := $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 export PATH := $(VENV)/bin:$(PREEMPTIBLE_CACHE)/venv/bin:$(PATH)
 
-.PHONY: setup demo test test-unit lint cluster-binaries cluster-up bench
+.PHONY: setup demo test test-unit lint cluster-binaries cluster-up bench manifests
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -34,3 +34,9 @@ cluster-up: setup cluster-binaries
 
 bench: setup
 	$(PY) benchmarks/resume_time.py
+	$(PY) benchmarks/agreement_overhead.py
+
+# Regenerate the CRD from the operator's models and the plain install YAML from the chart.
+manifests: setup cluster-binaries
+	$(PY) -m preemptible_operator.crd --write
+	$(PY) scripts/render_manifests.py
