@@ -196,10 +196,11 @@ def process_log_level(
     process_index: int,
     local_process_index: int,
     log_on_each_node: bool,
-    current_level: int,
-) -> int:
+    current_level: int | None = None,
+) -> int | None:
     """Level for this process: ``log_level`` on the main process (of each node when
-    ``log_on_each_node``), ``log_level_replica`` elsewhere; "passive" keeps ``current_level``."""
+    ``log_on_each_node``), ``log_level_replica`` elsewhere. "passive" returns ``current_level``
+    (None by default: leave the application's logging configuration alone)."""
     for name, value in (("log_level", log_level), ("log_level_replica", log_level_replica)):
         if value not in LOG_LEVELS:
             raise ConfigurationError(f"{name}={value!r} must be one of {', '.join(LOG_LEVELS)}")

@@ -40,6 +40,7 @@ from trainer_runtime.checkpoints import (
 )
 from trainer_runtime.data import default_data_collator
 from trainer_runtime.data_args import build_train_dataloader, is_iterable_dataset, set_dataset_epoch
+from trainer_runtime.ddp_args import accelerator_kwargs, per_rank_batch_size
 from trainer_runtime.errors import ConfigurationError, ResumeError
 from trainer_runtime.metrics import TrainingMetrics, metrics_from_env
 from trainer_runtime.neftune import enable_neftune
@@ -52,6 +53,7 @@ from trainer_runtime.protocol import (
     TerminationMessage,
     write_termination_message,
 )
+from trainer_runtime.resharding import DataShape, reshard_position
 from trainer_runtime.rng import capture_rng_state, restore_rng_state
 from trainer_runtime.samplers import ResumableBatchSampler
 from trainer_runtime.signals import SigtermLatch
@@ -160,7 +162,11 @@ class Trainer:
             raise ConfigurationError("Trainer requires a model: pass model=<torch.nn.Module>")
         self.args = args if args is not None else TrainingArguments()
         set_seed(self.args.seed, deterministic=self.args.full_determinism)
-        self.accelerator = Accelerator(cpu=self.args.use_cpu)
+        # ddp_* arguments: process-group backend/timeout and the DDP wrapper's options.
+        cuda = not self.args.use_cpu and torch.cuda.is_available()
+        self.accelerator = Accelerator(
+            cpu=self.args.use_cpu, **accelerator_kwargs(self.args, cuda=cuda)
+        )
         self.model = model.to(self.accelerator.device)
         self.model_wrapped: nn.Module = self.model
         self.data_collator = data_collator or default_data_collator
@@ -341,6 +347,7 @@ class Trainer:
             self.args,
             collate_fn=self.data_collator,
             seed=self._data_seed(),
+            batch_size=per_rank_batch_size(self.args, distributed.world_size()),
             gradient_accumulation_steps=self.args.gradient_accumulation_steps,
             num_replicas=distributed.world_size(),
             rank=distributed.rank(),
@@ -796,7 +803,7 @@ class Trainer:
         """What the meaning of a data position depends on (checked on resume)."""
         args = self.args
         layout: dict[str, Any] = {
-            "batch_size": args.per_device_train_batch_size,
+            "batch_size": per_rank_batch_size(args, distributed.world_size()),
             "world_size": distributed.world_size(),
             "data_seed": self._data_seed(),
         }
@@ -940,11 +947,39 @@ class Trainer:
             logger.warning("%s has no %s: RNG state not restored", info.path, rng_name)
 
         position = record.get("data_position") or {}
+        layout = self._data_layout()
+        # A new number of ranks or batch size is re-sharded exactly or refused (resharding.py).
+        saved_shape = DataShape(
+            int(position.get("world_size") or (info.manifest or {}).get("world_size") or 1),
+            int(position.get("batch_size") or layout["batch_size"]),
+        )
+        batch = reshard_position(
+            int(position.get("batch", 0)),
+            saved_shape,
+            DataShape(layout["world_size"], layout["batch_size"]),
+            map_style=self.train_sampler is not None,
+            ignore_data_skip=self.args.ignore_data_skip,
+            path=info.path,
+        )
         changed = {
             key: (position[key], value)
-            for key, value in self._data_layout().items()
-            if key in position and position[key] != value
+            for key, value in layout.items()
+            if key in position
+            and position[key] != value
+            and key not in ("world_size", "batch_size")
         }
+        if saved_shape != DataShape(layout["world_size"], layout["batch_size"]):
+            logger.warning(
+                "%s was saved by %d rank(s) x %d samples, this run has %d x %d: data position "
+                "re-sharded from batch %d to batch %d of the epoch (same samples consumed)",
+                info.path,
+                saved_shape.world_size,
+                saved_shape.batch_size,
+                layout["world_size"],
+                layout["batch_size"],
+                int(position.get("batch", 0)),
+                batch,
+            )
         if changed and not self.args.ignore_data_skip:
             logger.warning(
                 "the data layout changed since %s was saved (%s): the data position is restored "
@@ -953,7 +988,7 @@ class Trainer:
                 ", ".join(f"{k}: {old} -> {new}" for k, (old, new) in changed.items()),
             )
         self._position.epoch = int(position.get("epoch", int(self.state.epoch or 0)))
-        self._position.batch = 0 if self.args.ignore_data_skip else int(position.get("batch", 0))
+        self._position.batch = batch
         if self._num_batches is not None and self._position.batch >= self._num_batches:
             # Saved right at the end of an epoch (its end was already handled): next epoch.
             self._position.epoch += 1
@@ -986,7 +1021,9 @@ class Trainer:
     def _write_termination(
         self, reason: str, *, message: str | None = None, sigterm_to_exit: float | None = None
     ) -> None:
-        if not self.accelerator.is_main_process:
+        # One message per pod: its main process (local rank 0) writes it, so every pod of a
+        # multi-node attempt (and `trainer-runtime launch` on it) knows how its workers ended.
+        if not self.accelerator.is_local_main_process:
             return
         checkpoint = self.last_checkpoint
         msg = TerminationMessage(

@@ -162,9 +162,9 @@ class TrainerFeaturesMixin:
             process_index=distributed.rank(),
             local_process_index=self.accelerator.local_process_index,
             log_on_each_node=args.log_on_each_node,
-            current_level=runtime_logger.getEffectiveLevel(),
         )
-        apply_log_level(level)
+        if level is not None:  # "passive" leaves the logging configuration alone
+            apply_log_level(level)
         self._check_eval_setup()
         for callback in reporting_callbacks(args.report_to):
             self.callback_handler.add_callback(callback)

@@ -3,7 +3,9 @@
 Fields are grouped by concern; to add one, put it in its group with a ``description`` (that is its
 documentation) and, when it depends on other fields, check it in ``_cross_checks``. Field groups of
 their own live in mixins this class inherits: the dataloader/data fields in
-:class:`trainer_runtime.data_args.DataArguments`.
+:class:`trainer_runtime.data_args.DataArguments`, the distributed fields (ddp_*,
+average_tokens_across_devices, accelerator_config, save_on_each_node) in
+:class:`trainer_runtime.ddp_args.DdpArguments`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer_runtime.data_args import ALL_SAMPLING_STRATEGIES, DataArguments
+from trainer_runtime.ddp_args import DdpArguments
 from trainer_runtime.errors import ConfigurationError
 from trainer_runtime.protocol import ENV_OUTPUT_DIR
 
@@ -44,7 +47,7 @@ def _steps_or_ratio(name: str, value: float) -> float:
     return int(value) if value >= 1 else value
 
 
-class TrainingArguments(DataArguments):
+class TrainingArguments(DataArguments, DdpArguments):
     """Arguments of :class:`trainer_runtime.Trainer` (Hugging Face names and defaults).
 
     Invalid values raise :class:`trainer_runtime.errors.ConfigurationError` naming the field, the
@@ -89,11 +92,6 @@ class TrainingArguments(DataArguments):
     adam_epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     max_grad_norm: float = Field(
         1.0, ge=0, description="Gradient clipping norm; 0 disables clipping."
-    )
-    average_tokens_across_devices: bool = Field(
-        True,
-        description="Count label tokens over all ranks (all-reduce) so the loss of a global batch "
-        "is exact under data parallelism.",
     )
 
     # -- learning-rate schedule ------------------------------------------------------------------

@@ -168,7 +168,9 @@ def test_changed_data_layout_warns(tmp_path: Path, caplog: pytest.LogCaptureFixt
     resumed = make_trainer(tmp_path, max_steps=3, per_device_train_batch_size=2)
     with caplog.at_level(logging.WARNING):
         resumed.train(resume_from_checkpoint=True)
-    assert "data layout changed" in caplog.text and "batch_size: 4 -> 2" in caplog.text
+    # A new batch size is re-sharded exactly (the same samples consumed): resharding.py.
+    assert "1 rank(s) x 4 samples, this run has 1 x 2" in caplog.text
+    assert "re-sharded from batch 4 to batch 8" in caplog.text
 
 
 def test_rotation_keeps_newest(tmp_path: Path) -> None:
