@@ -1,0 +1,261 @@
+"""Pure classification of an attempt from its Job, pods, Kueue Workload and nodes.
+
+Inputs are plain dicts in the apiserver's JSON shape (camelCase), as the Kubernetes client's
+``sanitize_for_serialization`` produces them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from preemptible_operator.conditions import Reason
+from preemptible_operator.render import CONTAINER_NAME
+from trainer_runtime import protocol
+
+__all__ = [
+    "ContainerEnd",
+    "Interruption",
+    "Outcome",
+    "classify_interruption",
+    "container_end",
+    "is_kueue_admitted",
+    "job_condition",
+    "pod_finished",
+    "workload_condition",
+]
+
+Outcome = Literal["Active", "Succeeded", "Preempted", "Failed", "Suspended"]
+
+SIGKILL_EXIT = 128 + 9
+
+_DISRUPTION_REASONS = {
+    "EvictionByEvictionAPI": Reason.POD_EVICTED,
+    "PreemptionByScheduler": Reason.SCHEDULER_PREEMPTED,
+    "PreemptionByKubeScheduler": Reason.SCHEDULER_PREEMPTED,
+    "DeletionByTaintManager": Reason.NODE_LOST,
+    "DeletionByPodGC": Reason.NODE_LOST,
+    "TerminationByKubelet": Reason.NODE_SHUTDOWN,
+}
+
+
+@dataclass(frozen=True)
+class Interruption:
+    """How an attempt stands: still active, or over with a reason."""
+
+    outcome: Outcome
+    reason: str
+    message: str = ""
+
+    @property
+    def over(self) -> bool:
+        return self.outcome != "Active"
+
+
+@dataclass(frozen=True)
+class ContainerEnd:
+    """The training container's terminated state in one pod."""
+
+    pod: str
+    index: int | None
+    exit_code: int | None
+    reason: str | None
+    message: protocol.TerminationMessage | None
+    raw_message: str | None = None
+    grace_seconds: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def killed(self) -> bool:
+        """SIGKILLed (the grace period ran out, or the OOM killer)."""
+        return self.exit_code == SIGKILL_EXIT
+
+
+def _conditions(obj: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    return list(((obj or {}).get("status") or {}).get("conditions") or [])
+
+
+def job_condition(job: Mapping[str, Any] | None, ctype: str) -> dict[str, Any] | None:
+    """The Job's condition of ``ctype`` when its status is True."""
+    for cond in _conditions(job):
+        if cond.get("type") == ctype and cond.get("status") == "True":
+            return cond
+    return None
+
+
+def workload_condition(workload: Mapping[str, Any] | None, ctype: str) -> dict[str, Any] | None:
+    """The Kueue Workload's condition of ``ctype`` when True."""
+    return job_condition(workload, ctype)
+
+
+def is_kueue_admitted(workload: Mapping[str, Any] | None) -> bool:
+    """Whether Kueue currently admits the Workload."""
+    return workload_condition(workload, "Admitted") is not None
+
+
+def _pod_condition(pod: Mapping[str, Any], ctype: str) -> dict[str, Any] | None:
+    return job_condition(pod, ctype)
+
+
+def _index(pod: Mapping[str, Any]) -> int | None:
+    meta = pod.get("metadata") or {}
+    raw = (meta.get("annotations") or {}).get("batch.kubernetes.io/job-completion-index")
+    try:
+        return int(raw) if raw is not None else None
+    except ValueError:
+        return None
+
+
+def container_end(pod: Mapping[str, Any]) -> ContainerEnd | None:
+    """The training container's terminated state, or None while it has not terminated."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    for status in statuses:
+        if status.get("name") != CONTAINER_NAME:
+            continue
+        terminated = (status.get("state") or {}).get("terminated") or (
+            status.get("lastState") or {}
+        ).get("terminated")
+        if not terminated:
+            return None
+        raw = terminated.get("message")
+        return ContainerEnd(
+            pod=(pod.get("metadata") or {}).get("name", ""),
+            index=_index(pod),
+            exit_code=terminated.get("exitCode"),
+            reason=terminated.get("reason"),
+            message=protocol.read_termination_message(raw),
+            raw_message=raw,
+            grace_seconds=(pod.get("spec") or {}).get("terminationGracePeriodSeconds"),
+        )
+    return None
+
+
+def pod_finished(pod: Mapping[str, Any], node_ready: Mapping[str, bool] | None = None) -> bool:
+    """Whether a pod can no longer run or write: terminal phase, every container terminated, or
+    deleted while its node is lost (no kubelet will ever report on it) or before it was bound."""
+    status = pod.get("status") or {}
+    if status.get("phase") in ("Succeeded", "Failed"):
+        return True
+    statuses = status.get("containerStatuses") or []
+    if statuses and all((s.get("state") or {}).get("terminated") for s in statuses):
+        return True
+    deleting = (pod.get("metadata") or {}).get("deletionTimestamp") is not None
+    node = (pod.get("spec") or {}).get("nodeName")
+    if deleting and not node:
+        return True
+    return bool(deleting and node_ready is not None and not node_ready.get(node, False))
+
+
+def _disruption(pods: Iterable[Mapping[str, Any]]) -> tuple[str, str] | None:
+    for pod in pods:
+        cond = _pod_condition(pod, "DisruptionTarget")
+        if cond is not None:
+            reason = _DISRUPTION_REASONS.get(cond.get("reason", ""), Reason.POD_EVICTED)
+            name = (pod.get("metadata") or {}).get("name")
+            detail = cond.get("message") or cond.get("reason") or "disruption"
+            return reason, f"pod {name}: {detail}"
+    return None
+
+
+def _node_lost(
+    pods: Iterable[Mapping[str, Any]], node_ready: Mapping[str, bool] | None
+) -> tuple[str, str] | None:
+    for pod in pods:
+        status = pod.get("status") or {}
+        name = (pod.get("metadata") or {}).get("name")
+        node = (pod.get("spec") or {}).get("nodeName")
+        if status.get("reason") == "NodeLost" or status.get("phase") == "Unknown":
+            return Reason.NODE_LOST, f"pod {name} lost with node {node}"
+        finished = status.get("phase") in ("Succeeded", "Failed")
+        if node and node_ready is not None and not node_ready.get(node, False) and not finished:
+            return Reason.NODE_LOST, f"node {node} of pod {name} is not ready or gone"
+    return None
+
+
+def _kueue_eviction(
+    job: Mapping[str, Any] | None, workload: Mapping[str, Any] | None, was_admitted: bool
+) -> tuple[str, str] | None:
+    for ctype in ("Preempted", "Evicted"):
+        cond = workload_condition(workload, ctype)
+        if cond is not None:
+            reason = cond.get("reason") or ctype
+            kind = (
+                Reason.KUEUE_PREEMPTED
+                if "Preempt" in reason or ctype == "Preempted"
+                else (Reason.KUEUE_EVICTED)
+            )
+            return kind, f"Kueue {ctype} ({reason}): {cond.get('message') or ''}".rstrip(": ")
+    # Kueue suspended an admitted Job but the Workload shows no reason (e.g. it was deleted).
+    if was_admitted and job is not None and (job.get("spec") or {}).get("suspend"):
+        return Reason.KUEUE_EVICTED, "the Job was suspended after admission"
+    return None
+
+
+def classify_interruption(
+    job: Mapping[str, Any] | None,
+    pods: list[Mapping[str, Any]],
+    workload: Mapping[str, Any] | None = None,
+    *,
+    node_ready: Mapping[str, bool] | None = None,
+    was_admitted: bool = False,
+    user_suspended: bool = False,
+) -> Interruption:
+    """Tell apart success, the kinds of preemption and a real failure.
+
+    ``was_admitted``: the attempt had been admitted/started before (from the TrainingJob status),
+    so a suspended Job means Kueue took it back. ``user_suspended``: the user asked to suspend.
+    Precedence: success; the user's suspension; Kueue eviction; a pod disruption condition;
+    node loss; the runtime's preemption exit code; otherwise a non-zero exit or a failed Job is a
+    real failure.
+    """
+    ends = [e for e in (container_end(p) for p in pods) if e is not None]
+    if job_condition(job, "Complete") is not None or (
+        ends
+        and job is not None
+        and len(ends) >= int((job.get("spec") or {}).get("completions") or 1)
+        and all(e.exit_code == 0 for e in ends)
+    ):
+        return Interruption("Succeeded", Reason.COMPLETED, "all ranks finished training")
+    if user_suspended:
+        return Interruption("Suspended", Reason.SUSPENDED, "suspended by the user (spec.suspend)")
+    kueue = _kueue_eviction(job, workload, was_admitted)
+    if kueue is not None:
+        return Interruption("Preempted", *kueue)
+    disruption = _disruption(pods)
+    if disruption is not None:
+        return Interruption("Preempted", *disruption)
+    lost = _node_lost(pods, node_ready)
+    if lost is not None:
+        return Interruption("Preempted", *lost)
+    preempted_exit = [e for e in ends if e.exit_code == protocol.EXIT_PREEMPTED]
+    if preempted_exit:
+        first = preempted_exit[0]
+        return Interruption(
+            "Preempted",
+            Reason.RUNTIME_PREEMPTED,
+            f"pod {first.pod} exited {protocol.EXIT_PREEMPTED} after a JIT checkpoint",
+        )
+    failed = [e for e in ends if e.exit_code not in (0, None)]
+    if failed:
+        first = failed[0]
+        detail = (
+            first.message.message
+            if first.message is not None and first.message.message
+            else (first.raw_message or first.reason or "").strip()[-300:]
+        )
+        return Interruption(
+            "Failed",
+            Reason.TRAINING_FAILED,
+            f"pod {first.pod} exited {first.exit_code}" + (f": {detail}" if detail else ""),
+        )
+    failed_cond = job_condition(job, "Failed")
+    if failed_cond is not None:
+        return Interruption(
+            "Failed",
+            Reason.JOB_FAILED,
+            f"Job failed ({failed_cond.get('reason')}): {failed_cond.get('message') or ''}".rstrip(
+                ": "
+            ),
+        )
+    return Interruption("Active", Reason.STARTED, "")

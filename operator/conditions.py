@@ -1,0 +1,142 @@
+"""Condition types, reasons (also used as Event reasons) and a pure condition setter."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from preemptible_operator.models import Condition
+
+__all__ = [
+    "ADMITTED",
+    "ALL_TYPES",
+    "CHECKPOINTING",
+    "FAILED",
+    "GRACE_PERIOD_SUFFICIENT",
+    "PREEMPTED",
+    "PREEMPTION_REASONS",
+    "RUNNING",
+    "SUCCEEDED",
+    "Reason",
+    "find_condition",
+    "set_condition",
+]
+
+ADMITTED = "Admitted"
+RUNNING = "Running"
+CHECKPOINTING = "Checkpointing"
+PREEMPTED = "Preempted"
+SUCCEEDED = "Succeeded"
+FAILED = "Failed"
+GRACE_PERIOD_SUFFICIENT = "GracePeriodSufficient"
+ALL_TYPES = (
+    ADMITTED,
+    RUNNING,
+    CHECKPOINTING,
+    PREEMPTED,
+    SUCCEEDED,
+    FAILED,
+    GRACE_PERIOD_SUFFICIENT,
+)
+
+
+class Reason:
+    """Condition and Event reasons (CamelCase constants)."""
+
+    # lifecycle
+    ATTEMPT_CREATED = "AttemptCreated"
+    QUEUED = "Queued"
+    ADMITTED = "Admitted"
+    STARTED = "Started"
+    POD_PENDING = "PodsPending"
+    COMPLETED = "Completed"
+    SUSPENDED = "Suspended"
+    RESUMED = "Resumed"
+    # interruptions: preemptions (never count against maxRestarts)
+    KUEUE_PREEMPTED = "KueuePreempted"
+    KUEUE_EVICTED = "KueueEvicted"
+    POD_EVICTED = "PodEvicted"
+    SCHEDULER_PREEMPTED = "SchedulerPreempted"
+    NODE_LOST = "NodeLost"
+    NODE_SHUTDOWN = "NodeShutdown"
+    RUNTIME_PREEMPTED = "RuntimePreempted"
+    # interruptions: real failures
+    TRAINING_FAILED = "TrainingFailed"
+    JOB_FAILED = "JobFailed"
+    RESTARTS_EXHAUSTED = "RestartsExhausted"
+    INVALID_SPEC = "InvalidSpec"
+    # bookkeeping
+    CHECKPOINTING = "Checkpointing"
+    ATTEMPT_RECORDED = "AttemptRecorded"
+    REQUEUED = "Requeued"
+    BACKOFF = "RestartBackoff"
+    GRACE_SUFFICIENT = "GraceSufficient"
+    GRACE_TOO_SHORT = "GraceTooShort"
+    GRACE_KILLED = "KilledAtGraceDeadline"
+    NOT_MEASURED = "NotMeasured"
+    LOST_STEPS = "LostSteps"
+    CHECKPOINT_COMPLETE = "CheckpointComplete"
+
+
+PREEMPTION_REASONS = frozenset(
+    {
+        Reason.KUEUE_PREEMPTED,
+        Reason.KUEUE_EVICTED,
+        Reason.POD_EVICTED,
+        Reason.SCHEDULER_PREEMPTED,
+        Reason.NODE_LOST,
+        Reason.NODE_SHUTDOWN,
+        Reason.RUNTIME_PREEMPTED,
+    }
+)
+
+
+def find_condition(conditions: list[Condition] | None, ctype: str) -> Condition | None:
+    """The condition of type ``ctype``, or None."""
+    for cond in conditions or []:
+        if cond.type == ctype:
+            return cond
+    return None
+
+
+def set_condition(
+    conditions: list[Condition] | None,
+    ctype: str,
+    status: Literal["True", "False", "Unknown"],
+    reason: str,
+    message: str,
+    now: str,
+    generation: int | None = None,
+) -> list[Condition]:
+    """Return the conditions with ``ctype`` set. lastTransitionTime changes only when the status
+    does (Kubernetes convention), so repeated reconcile passes do not churn the object."""
+    result: list[Condition] = []
+    found = False
+    for cond in conditions or []:
+        if cond.type != ctype:
+            result.append(cond)
+            continue
+        found = True
+        changed = cond.status != status
+        result.append(
+            Condition(
+                type=ctype,
+                status=status,
+                reason=reason,
+                message=message,
+                last_transition_time=now if changed else cond.last_transition_time,
+                observed_generation=generation,
+            )
+        )
+    if not found:
+        result.append(
+            Condition(
+                type=ctype,
+                status=status,
+                reason=reason,
+                message=message,
+                last_transition_time=now,
+                observed_generation=generation,
+            )
+        )
+    order = {t: i for i, t in enumerate(ALL_TYPES)}
+    return sorted(result, key=lambda c: order.get(c.type, len(order)))

@@ -1,0 +1,159 @@
+"""kopf wiring (thin): one daemon per TrainingJob runs reconcile passes; events on the
+TrainingJob's Jobs and pods wake it up. All decisions live in the pure modules and ``reconcile``.
+
+Why a daemon rather than create/update handlers: one task per object serialises the passes of
+that object, wakes on child events, sleeps for the requeue delay the pass asked for (metrics
+polling, restart backoff) and is restarted by kopf for every object when the operator starts, so
+the state always comes from the cluster, never from handler progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+import kopf
+import kubernetes
+
+from preemptible_operator import models, render
+from preemptible_operator.reconcile import OperatorConfig, Reconciler
+
+__all__ = ["configure", "register"]
+
+log = logging.getLogger("preemptible_operator")
+
+_state: dict[str, Any] = {"config": OperatorConfig(), "reconciler": None, "kubeconfig": None}
+_wakeups: dict[tuple[str, str], asyncio.Event] = {}
+
+FINALIZER = "preemptible.dev/operator"
+ERROR_BACKOFF_MAX = 60.0
+
+
+def configure(config: OperatorConfig, kubeconfig: str | None = None) -> None:
+    """Set the operator configuration before kopf starts. ``kubeconfig``: use that file for
+    kopf and our client; without it, in-cluster config, else $KUBECONFIG / ~/.kube/config."""
+    _state.update(config=config, kubeconfig=kubeconfig, reconciler=None)
+    if kubeconfig:
+        os.environ["KUBECONFIG"] = kubeconfig
+
+
+def _reconciler() -> Reconciler:
+    rec = _state["reconciler"]
+    if rec is None:
+        if _state["kubeconfig"]:
+            client = kubernetes.config.new_client_from_config(config_file=_state["kubeconfig"])
+        else:
+            try:
+                kubernetes.config.load_incluster_config()
+            except kubernetes.config.ConfigException:
+                kubernetes.config.load_kube_config()
+            client = kubernetes.client.ApiClient()
+        rec = Reconciler(client, _state["config"])
+        _state["reconciler"] = rec
+    return rec
+
+
+def _wake(namespace: str | None, name: str | None) -> None:
+    if namespace and name:
+        event = _wakeups.get((namespace, name))
+        if event is not None:
+            event.set()
+
+
+def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegistry:
+    """Register the handlers on ``registry`` (a fresh one by default) and return it."""
+    registry = registry or kopf.OperatorRegistry()
+    selector = {"labels": {render.LABEL_TRAINING_JOB: kopf.PRESENT}}
+
+    @kopf.on.startup(registry=registry)
+    def _startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        # Keep kopf's bookkeeping in annotations: the status belongs to the TrainingJob API.
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=models.GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=models.GROUP, key="last-handled-configuration"
+        )
+        settings.persistence.finalizer = FINALIZER
+        # Our own Events carry the reasons; kopf's per-handler events would be noise.
+        settings.posting.level = logging.WARNING
+        settings.watching.server_timeout = 300
+        settings.networking.request_timeout = 60
+        _reconciler()
+
+    @kopf.on.login(registry=registry)
+    def _login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        if _state["kubeconfig"]:
+            # An explicit --kubeconfig wins over in-cluster credentials.
+            return kopf.login_with_kubeconfig(**kwargs)
+        return kopf.login_via_client(**kwargs)
+
+    @kopf.daemon(
+        models.GROUP,
+        models.VERSION,
+        models.PLURAL,
+        registry=registry,
+        cancellation_timeout=10.0,
+        id="reconcile",
+    )
+    async def _daemon(namespace: str, name: str, stopped: Any, **_: Any) -> None:
+        key = (namespace, name)
+        wake = _wakeups.setdefault(key, asyncio.Event())
+        failures = 0
+        try:
+            while not stopped:
+                wake.clear()  # events during the pass trigger the next one
+                try:
+                    result = await asyncio.to_thread(_reconciler().reconcile, namespace, name)
+                    delay = result.requeue_after
+                    failures = 0
+                except Exception:
+                    failures += 1
+                    delay = min(ERROR_BACKOFF_MAX, 2.0**failures)
+                    log.exception("reconcile of %s/%s failed; retry in %.0f s", *key, delay)
+                await _sleep(wake, stopped, delay)
+        finally:
+            _wakeups.pop(key, None)
+
+    @kopf.on.event(models.GROUP, models.VERSION, models.PLURAL, registry=registry)
+    def _tj_event(namespace: str, name: str, **_: Any) -> None:
+        # Spec changes (suspend/resume, edits) wake the object's daemon; its own status
+        # writes cause one extra pass that finds nothing to change.
+        _wake(namespace, name)
+
+    @kopf.on.delete(models.GROUP, models.VERSION, models.PLURAL, registry=registry, optional=True)
+    def _deleted(namespace: str, name: str, **_: Any) -> None:
+        _reconciler().release_all(namespace, name)
+
+    @kopf.on.event("batch", "v1", "jobs", registry=registry, **selector)
+    def _job_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
+        _wake(namespace, labels.get(render.LABEL_TRAINING_JOB))
+
+    @kopf.on.event("", "v1", "pods", registry=registry, **selector)
+    async def _pod_event(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> None:
+        tj = labels.get(render.LABEL_TRAINING_JOB)
+        _wake(namespace, tj)
+        meta = body.get("metadata", {})
+        if (
+            meta.get("deletionTimestamp")
+            and render.ATTEMPT_FINALIZER in (meta.get("finalizers") or [])
+            and (namespace, tj) not in _wakeups
+        ):
+            # No daemon for this pod's TrainingJob: it may be gone; never leave pods stuck.
+            await asyncio.to_thread(_reconciler().release_orphan_pod, dict(body))
+
+    return registry
+
+
+async def _sleep(wake: asyncio.Event, stopped: Any, delay: float | None) -> None:
+    """Wait for a wake-up, the requeue delay, or the daemon being stopped, whichever first."""
+    loop = asyncio.get_running_loop()
+    deadline = None if delay is None else loop.time() + delay
+    while not stopped and not wake.is_set():
+        remaining = 1.0 if deadline is None else min(1.0, deadline - loop.time())
+        if remaining <= 0:
+            return
+        try:
+            await asyncio.wait_for(wake.wait(), timeout=remaining)
+        except TimeoutError:
+            continue

@@ -1,0 +1,52 @@
+"""The operator's own Prometheus metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+__all__ = [
+    "GRACE_SECONDS",
+    "LOST_STEPS",
+    "PREEMPTIONS",
+    "RECONCILE_ERRORS",
+    "RECONCILE_SECONDS",
+    "REQUEUE_SECONDS",
+    "start_metrics_server",
+]
+
+RECONCILE_SECONDS = Histogram(
+    "preemptible_operator_reconcile_seconds",
+    "Duration of one reconcile pass of a TrainingJob.",
+)
+RECONCILE_ERRORS = Counter(
+    "preemptible_operator_reconcile_errors_total",
+    "Reconcile passes that raised (retried on the next pass).",
+)
+PREEMPTIONS = Counter(
+    "preemptible_operator_preemptions_total",
+    "Attempts ended by a preemption, by reason.",
+    ["reason"],
+)
+REQUEUE_SECONDS = Histogram(
+    "preemptible_operator_requeue_seconds",
+    "Seconds from an interrupted attempt's pods being gone to the next attempt's Job created.",
+    buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
+)
+LOST_STEPS = Counter(
+    "preemptible_operator_lost_steps_total",
+    "Training steps computed but not held by any complete checkpoint.",
+    ["namespace", "name"],
+)
+GRACE_SECONDS = Gauge(
+    "preemptible_operator_grace_seconds",
+    "Grace period computed for the next attempt.",
+    ["namespace", "name"],
+)
+
+
+def start_metrics_server(port: int, addr: str = "0.0.0.0") -> None:
+    """Serve /metrics on ``addr:port`` (0 disables)."""
+    if port:
+        from prometheus_client import start_http_server
+
+        start_http_server(port, addr=addr)

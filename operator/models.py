@@ -1,0 +1,496 @@
+"""The TrainingJob API (``preemptible.dev/v1alpha1``): spec and status as pydantic models.
+
+These models are the single source of truth: the CRD's openAPIV3Schema is generated from them
+(``crd.py``) and the operator parses every object through them. Structural checks (types, required
+fields, enums) end up in the CRD schema so the apiserver rejects malformed objects; semantic checks
+that need more context (min <= max, numNodes >= 1, label formats, reserved env names) are validators
+here, so a bad object is accepted by the apiserver and then put in phase Failed / reason InvalidSpec
+with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+from trainer_runtime import protocol
+from trainer_runtime.grace import GracePolicy
+
+__all__ = [
+    "API_VERSION",
+    "GROUP",
+    "KIND",
+    "PLURAL",
+    "RESERVED_ENV",
+    "SHORT_NAME",
+    "SINGULAR",
+    "VERSION",
+    "AttemptRecord",
+    "CheckpointRef",
+    "CheckpointSpec",
+    "Condition",
+    "EnvVar",
+    "GracePeriodSpec",
+    "GraceStatus",
+    "IncompleteCheckpoint",
+    "Phase",
+    "PodTemplateOverride",
+    "Progress",
+    "ResourcesPerNode",
+    "Timings",
+    "TrainingJobSpec",
+    "TrainingJobStatus",
+    "format_validation_error",
+    "parse_spec",
+]
+
+GROUP = "preemptible.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "TrainingJob"
+PLURAL = "trainingjobs"
+SINGULAR = "trainingjob"
+SHORT_NAME = "tj"
+
+Phase = Literal[
+    "Pending",
+    "Queued",
+    "Running",
+    "Checkpointing",
+    "Requeueing",
+    "Suspended",
+    "Succeeded",
+    "Failed",
+]
+
+# Env names the operator sets itself (the runtime contract); a user value would silently break
+# resume or rendezvous, so the spec rejects them.
+RESERVED_ENV = frozenset(
+    {
+        protocol.ENV_OUTPUT_DIR,
+        protocol.ENV_RESUME_FROM,
+        protocol.ENV_GRACE_SECONDS,
+        protocol.ENV_KILL_WAIT_SECONDS,
+        protocol.ENV_ATTEMPT,
+        protocol.ENV_METRICS_PORT,
+        protocol.ENV_METRICS_HOST,
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "NODE_RANK",
+    }
+)
+
+# Kubernetes label value: at most 63 characters, alphanumerics with - _ . inside.
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+_FREE_FORM = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+
+
+class _Model(BaseModel):
+    """camelCase on the wire, snake_case in Python; unknown fields are an error (the CRD prunes
+    them anyway, so an unknown field here means a bug, not user input)."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+    )
+
+    def to_k8s(self) -> dict[str, Any]:
+        """Dump as the apiserver stores it: camelCase keys, unset optional fields left out."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# ---------------------------------------------------------------------------------------- spec
+
+
+class EnvVar(_Model):
+    """An environment variable for the training container (Kubernetes EnvVar)."""
+
+    name: str = Field(min_length=1)
+    """Variable name."""
+    value: str | None = None
+    """Literal value."""
+    value_from: dict[str, Any] | None = Field(default=None, json_schema_extra=_FREE_FORM)
+    """A Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef)."""
+
+
+_QUANTITY_MAP = {
+    "type": "object",
+    "additionalProperties": {"x-kubernetes-int-or-string": True},
+}
+
+
+class ResourcesPerNode(_Model):
+    """Resources of the training container on each node (Kubernetes ResourceRequirements)."""
+
+    requests: dict[str, int | str] | None = Field(default=None, json_schema_extra=_QUANTITY_MAP)
+    """Resource requests, e.g. {cpu: 4, memory: 16Gi, nvidia.com/gpu: 1}."""
+    limits: dict[str, int | str] | None = Field(default=None, json_schema_extra=_QUANTITY_MAP)
+    """Resource limits."""
+
+
+class CheckpointSpec(_Model):
+    """Where checkpoints go."""
+
+    uri: str = Field(min_length=1)
+    """fsspec URL (or absolute path) of the checkpoint root, as the training pods see it. Passed
+    to the runtime as PREEMPTIBLE_OUTPUT_DIR; checkpoints are checkpoint-<step>/ below it."""
+    keep: int | None = Field(default=None, ge=1)
+    """How many checkpoints to keep (save_total_limit). The newest complete one is never removed."""
+
+
+class GracePeriodSpec(_Model):
+    """How terminationGracePeriodSeconds is chosen for each attempt.
+
+    Without `seconds` the grace is automatic: ceil(killWait + (1+headroom)*(stepMax+saveMax)) +
+    exitMargin from the runtime's measurements, clamped to [min, max]; initialSeconds before any
+    measurement. With `seconds` the user pins it (the operator still warns through condition
+    GracePeriodSufficient when measurements say it is too short).
+    """
+
+    seconds: int | None = Field(default=None, ge=1)
+    """Pinned grace period in seconds (disables the automatic rule)."""
+    # Defaults are trainer_runtime.grace.GracePolicy's, so both halves document one rule.
+    initial_seconds: int = GracePolicy.initial_seconds
+    """Grace of the first attempt, before anything was measured."""
+    min: int = GracePolicy.minimum
+    """Lower bound of the automatic grace."""
+    max: int = GracePolicy.maximum
+    """Upper bound of the automatic grace."""
+    headroom: float = GracePolicy.headroom
+    """Relative safety margin on (stepMax + saveMax)."""
+    kill_wait_seconds: float = GracePolicy.kill_wait
+    """Seconds the runtime waits after SIGTERM before it stops (PREEMPTIBLE_KILL_WAIT_SECONDS)."""
+    exit_margin: int = GracePolicy.exit_margin
+    """Seconds added for process exit and termination-message writing."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> GracePeriodSpec:
+        if self.min < 1:
+            raise ValueError(f"min must be >= 1 second, got {self.min}")
+        if self.min > self.max:
+            raise ValueError(
+                f"min ({self.min}) must not exceed max ({self.max}); lower min or raise max"
+            )
+        if self.headroom < 0:
+            raise ValueError(f"headroom must be >= 0, got {self.headroom}")
+        if self.kill_wait_seconds < 0:
+            raise ValueError(f"killWaitSeconds must be >= 0, got {self.kill_wait_seconds}")
+        if self.exit_margin < 0:
+            raise ValueError(f"exitMargin must be >= 0, got {self.exit_margin}")
+        if self.initial_seconds < 1:
+            raise ValueError(f"initialSeconds must be >= 1, got {self.initial_seconds}")
+        return self
+
+
+class PodTemplateOverride(_Model):
+    """Pod template fields merged into the operator's pod template (volumes, nodeSelector,
+    tolerations, affinity, serviceAccountName, securityContext, extra containers, a container
+    named `trainer` to extend the training container...). The operator keeps its own restart
+    policy, grace period, rendezvous subdomain and runtime environment."""
+
+    metadata: dict[str, Any] | None = Field(default=None, json_schema_extra=_FREE_FORM)
+    """Labels and annotations added to the pods."""
+    spec: dict[str, Any] | None = Field(default=None, json_schema_extra=_FREE_FORM)
+    """A partial Kubernetes PodSpec."""
+
+
+class TrainingJobSpec(_Model):
+    """Desired state of a TrainingJob."""
+
+    image: str = Field(min_length=1)
+    """Container image with the trainer runtime and the user's training script."""
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    """Image pull policy of the training container."""
+    command: list[str] | None = None
+    """Entrypoint (e.g. [python, -m, trainer_runtime.toy] or a stock HF Trainer script)."""
+    args: list[str] | None = None
+    """Arguments to the entrypoint."""
+    working_dir: str | None = None
+    """Working directory of the training container."""
+    num_nodes: int = 1
+    """Number of pods (one process per pod); becomes the Job's completions and parallelism."""
+    resources_per_node: ResourcesPerNode | None = None
+    """Resources of the training container in each pod."""
+    env: list[EnvVar] | None = None
+    """Extra environment variables. Names the operator sets (PREEMPTIBLE_*, MASTER_ADDR, RANK...)
+    are not allowed."""
+    volumes: list[dict[str, Any]] | None = Field(
+        default=None, json_schema_extra={"items": _FREE_FORM}
+    )
+    """Kubernetes Volumes added to the pods."""
+    volume_mounts: list[dict[str, Any]] | None = Field(
+        default=None, json_schema_extra={"items": _FREE_FORM}
+    )
+    """Kubernetes VolumeMounts of the training container."""
+    checkpoint: CheckpointSpec
+    """Checkpoint location and retention."""
+    grace_period: GracePeriodSpec = Field(default_factory=GracePeriodSpec)
+    """Grace period policy (automatic by default)."""
+    max_restarts: int = 3
+    """Restarts allowed after real failures (preemptions never count)."""
+    restart_backoff_seconds: int = 10
+    """Delay before the first restart after a real failure; doubles with each further failure."""
+    queue_name: str | None = None
+    """Kueue LocalQueue; copied to label kueue.x-k8s.io/queue-name (the Job is created suspended
+    and Kueue admits it)."""
+    priority_class: str | None = None
+    """Kueue WorkloadPriorityClass; copied to label kueue.x-k8s.io/priority-class."""
+    suspend: bool = False
+    """true stops the job gracefully (JIT checkpoint, pods removed); false resumes it."""
+    metrics_port: int = 9090
+    """Port of the runtime's /metrics in the pods (PREEMPTIBLE_METRICS_PORT)."""
+    master_port: int = 29500
+    """torch.distributed rendezvous port (MASTER_PORT)."""
+    pod_template: PodTemplateOverride | None = None
+    """Pod template overrides merged into the operator's template."""
+
+    @field_validator("num_nodes")
+    @classmethod
+    def _num_nodes(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"must be >= 1 (one pod per node), got {v}")
+        return v
+
+    @field_validator("max_restarts", "restart_backoff_seconds")
+    @classmethod
+    def _non_negative(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"must be >= 0, got {v}")
+        return v
+
+    @field_validator("metrics_port", "master_port")
+    @classmethod
+    def _port(cls, v: int) -> int:
+        if not 1 <= v <= 65535:
+            raise ValueError(f"must be a TCP port in 1..65535, got {v}")
+        return v
+
+    @field_validator("queue_name", "priority_class")
+    @classmethod
+    def _label_value(cls, v: str | None) -> str | None:
+        if v is not None and (len(v) > 63 or not _LABEL_VALUE.match(v)):
+            raise ValueError(
+                f"{v!r} is not a valid Kubernetes label value (at most 63 characters: letters, "
+                "digits, '-', '_', '.', starting and ending with a letter or digit)"
+            )
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: list[EnvVar] | None) -> list[EnvVar] | None:
+        for var in v or []:
+            if var.name in RESERVED_ENV:
+                raise ValueError(
+                    f"{var.name} is set by the operator; remove it from spec.env "
+                    "(use spec.checkpoint / spec.gracePeriod instead)"
+                )
+        return v
+
+
+# -------------------------------------------------------------------------------------- status
+
+
+class Condition(_Model):
+    """A Kubernetes-style condition."""
+
+    type: str
+    """Admitted, Running, Checkpointing, Preempted, Succeeded, Failed, GracePeriodSufficient."""
+    status: Literal["True", "False", "Unknown"]
+    """Condition status."""
+    reason: str | None = None
+    """CamelCase machine-readable reason."""
+    message: str | None = None
+    """Human-readable detail."""
+    last_transition_time: str | None = None
+    """RFC3339 time of the last status change."""
+    observed_generation: int | None = None
+    """metadata.generation this condition was computed for."""
+
+
+class AttemptRecord(_Model):
+    """One attempt (one Job) of the TrainingJob."""
+
+    attempt: int
+    """Attempt number (1-based); the Job is <name>-a<attempt>."""
+    job_name: str
+    """Name of the attempt's Job."""
+    start_time: str | None = None
+    """When the attempt's Job was created."""
+    running_time: str | None = None
+    """When the operator first saw the attempt's pods running (admitted and started)."""
+    end_time: str | None = None
+    """When the attempt was recorded as over."""
+    reason: str | None = None
+    """Why it ended (Completed, KueuePreempted, PodEvicted, NodeLost, RuntimePreempted...)."""
+    message: str | None = None
+    """Detail of the ending."""
+    outcome: Literal["Succeeded", "Preempted", "Failed", "Suspended"] | None = None
+    """Outcome class: preemptions and suspensions never count against maxRestarts."""
+    start_step: int | None = None
+    """Checkpoint step the attempt resumed from (0 for a fresh start)."""
+    end_step: int | None = None
+    """Last global step reached (termination message, else last scraped)."""
+    checkpoint: str | None = None
+    """Newest complete checkpoint when the attempt ended."""
+    resume_from: str | None = None
+    """PREEMPTIBLE_RESUME_FROM given to the attempt."""
+    grace_seconds: int | None = None
+    """terminationGracePeriodSeconds of the attempt's pods."""
+    sigterm_to_exit_seconds: float | None = None
+    """Seconds from SIGTERM to process exit (rank 0's termination message)."""
+    exit_codes: list[int] | None = None
+    """Exit codes of the training containers."""
+    killed: bool | None = None
+    """True when a container was SIGKILLed (grace too short)."""
+    lost_steps: int | None = None
+    """Steps done in this attempt that no complete checkpoint holds."""
+
+
+class Progress(_Model):
+    """Training progress as reported by the runtime."""
+
+    step: int | None = None
+    """Global step."""
+    max_steps: int | None = None
+    """Total steps."""
+    epoch: float | None = None
+    """Fractional epoch."""
+
+
+class Timings(_Model):
+    """Measured timings (seconds), maxima over all attempts."""
+
+    step_seconds_max: float | None = None
+    """Longest optimizer step seen."""
+    step_seconds_p99: float | None = None
+    """99th percentile of step time (latest report)."""
+    step_seconds_ema: float | None = None
+    """Exponential moving average of step time (latest report)."""
+    save_seconds_last: float | None = None
+    """Duration of the latest checkpoint save."""
+    save_seconds_max: float | None = None
+    """Longest checkpoint save seen."""
+    sigterm_to_exit_seconds_max: float | None = None
+    """Longest SIGTERM-to-exit time observed (ground truth for the grace rule)."""
+
+
+class GraceStatus(_Model):
+    """Grace period bookkeeping."""
+
+    current: int | None = None
+    """Grace of the current (latest) attempt's pods."""
+    recommended: int | None = None
+    """What the rule recommends now, applied to the next attempt."""
+    reason: str | None = None
+    """How `recommended` was obtained."""
+    inputs: dict[str, float | None] | None = Field(
+        default=None,
+        json_schema_extra={"type": "object", "additionalProperties": {"type": "number"}},
+    )
+    """Inputs of the rule (stepMax, saveMax, observedExitMax...)."""
+
+
+class CheckpointRef(_Model):
+    """A complete checkpoint."""
+
+    step: int
+    """Global step of the checkpoint."""
+    path: str
+    """Path as the pods see it."""
+    completed_at: str | None = None
+    """When it was committed (manifest created_at)."""
+    save_seconds: float | None = None
+    """How long the save took."""
+
+
+class IncompleteCheckpoint(_Model):
+    """A checkpoint directory that must not be resumed from."""
+
+    step: int
+    """Global step in its name."""
+    path: str
+    """Path as the pods see it."""
+    reason: str | None = None
+    """Why it is incomplete (sentinel present, manifest missing, file size mismatch...)."""
+
+
+class TrainingJobStatus(_Model):
+    """Observed state of a TrainingJob (written by the operator only)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    phase: Phase | None = None
+    """Pending, Queued, Running, Checkpointing, Requeueing, Suspended, Succeeded or Failed."""
+    message: str | None = None
+    """Human-readable summary of the current state."""
+    observed_generation: int | None = None
+    """metadata.generation the status was computed for."""
+    conditions: list[Condition] | None = None
+    """Conditions (see docs/operator.md)."""
+    attempt: int | None = None
+    """Current (latest) attempt number."""
+    attempts: list[AttemptRecord] | None = None
+    """Every attempt, oldest first."""
+    progress: Progress | None = None
+    """Training progress."""
+    timings: Timings | None = None
+    """Measured timings."""
+    grace_period: GraceStatus | None = None
+    """Grace period bookkeeping."""
+    last_complete_checkpoint: CheckpointRef | None = None
+    """Newest complete checkpoint (from storage when the operator can read it, else from the
+    runtime's reports)."""
+    incomplete_checkpoints: list[IncompleteCheckpoint] | None = None
+    """Checkpoint directories that are incomplete (only when the operator can read storage)."""
+    preemptions: int | None = None
+    """Number of preemptions (Kueue eviction, pod disruption, node loss, runtime preemption)."""
+    failures: int | None = None
+    """Number of real failures (counted against maxRestarts)."""
+    lost_steps: int | None = None
+    """Steps computed but lost (not in any complete checkpoint) over all attempts."""
+    next_attempt_after: str | None = None
+    """RFC3339 time before which no new attempt is created (restart backoff)."""
+    start_time: str | None = None
+    """When the first attempt was created."""
+    completion_time: str | None = None
+    """When the job reached Succeeded or Failed."""
+    checkpoint_storage_readable: bool | None = None
+    """Whether the operator reads the checkpoint storage itself."""
+
+
+# ------------------------------------------------------------------------------------- parsing
+
+
+def format_validation_error(exc: ValidationError, prefix: str = "spec") -> str:
+    """The InvalidSpec message: one part per problem, naming the field by its camelCase path."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "__root__")
+        msg = err["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        value = err.get("input")
+        shown = "" if isinstance(value, dict | list) or value is None else f" (got {value!r})"
+        parts.append(f"{loc}: {msg}{shown}")
+    return "; ".join(parts)
+
+
+def parse_spec(spec: dict[str, Any] | None) -> TrainingJobSpec:
+    """Validate a raw spec (as stored by the apiserver). Raises ValidationError."""
+    return TrainingJobSpec.model_validate(spec or {})

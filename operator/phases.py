@@ -1,0 +1,139 @@
+"""The TrainingJob state machine as one pure function: observations in, phase and action out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from preemptible_operator.classify import Interruption
+from preemptible_operator.conditions import Reason
+from preemptible_operator.models import Phase
+
+__all__ = ["TERMINAL_PHASES", "Action", "Decision", "PhaseInputs", "backoff_seconds", "next_phase"]
+
+TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
+
+Action = Literal[
+    "none",  # observe only (status still refreshed)
+    "fail_invalid",  # spec is semantically invalid: Failed/InvalidSpec, stop any attempt
+    "create_attempt",  # create the next attempt's Job (after cleaning up the previous one)
+    "stop_attempt",  # the user suspended: delete the attempt's pods gracefully (JIT checkpoint)
+    "deactivate_workload",  # Kueue evicted: never let it re-admit this attempt
+    "record_attempt",  # the attempt is over and its pods are gone: record it
+    "wait_backoff",  # a failure restart is due later
+    "finish",  # terminal: release what is left (pod finalizers)
+    "cleanup",  # suspended: release what is left
+]
+
+
+@dataclass(frozen=True)
+class PhaseInputs:
+    """What one reconcile pass observed."""
+
+    invalid: bool = False
+    current_phase: str | None = None
+    suspend: bool = False
+    attempt: int = 0
+    """Current attempt number (0: none yet)."""
+    recorded_outcome: str | None = None
+    """Outcome recorded for the current attempt (None while it is not over)."""
+    job_exists: bool = False
+    job_suspended: bool = False
+    interruption: Interruption = field(
+        default_factory=lambda: Interruption("Active", Reason.STARTED)
+    )
+    pods_finished: bool = True
+    """Every pod of the current attempt finished (vacuously true without pods)."""
+    pods: int = 0
+    running_pods: int = 0
+    failures: int = 0
+    max_restarts: int = 0
+    backoff_remaining: float = 0.0
+    kueue: bool = False
+
+
+@dataclass(frozen=True)
+class Decision:
+    phase: Phase
+    action: Action
+    reason: str
+    message: str = ""
+
+
+def backoff_seconds(base: int, failures: int, cap: int = 3600) -> int:
+    """Exponential restart backoff: base, 2*base, 4*base... for failure 1, 2, 3..., capped."""
+    if failures < 1 or base <= 0:
+        return 0
+    return min(cap, base * 2 ** (failures - 1))
+
+
+def next_phase(obs: PhaseInputs) -> Decision:
+    """Decide the phase and the one action of this pass (level-triggered: only observations)."""
+    if obs.current_phase in TERMINAL_PHASES:
+        return Decision(obs.current_phase, "finish", Reason.COMPLETED)  # type: ignore[arg-type]
+    if obs.invalid:
+        return Decision("Failed", "fail_invalid", Reason.INVALID_SPEC)
+    if obs.attempt == 0:
+        if obs.suspend:
+            return Decision(
+                "Suspended", "none", Reason.SUSPENDED, "suspended before the first attempt"
+            )
+        return Decision("Pending", "create_attempt", Reason.ATTEMPT_CREATED)
+
+    if obs.recorded_outcome is not None:
+        outcome = obs.recorded_outcome
+        if outcome == "Succeeded":
+            return Decision("Succeeded", "finish", Reason.COMPLETED)
+        if outcome == "Failed":
+            if obs.failures > obs.max_restarts:
+                return Decision(
+                    "Failed",
+                    "finish",
+                    Reason.RESTARTS_EXHAUSTED,
+                    f"{obs.failures} failures, maxRestarts is {obs.max_restarts}",
+                )
+            if obs.suspend:
+                return Decision("Suspended", "cleanup", Reason.SUSPENDED)
+            if obs.backoff_remaining > 0:
+                return Decision(
+                    "Requeueing",
+                    "wait_backoff",
+                    Reason.BACKOFF,
+                    f"restart {obs.failures} of {obs.max_restarts} in "
+                    f"{obs.backoff_remaining:.0f} s",
+                )
+            return Decision("Requeueing", "create_attempt", Reason.REQUEUED)
+        if obs.suspend:
+            return Decision("Suspended", "cleanup", Reason.SUSPENDED)
+        reason = Reason.RESUMED if outcome == "Suspended" else Reason.REQUEUED
+        return Decision("Requeueing", "create_attempt", reason)
+
+    intr = obs.interruption
+    if not obs.job_exists and not intr.over and obs.pods == 0:
+        # Created in a pass that crashed before the Job existed, or deleted by someone: (re)create
+        # the same attempt (deterministic name).
+        return Decision("Pending", "create_attempt", Reason.ATTEMPT_CREATED)
+    if intr.over:
+        if obs.pods_finished:
+            phase: Phase = {
+                "Succeeded": "Succeeded",
+                "Suspended": "Suspended",
+            }.get(intr.outcome, "Requeueing")  # type: ignore[assignment]
+            return Decision(phase, "record_attempt", intr.reason, intr.message)
+        if intr.outcome == "Succeeded":
+            return Decision("Running", "none", Reason.STARTED, "ranks are finishing")
+        if intr.outcome == "Suspended":
+            return Decision("Checkpointing", "stop_attempt", Reason.SUSPENDED, intr.message)
+        if intr.reason in (Reason.KUEUE_PREEMPTED, Reason.KUEUE_EVICTED):
+            return Decision("Checkpointing", "deactivate_workload", intr.reason, intr.message)
+        if intr.outcome == "Preempted":
+            return Decision("Checkpointing", "none", intr.reason, intr.message)
+        return Decision("Running", "none", intr.reason, f"stopping the other ranks: {intr.message}")
+    if obs.suspend:
+        return Decision("Checkpointing", "stop_attempt", Reason.SUSPENDED, "suspend requested")
+    if obs.job_suspended:
+        waiting = "waiting for Kueue admission" if obs.kueue else "Job suspended"
+        return Decision("Queued", "none", Reason.QUEUED, waiting)
+    if obs.running_pods > 0:
+        return Decision("Running", "none", Reason.STARTED)
+    return Decision("Pending", "none", Reason.POD_PENDING, "waiting for pods to start")

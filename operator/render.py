@@ -1,0 +1,381 @@
+"""Pure rendering of an attempt: its Indexed Job and the TrainingJob's headless Service.
+
+No API calls here: inputs are the TrainingJob's metadata, its parsed spec and the attempt's
+parameters; outputs are plain dicts ready for the Kubernetes client.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from preemptible_operator import models
+from trainer_runtime import protocol
+
+__all__ = [
+    "ANNOTATION_GRACE",
+    "ANNOTATION_RESUME_FROM",
+    "ANNOTATION_START_STEP",
+    "ATTEMPT_FINALIZER",
+    "CONTAINER_NAME",
+    "JOB_COMPLETION_INDEX_ANNOTATION",
+    "KUEUE_PRIORITY_LABEL",
+    "KUEUE_QUEUE_LABEL",
+    "LABEL_ATTEMPT",
+    "LABEL_TRAINING_JOB",
+    "MAX_NAME_LENGTH",
+    "AttemptParams",
+    "job_name",
+    "merge_pod_template",
+    "owner_reference",
+    "render_job",
+    "render_service",
+    "service_name",
+    "validate_name",
+]
+
+CONTAINER_NAME = "trainer"
+LABEL_TRAINING_JOB = "preemptible.dev/training-job"
+LABEL_ATTEMPT = "preemptible.dev/attempt"
+ANNOTATION_GRACE = "preemptible.dev/grace-seconds"
+ANNOTATION_RESUME_FROM = "preemptible.dev/resume-from"
+ANNOTATION_START_STEP = "preemptible.dev/start-step"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+JOB_COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+# Keeps a finished attempt's pods (exit codes, termination messages) readable until the operator
+# has recorded the attempt, even when Kueue or an eviction deleted them; removed right after.
+ATTEMPT_FINALIZER = "preemptible.dev/attempt-record"
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+
+# Pod hostnames are "<job>-<index>" and must be DNS labels (<= 63): "<name>-a9999-9999" fits.
+MAX_NAME_LENGTH = 52
+_DEFAULT_UID = 1000
+
+
+@dataclass(frozen=True)
+class AttemptParams:
+    """What changes from one attempt to the next."""
+
+    attempt: int
+    grace_seconds: int
+    resume_from: str
+    suspended: bool
+    start_step: int | None = None
+    """Step of the checkpoint resumed from (recorded on the Job so a restarted operator that
+    adopts the Job knows it)."""
+
+
+def validate_name(name: str) -> str | None:
+    """Why ``name`` cannot name a TrainingJob (its Jobs, pods, Service derive from it), or None."""
+
+    if len(name) > MAX_NAME_LENGTH:
+        return (
+            f"metadata.name: {name!r} is {len(name)} characters; at most {MAX_NAME_LENGTH} "
+            "(pod hostnames <name>-a<attempt>-<index> must fit in 63)"
+        )
+    if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name):
+        return (
+            f"metadata.name: {name!r} must be a DNS-1035 label (lowercase letters, digits and '-', "
+            "starting with a letter) because it names the rendezvous Service"
+        )
+    return None
+
+
+def job_name(name: str, attempt: int) -> str:
+    """Deterministic Job name of an attempt: a second create of the same attempt is a no-op."""
+    return f"{name}-a{attempt}"
+
+
+def service_name(name: str) -> str:
+    """The headless Service shared by all attempts (pods resolve as <job>-<index>.<service>)."""
+    return name
+
+
+def owner_reference(meta: dict[str, Any]) -> dict[str, Any]:
+    """Controller owner reference to the TrainingJob (garbage collection, event routing)."""
+    return {
+        "apiVersion": models.API_VERSION,
+        "kind": models.KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _labels(name: str, attempt: int | None) -> dict[str, str]:
+    labels = {LABEL_TRAINING_JOB: name}
+    if attempt is not None:
+        labels[LABEL_ATTEMPT] = str(attempt)
+    return labels
+
+
+def _kueue_labels(spec: models.TrainingJobSpec) -> dict[str, str]:
+    labels = {}
+    if spec.queue_name:
+        labels[KUEUE_QUEUE_LABEL] = spec.queue_name
+    if spec.priority_class:
+        labels[KUEUE_PRIORITY_LABEL] = spec.priority_class
+    return labels
+
+
+def _runtime_env(
+    name: str, namespace: str, spec: models.TrainingJobSpec, params: AttemptParams
+) -> list[dict[str, Any]]:
+    jname = job_name(name, params.attempt)
+    index_ref = {
+        "fieldRef": {"fieldPath": f"metadata.annotations['{JOB_COMPLETION_INDEX_ANNOTATION}']"}
+    }
+    env: list[dict[str, Any]] = [
+        {"name": protocol.ENV_OUTPUT_DIR, "value": spec.checkpoint.uri},
+        {"name": protocol.ENV_RESUME_FROM, "value": params.resume_from},
+        {"name": protocol.ENV_GRACE_SECONDS, "value": str(params.grace_seconds)},
+        {
+            "name": protocol.ENV_KILL_WAIT_SECONDS,
+            "value": f"{spec.grace_period.kill_wait_seconds:g}",
+        },
+        {"name": protocol.ENV_ATTEMPT, "value": str(params.attempt)},
+        {"name": protocol.ENV_METRICS_PORT, "value": str(spec.metrics_port)},
+        {
+            "name": protocol.ENV_METRICS_HOST,
+            "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+        },
+    ]
+    if spec.num_nodes == 1:
+        # One process needs no process group; LOCAL_RANK alone would make accelerate start one
+        # (and wait on MASTER_ADDR).
+        return env
+    return [
+        *env,
+        {"name": "MASTER_ADDR", "value": f"{jname}-0.{service_name(name)}.{namespace}.svc"},
+        {"name": "MASTER_PORT", "value": str(spec.master_port)},
+        {"name": "WORLD_SIZE", "value": str(spec.num_nodes)},
+        {"name": "NODE_RANK", "valueFrom": index_ref},
+        # One process per pod: the global rank is the node rank.
+        {"name": "RANK", "valueFrom": index_ref},
+        {"name": "LOCAL_RANK", "value": "0"},
+    ]
+
+
+def _merge_named(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Union of two lists of named items; ours win on a name clash."""
+    names = {item.get("name") for item in ours}
+    return [*ours, *(item for item in theirs if item.get("name") not in names)]
+
+
+def merge_pod_template(
+    ours: dict[str, Any], override: models.PodTemplateOverride | None
+) -> dict[str, Any]:
+    """Merge the user's partial pod template into ours without losing what the runtime needs.
+
+    User keys we do not set are taken as they are. Maps (nodeSelector, securityContext, labels,
+    annotations) merge with the user's values winning, except our own labels. Lists of named
+    items (volumes, containers, env, volumeMounts, ports) merge by name; for the training
+    container the user may add env, mounts, resources and securityContext, but image, command,
+    args, the runtime env and the termination-message settings stay ours.
+    """
+    result = copy.deepcopy(ours)
+    if override is None:
+        return result
+    user_meta = copy.deepcopy(override.metadata or {})
+    user_spec = copy.deepcopy(override.spec or {})
+
+    meta = result.setdefault("metadata", {})
+    for key in ("labels", "annotations"):
+        merged = {**(user_meta.get(key) or {}), **(meta.get(key) or {})}
+        if merged:
+            meta[key] = merged
+    # Finalizers are the operator's bookkeeping; the user's are kept alongside.
+    if user_meta.get("finalizers"):
+        meta["finalizers"] = sorted({*meta.get("finalizers", []), *user_meta["finalizers"]})
+
+    spec = result["spec"]
+    owned = {"restartPolicy", "subdomain", "terminationGracePeriodSeconds", "hostname"}
+    for key, value in user_spec.items():
+        if key in owned:
+            continue
+        if key == "containers":
+            spec["containers"] = _merge_containers(spec["containers"], value)
+        elif key in ("volumes", "initContainers"):
+            spec[key] = _merge_named(spec.get(key, []), value)
+        elif key in ("nodeSelector", "securityContext") and isinstance(value, dict):
+            spec[key] = {**spec.get(key, {}), **value}
+        elif key == "tolerations":
+            spec[key] = [*spec.get(key, []), *value]
+        else:
+            spec[key] = value
+    return result
+
+
+def _merge_containers(
+    ours: list[dict[str, Any]], theirs: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    merged = [copy.deepcopy(c) for c in ours]
+    by_name = {c["name"]: c for c in merged}
+    for container in theirs:
+        target = by_name.get(container.get("name"))
+        if target is None:
+            merged.append(container)  # a sidecar
+            continue
+        for key, value in container.items():
+            if key in ("env", "volumeMounts", "ports"):
+                key_name = "mountPath" if key == "volumeMounts" else "name"
+                have = {item.get(key_name) for item in target.get(key, [])}
+                target[key] = [
+                    *target.get(key, []),
+                    *(v for v in value if v.get(key_name) not in have),
+                ]
+            elif key in ("resources", "securityContext") and isinstance(value, dict):
+                base = target.get(key, {})
+                if key == "resources":
+                    target[key] = {
+                        sub: {**base.get(sub, {}), **value.get(sub, {})} for sub in {*base, *value}
+                    }
+                else:
+                    target[key] = {**base, **value}
+            elif key in target:
+                continue  # image, command, args, terminationMessage*: ours
+            else:
+                target[key] = value
+    return merged
+
+
+def render_pod_template(
+    meta: dict[str, Any], spec: models.TrainingJobSpec, params: AttemptParams
+) -> dict[str, Any]:
+    """The Job's pod template (before user overrides)."""
+    name, namespace = meta["name"], meta["namespace"]
+    env = _runtime_env(name, namespace, spec, params)
+    env += [e.to_k8s() for e in spec.env or []]
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": spec.image,
+        "env": env,
+        "ports": [
+            {"name": "metrics", "containerPort": spec.metrics_port, "protocol": "TCP"},
+            {"name": "rendezvous", "containerPort": spec.master_port, "protocol": "TCP"},
+        ],
+        "terminationMessagePath": TERMINATION_MESSAGE_PATH,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    if spec.command:
+        container["command"] = list(spec.command)
+    if spec.args:
+        container["args"] = list(spec.args)
+    if spec.working_dir:
+        container["workingDir"] = spec.working_dir
+    if spec.resources_per_node:
+        container["resources"] = spec.resources_per_node.to_k8s()
+    if spec.volume_mounts:
+        container["volumeMounts"] = copy.deepcopy(spec.volume_mounts)
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "subdomain": service_name(name),
+        "terminationGracePeriodSeconds": params.grace_seconds,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": _DEFAULT_UID,
+            "runAsGroup": _DEFAULT_UID,
+            "fsGroup": _DEFAULT_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+    }
+    if spec.volumes:
+        pod_spec["volumes"] = copy.deepcopy(spec.volumes)
+    template = {
+        "metadata": {
+            # No Kueue labels on pods: Kueue manages the Job, and labelled pods could be taken
+            # for plain-pod workloads by its pod integration.
+            "labels": _labels(name, params.attempt),
+            "annotations": {
+                ANNOTATION_GRACE: str(params.grace_seconds),
+                ANNOTATION_RESUME_FROM: params.resume_from,
+            },
+            "finalizers": [ATTEMPT_FINALIZER],
+        },
+        "spec": pod_spec,
+    }
+    return merge_pod_template(template, spec.pod_template)
+
+
+def render_job(
+    meta: dict[str, Any], spec: models.TrainingJobSpec, params: AttemptParams
+) -> dict[str, Any]:
+    """The attempt's Indexed Job (``<name>-a<N>``)."""
+    name = meta["name"]
+    labels = {**_labels(name, params.attempt), **_kueue_labels(spec)}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": job_name(name, params.attempt),
+            "namespace": meta["namespace"],
+            "labels": labels,
+            "annotations": {
+                ANNOTATION_GRACE: str(params.grace_seconds),
+                ANNOTATION_RESUME_FROM: params.resume_from,
+                **(
+                    {ANNOTATION_START_STEP: str(params.start_step)}
+                    if params.start_step is not None
+                    else {}
+                ),
+            },
+            "ownerReferences": [owner_reference(meta)],
+        },
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": spec.num_nodes,
+            "parallelism": spec.num_nodes,
+            # One attempt = one try; retries are new attempts decided by the operator.
+            "backoffLimit": 0,
+            # Never start a replacement while the old pod may still be writing its checkpoint.
+            "podReplacementPolicy": "Failed",
+            "podFailurePolicy": {
+                "rules": [
+                    {
+                        "action": "FailJob",
+                        "onExitCodes": {
+                            "containerName": CONTAINER_NAME,
+                            "operator": "In",
+                            "values": [protocol.EXIT_PREEMPTED],
+                        },
+                    },
+                    {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget"}]},
+                ]
+            },
+            "suspend": params.suspended,
+            "template": render_pod_template(meta, spec, params),
+        },
+    }
+
+
+def render_service(meta: dict[str, Any], spec: models.TrainingJobSpec) -> dict[str, Any]:
+    """Headless Service for rendezvous: gives pods DNS names <job>-<index>.<service>."""
+    name = meta["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": service_name(name),
+            "namespace": meta["namespace"],
+            "labels": _labels(name, None),
+            "ownerReferences": [owner_reference(meta)],
+        },
+        "spec": {
+            "clusterIP": "None",
+            "selector": {LABEL_TRAINING_JOB: name},
+            # Rank 0 must resolve before it is Ready (rendezvous happens before readiness).
+            "publishNotReadyAddresses": True,
+            "ports": [{"name": "rendezvous", "port": spec.master_port, "protocol": "TCP"}],
+        },
+    }

@@ -1,0 +1,90 @@
+"""A TrainingJob preempted by Kueue (a higher-priority Job takes its quota) requeues through
+Kueue and resumes from its JIT checkpoint with no lost steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kubernetes
+import pytest
+
+from tests.cluster.controlplane import ControlPlane
+from tests.cluster.helpers import job_manifest, python_container
+from tests.cluster.kueue import Kueue
+from tests.cluster.node_agent import NodeAgent
+from tests.operator.harness import OperatorProcess, TJClient, toy_training_job, wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.kueue, pytest.mark.slow]
+
+
+def test_kueue_preemption_requeues_and_resumes(
+    control_plane: ControlPlane,
+    node_agent: NodeAgent,
+    kueue: Kueue,
+    kueue_namespace: str,
+    tj: TJClient,
+    least_privilege_operator: OperatorProcess,
+    checkpoint_root: Path,
+) -> None:
+    # The operator runs with only its documented RBAC (Workloads: list, patch).
+    operator = least_privilege_operator
+    assert tj.ns == kueue_namespace
+    quota_cpu = kueue.quota["cpu"]
+    body = toy_training_job(
+        "kq",
+        checkpoint_root,
+        max_steps=30,
+        step_sleep=0.3,
+        cpu=quota_cpu,
+        queueName=kueue.local_queue,
+        priorityClass=kueue.low_priority,
+    )
+    tj.create(body)
+    (job,) = wait_for("attempt 1 Job", lambda: tj.jobs("kq"))
+    assert job.metadata.labels[kueue.queue_label] == kueue.local_queue
+    assert job.metadata.labels[kueue.priority_label] == kueue.low_priority
+    wait_for(
+        "running at step >= 4",
+        lambda: (tj.status("kq").get("progress") or {}).get("step", 0) >= 4,
+        on_timeout=lambda: tj.describe("kq") + operator.tail(),
+    )
+    conds = {c["type"]: c for c in tj.status("kq")["conditions"]}
+    assert conds["Admitted"]["status"] == "True"
+
+    # A high-priority Job that needs the whole quota: Kueue preempts the TrainingJob.
+    high = job_manifest(
+        "high",
+        [python_container("import time; time.sleep(6)", cpu=quota_cpu)],
+        labels=kueue.job_labels(kueue.high_priority),
+        suspend=True,
+    )
+    batch = kubernetes.client.BatchV1Api(control_plane.api_client())
+    batch.create_namespaced_job(tj.ns, high)
+
+    # While the high Job holds the quota, attempt 2 waits in the queue.
+    status = wait_for(
+        "attempt 2 queued",
+        lambda: (s := tj.status("kq")).get("attempt") == 2 and s,
+        on_timeout=lambda: tj.describe("kq") + operator.tail(),
+    )
+    first = status["attempts"][0]
+    assert (first["outcome"], first["reason"]) == ("Preempted", "KueuePreempted"), first
+    assert first["exitCodes"] == [75] and first["lostSteps"] == 0
+
+    status = wait_for(
+        "Succeeded",
+        lambda: tj.phase_is("kq", "Succeeded", "Failed"),
+        on_timeout=lambda: tj.describe("kq") + operator.tail(),
+    )
+    assert status["phase"] == "Succeeded", tj.describe("kq")
+    first, second = status["attempts"]
+    assert second["resumeFrom"] == first["checkpoint"]
+    assert second["startStep"] == first["endStep"] >= 4
+    assert (status["preemptions"], status.get("lostSteps", 0)) == (1, 0)
+    assert status["progress"]["step"] == 30
+    high_job = batch.read_namespaced_job("high", tj.ns)
+    assert any(c.type == "Complete" and c.status == "True" for c in high_job.status.conditions)
+    assert [j.metadata.name for j in tj.jobs("kq")] == ["kq-a2"]
+    assert "KueuePreempted" in [r for r, _ in tj.events("kq")]
+    log = operator.log.read_text(errors="replace")
+    assert "Forbidden" not in log and " 403" not in log, operator.tail(200)

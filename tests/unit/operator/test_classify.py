@@ -1,0 +1,324 @@
+"""classify_interruption tells success, the kinds of preemption and real failures apart."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from preemptible_operator.classify import classify_interruption, container_end, pod_finished
+from preemptible_operator.conditions import Reason
+from tests.unit.operator.builders import cond, make_job, make_pod
+from trainer_runtime import protocol
+
+PREEMPTED_MSG = protocol.TerminationMessage(
+    reason="preempted",
+    step=12,
+    checkpoint="/c/checkpoint-12",
+    complete=True,
+    sigterm_to_exit_seconds=4.5,
+).model_dump_json()
+
+
+def _wl(*conds: dict[str, Any]) -> dict[str, Any]:
+    return {"metadata": {"name": "wl"}, "status": {"conditions": list(conds)}}
+
+
+CASES = [
+    # (id, job, pods, workload, kwargs, outcome, reason)
+    ("running", make_job(), [make_pod()], None, {}, "Active", Reason.STARTED),
+    (
+        "complete-condition",
+        make_job(conditions=[cond("Complete")]),
+        [],
+        None,
+        {},
+        "Succeeded",
+        Reason.COMPLETED,
+    ),
+    (
+        "all-ranks-exit-0",
+        make_job(completions=2),
+        [
+            make_pod("a", index=0, phase="Succeeded", exit_code=0),
+            make_pod("b", index=1, phase="Succeeded", exit_code=0),
+        ],
+        None,
+        {},
+        "Succeeded",
+        Reason.COMPLETED,
+    ),
+    (
+        "one-of-two-done",
+        make_job(completions=2),
+        [make_pod("a", phase="Succeeded", exit_code=0), make_pod("b", index=1)],
+        None,
+        {},
+        "Active",
+        Reason.STARTED,
+    ),
+    (
+        "kueue-preempted",
+        make_job(suspend=True),
+        [make_pod(deleting=True)],
+        _wl(cond("Evicted", "Preempted", "preempted by high")),
+        {},
+        "Preempted",
+        Reason.KUEUE_PREEMPTED,
+    ),
+    (
+        "kueue-preempted-condition",
+        make_job(suspend=True),
+        [],
+        _wl(cond("Preempted", "InClusterQueue")),
+        {},
+        "Preempted",
+        Reason.KUEUE_PREEMPTED,
+    ),
+    (
+        "kueue-evicted-other",
+        make_job(suspend=True),
+        [],
+        _wl(cond("Evicted", "PodsReadyTimeout")),
+        {},
+        "Preempted",
+        Reason.KUEUE_EVICTED,
+    ),
+    (
+        "suspended-after-admission-no-workload",
+        make_job(suspend=True),
+        [],
+        None,
+        {"was_admitted": True},
+        "Preempted",
+        Reason.KUEUE_EVICTED,
+    ),
+    (
+        "queued-never-admitted",
+        make_job(suspend=True),
+        [],
+        _wl(cond("QuotaReserved", status="False")),
+        {},
+        "Active",
+        Reason.STARTED,
+    ),
+    (
+        "eviction-api",
+        make_job(),
+        [
+            make_pod(
+                phase="Failed",
+                exit_code=75,
+                message=PREEMPTED_MSG,
+                conditions=[cond("DisruptionTarget", "EvictionByEvictionAPI")],
+            )
+        ],
+        None,
+        {},
+        "Preempted",
+        Reason.POD_EVICTED,
+    ),
+    (
+        "scheduler-preemption",
+        make_job(),
+        [make_pod(conditions=[cond("DisruptionTarget", "PreemptionByScheduler")])],
+        None,
+        {},
+        "Preempted",
+        Reason.SCHEDULER_PREEMPTED,
+    ),
+    (
+        "taint-manager",
+        make_job(),
+        [make_pod(conditions=[cond("DisruptionTarget", "DeletionByTaintManager")])],
+        None,
+        {},
+        "Preempted",
+        Reason.NODE_LOST,
+    ),
+    (
+        "kubelet-shutdown",
+        make_job(),
+        [make_pod(conditions=[cond("DisruptionTarget", "TerminationByKubelet")])],
+        None,
+        {},
+        "Preempted",
+        Reason.NODE_SHUTDOWN,
+    ),
+    (
+        "node-not-ready",
+        make_job(),
+        [make_pod(node="n1")],
+        None,
+        {"node_ready": {"n1": False}},
+        "Preempted",
+        Reason.NODE_LOST,
+    ),
+    (
+        "node-gone",
+        make_job(),
+        [make_pod(node="n1")],
+        None,
+        {"node_ready": {}},
+        "Preempted",
+        Reason.NODE_LOST,
+    ),
+    (
+        "pod-unknown",
+        make_job(),
+        [make_pod(phase="Unknown")],
+        None,
+        {},
+        "Preempted",
+        Reason.NODE_LOST,
+    ),
+    (
+        "runtime-exit-75",
+        make_job(),
+        [make_pod(phase="Failed", exit_code=75, message=PREEMPTED_MSG)],
+        None,
+        {},
+        "Preempted",
+        Reason.RUNTIME_PREEMPTED,
+    ),
+    (
+        "sigkill-after-eviction",
+        make_job(),
+        [
+            make_pod(
+                phase="Failed",
+                exit_code=137,
+                conditions=[cond("DisruptionTarget", "EvictionByEvictionAPI")],
+            )
+        ],
+        None,
+        {},
+        "Preempted",
+        Reason.POD_EVICTED,
+    ),
+    (
+        "real-failure",
+        make_job(),
+        [make_pod(phase="Failed", exit_code=1, message="Traceback ... ValueError: boom")],
+        None,
+        {},
+        "Failed",
+        Reason.TRAINING_FAILED,
+    ),
+    (
+        "oom-without-disruption",
+        make_job(),
+        [make_pod(phase="Failed", exit_code=137)],
+        None,
+        {},
+        "Failed",
+        Reason.TRAINING_FAILED,
+    ),
+    (
+        "job-failed-no-pods",
+        make_job(conditions=[cond("Failed", "DeadlineExceeded")]),
+        [],
+        None,
+        {},
+        "Failed",
+        Reason.JOB_FAILED,
+    ),
+    (
+        "user-suspend",
+        make_job(),
+        [make_pod()],
+        None,
+        {"user_suspended": True},
+        "Suspended",
+        Reason.SUSPENDED,
+    ),
+    (
+        "success-beats-suspend",
+        make_job(conditions=[cond("Complete")]),
+        [],
+        None,
+        {"user_suspended": True},
+        "Succeeded",
+        Reason.COMPLETED,
+    ),
+    (
+        "kueue-beats-exit-code",
+        make_job(suspend=True),
+        [make_pod(phase="Failed", exit_code=75, message=PREEMPTED_MSG)],
+        _wl(cond("Evicted", "Preempted")),
+        {},
+        "Preempted",
+        Reason.KUEUE_PREEMPTED,
+    ),
+    (
+        "disruption-beats-crash-of-other-rank",
+        make_job(completions=2),
+        [
+            make_pod(
+                "a",
+                phase="Failed",
+                exit_code=75,
+                conditions=[cond("DisruptionTarget", "EvictionByEvictionAPI")],
+            ),
+            make_pod("b", index=1, phase="Failed", exit_code=1),
+        ],
+        None,
+        {},
+        "Preempted",
+        Reason.POD_EVICTED,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("job", "pods", "workload", "kwargs", "outcome", "reason"),
+    [c[1:] for c in CASES],
+    ids=[c[0] for c in CASES],
+)
+def test_classify(
+    job: dict[str, Any],
+    pods: list[dict[str, Any]],
+    workload: dict[str, Any] | None,
+    kwargs: dict[str, Any],
+    outcome: str,
+    reason: str,
+) -> None:
+    result = classify_interruption(job, pods, workload, **kwargs)
+    assert (result.outcome, result.reason) == (outcome, reason), result.message
+    assert result.over is (outcome != "Active")
+
+
+def test_failure_message_carries_the_error() -> None:
+    result = classify_interruption(
+        make_job(), [make_pod(phase="Failed", exit_code=1, message="ValueError: boom")]
+    )
+    assert "exited 1" in result.message and "boom" in result.message
+
+
+def test_container_end_parses_the_termination_message() -> None:
+    end = container_end(make_pod(phase="Failed", exit_code=75, message=PREEMPTED_MSG, grace=9))
+    assert end is not None and end.message is not None
+    assert (end.exit_code, end.message.step, end.message.sigterm_to_exit_seconds) == (75, 12, 4.5)
+    assert end.grace_seconds == 9 and not end.killed
+    killed = container_end(make_pod(phase="Failed", exit_code=137, message="some log tail"))
+    assert killed is not None and killed.killed and killed.message is None
+    assert container_end(make_pod()) is None
+
+
+@pytest.mark.parametrize(
+    ("pod", "node_ready", "finished"),
+    [
+        (make_pod(), None, False),
+        (make_pod(phase="Failed", exit_code=75), None, True),
+        (make_pod(phase="Succeeded", exit_code=0), None, True),
+        (make_pod(deleting=True), {"node-1": True}, False),
+        (make_pod(deleting=True), {"node-1": False}, True),
+        (make_pod(deleting=True, node=None, phase="Pending"), None, True),
+        (make_pod(phase="Pending", node=None), None, False),
+        (make_pod(phase="Running", exit_code=75), None, True),  # terminated, phase not yet
+    ],
+)
+def test_pod_finished(
+    pod: dict[str, Any], node_ready: dict[str, bool] | None, finished: bool
+) -> None:
+    assert pod_finished(pod, node_ready) is finished

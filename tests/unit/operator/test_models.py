@@ -1,0 +1,88 @@
+"""Spec validation: defaults, structural errors, and the semantic errors behind InvalidSpec."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from preemptible_operator import models
+from tests.unit.operator.builders import make_spec
+
+
+def test_defaults_come_from_the_shared_grace_policy() -> None:
+    from trainer_runtime.grace import GracePolicy
+
+    spec = make_spec()
+    gp = spec.grace_period
+    policy = GracePolicy()
+    assert (gp.initial_seconds, gp.min, gp.max, gp.headroom, gp.kill_wait_seconds) == (
+        policy.initial_seconds,
+        policy.minimum,
+        policy.maximum,
+        policy.headroom,
+        policy.kill_wait,
+    )
+    assert spec.num_nodes == 1 and spec.max_restarts == 3 and spec.suspend is False
+
+
+def test_camel_case_round_trip() -> None:
+    spec = make_spec(numNodes=2, gracePeriod={"seconds": 60}, queueName="team-a")
+    dumped = spec.to_k8s()
+    assert dumped["numNodes"] == 2
+    assert dumped["gracePeriod"]["seconds"] == 60
+    assert dumped["queueName"] == "team-a"
+    assert models.TrainingJobSpec.model_validate(dumped) == spec
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field_path", "words"),
+    [
+        ({"numNodes": 0}, "spec.numNodes", ">= 1"),
+        ({"gracePeriod": {"min": 100, "max": 50}}, "spec.gracePeriod", "min (100) must not exceed"),
+        ({"gracePeriod": {"min": 0}}, "spec.gracePeriod", "min must be >= 1"),
+        ({"gracePeriod": {"headroom": -0.5}}, "spec.gracePeriod", "headroom"),
+        ({"queueName": "Team A!"}, "spec.queueName", "not a valid Kubernetes label value"),
+        ({"priorityClass": "x" * 64}, "spec.priorityClass", "at most 63"),
+        ({"maxRestarts": -1}, "spec.maxRestarts", ">= 0"),
+        ({"metricsPort": 70000}, "spec.metricsPort", "1..65535"),
+        (
+            {"env": [{"name": "PREEMPTIBLE_RESUME_FROM", "value": "x"}]},
+            "spec.env",
+            "set by the operator",
+        ),
+        ({"checkpoint": {"uri": ""}}, "spec.checkpoint.uri", "at least 1"),
+    ],
+)
+def test_semantic_errors_name_the_field(
+    overrides: dict[str, Any], field_path: str, words: str
+) -> None:
+    raw: dict[str, Any] = {"image": "img", "checkpoint": {"uri": "/c"}, **overrides}
+    with pytest.raises(ValidationError) as info:
+        models.parse_spec(raw)
+    message = models.format_validation_error(info.value)
+    assert message.startswith(field_path), message
+    assert words in message, message
+
+
+def test_missing_required_fields_are_reported() -> None:
+    with pytest.raises(ValidationError) as info:
+        models.parse_spec({})
+    message = models.format_validation_error(info.value)
+    assert "spec.image" in message and "spec.checkpoint" in message
+
+
+def test_status_ignores_unknown_fields_and_dumps_camel_case() -> None:
+    status = models.TrainingJobStatus.model_validate(
+        {
+            "phase": "Running",
+            "lastCompleteCheckpoint": {"step": 5, "path": "/c/checkpoint-5"},
+            "somethingOld": 1,
+        }
+    )
+    assert status.last_complete_checkpoint is not None
+    assert status.to_k8s() == {
+        "phase": "Running",
+        "lastCompleteCheckpoint": {"step": 5, "path": "/c/checkpoint-5"},
+    }

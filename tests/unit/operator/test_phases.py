@@ -1,0 +1,159 @@
+"""The state machine (next_phase) and the restart backoff."""
+
+from __future__ import annotations
+
+import pytest
+
+from preemptible_operator.classify import Interruption
+from preemptible_operator.conditions import Reason
+from preemptible_operator.phases import PhaseInputs, backoff_seconds, next_phase
+
+ACTIVE = Interruption("Active", Reason.STARTED)
+EVICTED = Interruption("Preempted", Reason.POD_EVICTED, "pod x: evicted")
+KUEUE = Interruption("Preempted", Reason.KUEUE_PREEMPTED, "Kueue Evicted (Preempted)")
+FAILED = Interruption("Failed", Reason.TRAINING_FAILED, "exit 1")
+DONE = Interruption("Succeeded", Reason.COMPLETED)
+SUSPENDED = Interruption("Suspended", Reason.SUSPENDED)
+
+CASES = [
+    ("new", PhaseInputs(), "Pending", "create_attempt"),
+    ("new-but-suspended", PhaseInputs(suspend=True), "Suspended", "none"),
+    ("invalid", PhaseInputs(invalid=True, attempt=2), "Failed", "fail_invalid"),
+    ("terminal-stays", PhaseInputs(current_phase="Succeeded", invalid=True), "Succeeded", "finish"),
+    (
+        "queued",
+        PhaseInputs(attempt=1, job_exists=True, job_suspended=True, kueue=True, pods=0),
+        "Queued",
+        "none",
+    ),
+    ("pods-pending", PhaseInputs(attempt=1, job_exists=True, pods=1), "Pending", "none"),
+    ("running", PhaseInputs(attempt=1, job_exists=True, pods=2, running_pods=2), "Running", "none"),
+    (
+        "job-missing-recreate",
+        PhaseInputs(attempt=1, job_exists=False, pods=0),
+        "Pending",
+        "create_attempt",
+    ),
+    (
+        "evicted-checkpointing",
+        PhaseInputs(attempt=1, job_exists=True, pods=1, interruption=EVICTED, pods_finished=False),
+        "Checkpointing",
+        "none",
+    ),
+    (
+        "kueue-checkpointing-deactivates",
+        PhaseInputs(attempt=1, job_exists=True, pods=1, interruption=KUEUE, pods_finished=False),
+        "Checkpointing",
+        "deactivate_workload",
+    ),
+    (
+        "evicted-pods-gone-record",
+        PhaseInputs(attempt=1, job_exists=True, pods=1, interruption=EVICTED, pods_finished=True),
+        "Requeueing",
+        "record_attempt",
+    ),
+    (
+        "success-record",
+        PhaseInputs(attempt=1, job_exists=True, interruption=DONE),
+        "Succeeded",
+        "record_attempt",
+    ),
+    (
+        "success-ranks-finishing",
+        PhaseInputs(attempt=1, job_exists=True, pods=2, interruption=DONE, pods_finished=False),
+        "Running",
+        "none",
+    ),
+    (
+        "failure-other-ranks-stopping",
+        PhaseInputs(attempt=1, job_exists=True, pods=2, interruption=FAILED, pods_finished=False),
+        "Running",
+        "none",
+    ),
+    (
+        "user-suspend-stops",
+        PhaseInputs(
+            attempt=1,
+            job_exists=True,
+            pods=1,
+            running_pods=1,
+            suspend=True,
+            interruption=SUSPENDED,
+            pods_finished=False,
+        ),
+        "Checkpointing",
+        "stop_attempt",
+    ),
+    (
+        "user-suspend-recorded",
+        PhaseInputs(attempt=1, recorded_outcome="Suspended", suspend=True),
+        "Suspended",
+        "cleanup",
+    ),
+    (
+        "user-resume",
+        PhaseInputs(attempt=1, recorded_outcome="Suspended", suspend=False),
+        "Requeueing",
+        "create_attempt",
+    ),
+    (
+        "preempted-recorded-requeue",
+        PhaseInputs(attempt=2, recorded_outcome="Preempted"),
+        "Requeueing",
+        "create_attempt",
+    ),
+    (
+        "preemptions-never-exhaust",
+        PhaseInputs(attempt=9, recorded_outcome="Preempted", failures=0, max_restarts=0),
+        "Requeueing",
+        "create_attempt",
+    ),
+    (
+        "failure-backoff",
+        PhaseInputs(
+            attempt=1, recorded_outcome="Failed", failures=1, max_restarts=3, backoff_remaining=8.0
+        ),
+        "Requeueing",
+        "wait_backoff",
+    ),
+    (
+        "failure-restart",
+        PhaseInputs(attempt=1, recorded_outcome="Failed", failures=1, max_restarts=3),
+        "Requeueing",
+        "create_attempt",
+    ),
+    (
+        "failure-exhausted",
+        PhaseInputs(attempt=4, recorded_outcome="Failed", failures=4, max_restarts=3),
+        "Failed",
+        "finish",
+    ),
+    (
+        "max-restarts-zero",
+        PhaseInputs(attempt=1, recorded_outcome="Failed", failures=1, max_restarts=0),
+        "Failed",
+        "finish",
+    ),
+    (
+        "succeeded-recorded",
+        PhaseInputs(attempt=3, recorded_outcome="Succeeded"),
+        "Succeeded",
+        "finish",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("inputs", "phase", "action"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_next_phase(inputs: PhaseInputs, phase: str, action: str) -> None:
+    decision = next_phase(inputs)
+    assert (decision.phase, decision.action) == (phase, action), decision
+
+
+@pytest.mark.parametrize(
+    ("base", "failures", "expected"),
+    [(10, 0, 0), (10, 1, 10), (10, 2, 20), (10, 3, 40), (10, 20, 3600), (0, 3, 0)],
+)
+def test_backoff_seconds(base: int, failures: int, expected: int) -> None:
+    assert backoff_seconds(base, failures) == expected

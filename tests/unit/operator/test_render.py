@@ -1,0 +1,217 @@
+"""Rendering of the attempt Job and the rendezvous Service (pure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from preemptible_operator import render
+from tests.unit.operator.builders import META, make_spec
+from trainer_runtime import protocol
+
+
+def _params(**kw: Any) -> render.AttemptParams:
+    base = {
+        "attempt": 3,
+        "grace_seconds": 77,
+        "resume_from": "/ckpt/run/checkpoint-10",
+        "suspended": False,
+    }
+    base.update(kw)
+    return render.AttemptParams(**base)
+
+
+def _env(job: dict[str, Any]) -> dict[str, Any]:
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_job_identity_policies_and_owner() -> None:
+    job = render.render_job(META, make_spec(numNodes=4), _params())
+    assert job["metadata"]["name"] == "tj-a3"
+    assert job["metadata"]["labels"] == {
+        render.LABEL_TRAINING_JOB: "tj",
+        render.LABEL_ATTEMPT: "3",
+    }
+    (owner,) = job["metadata"]["ownerReferences"]
+    assert owner == {
+        "apiVersion": "preemptible.dev/v1alpha1",
+        "kind": "TrainingJob",
+        "name": "tj",
+        "uid": "uid-1",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    spec = job["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 4, 4)
+    assert spec["backoffLimit"] == 0
+    assert spec["podReplacementPolicy"] == "Failed"
+    assert spec["suspend"] is False
+    rules = spec["podFailurePolicy"]["rules"]
+    assert rules[0] == {
+        "action": "FailJob",
+        "onExitCodes": {
+            "containerName": "trainer",
+            "operator": "In",
+            "values": [protocol.EXIT_PREEMPTED],
+        },
+    }
+    assert rules[1] == {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget"}]}
+    pod = spec["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    assert pod["terminationGracePeriodSeconds"] == 77
+    assert pod["subdomain"] == "tj"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    container = pod["containers"][0]
+    assert container["terminationMessagePath"] == "/dev/termination-log"
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert container["command"] == ["python", "-m", "trainer_runtime.toy"]
+    assert spec["template"]["metadata"]["finalizers"] == [render.ATTEMPT_FINALIZER]
+
+
+def test_runtime_environment_contract() -> None:
+    env = _env(render.render_job(META, make_spec(numNodes=2, masterPort=1234), _params()))
+    index_ref = {
+        "fieldRef": {
+            "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+        }
+    }
+    assert env[protocol.ENV_OUTPUT_DIR] == "/ckpt/run"
+    assert env[protocol.ENV_RESUME_FROM] == "/ckpt/run/checkpoint-10"
+    assert env[protocol.ENV_GRACE_SECONDS] == "77"
+    assert env[protocol.ENV_KILL_WAIT_SECONDS] == "3"
+    assert env[protocol.ENV_ATTEMPT] == "3"
+    assert env[protocol.ENV_METRICS_PORT] == "9090"
+    assert env[protocol.ENV_METRICS_HOST] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["MASTER_ADDR"] == "tj-a3-0.tj.ns.svc"
+    assert env["MASTER_PORT"] == "1234"
+    assert env["WORLD_SIZE"] == "2"
+    assert env["NODE_RANK"] == index_ref and env["RANK"] == index_ref
+    assert env["LOCAL_RANK"] == "0"
+
+
+def test_single_node_gets_no_process_group_env() -> None:
+    env = _env(render.render_job(META, make_spec(numNodes=1), _params()))
+    assert not {
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "NODE_RANK",
+    } & set(env)
+    assert env[protocol.ENV_OUTPUT_DIR] == "/ckpt/run"
+
+
+@pytest.mark.parametrize(
+    ("queue", "priority", "suspended", "labels"),
+    [
+        (None, None, False, {}),
+        ("team-a", None, True, {render.KUEUE_QUEUE_LABEL: "team-a"}),
+        (
+            "team-a",
+            "high",
+            True,
+            {render.KUEUE_QUEUE_LABEL: "team-a", render.KUEUE_PRIORITY_LABEL: "high"},
+        ),
+    ],
+)
+def test_kueue_labels_and_suspension(
+    queue: str | None, priority: str | None, suspended: bool, labels: dict[str, str]
+) -> None:
+    spec = make_spec(queueName=queue, priorityClass=priority)
+    job = render.render_job(META, spec, _params(suspended=suspended))
+    kueue = {k: v for k, v in job["metadata"]["labels"].items() if k.startswith("kueue")}
+    assert kueue == labels
+    assert job["spec"]["suspend"] is suspended
+    # Kueue labels stay off the pods (Kueue's pod integration must not adopt them).
+    pod_labels = job["spec"]["template"]["metadata"]["labels"]
+    assert not any(k.startswith("kueue") for k in pod_labels)
+
+
+def test_user_overrides_merge_without_losing_ours() -> None:
+    spec = make_spec(
+        env=[{"name": "HF_HOME", "value": "/cache"}],
+        resourcesPerNode={"requests": {"cpu": 2}, "limits": {"memory": "1Gi"}},
+        volumes=[{"name": "ckpt", "hostPath": {"path": "/ckpt"}}],
+        volumeMounts=[{"name": "ckpt", "mountPath": "/ckpt"}],
+        podTemplate={
+            "metadata": {
+                "labels": {"team": "a", render.LABEL_ATTEMPT: "999"},
+                "annotations": {"note": "x"},
+            },
+            "spec": {
+                "nodeSelector": {"pool": "spot"},
+                "tolerations": [{"key": "spot", "operator": "Exists"}],
+                "volumes": [{"name": "cache", "emptyDir": {}}],
+                "restartPolicy": "Always",
+                "terminationGracePeriodSeconds": 1,
+                "securityContext": {"runAsUser": 4242},
+                "serviceAccountName": "trainer",
+                "containers": [
+                    {
+                        "name": "trainer",
+                        "image": "evil",
+                        "resources": {"limits": {"nvidia.com/gpu": 1}},
+                        "volumeMounts": [{"name": "cache", "mountPath": "/cache"}],
+                        "env": [{"name": "EXTRA", "value": "1"}],
+                    },
+                    {"name": "sidecar", "image": "busybox"},
+                ],
+            },
+        },
+    )
+    template = render.render_job(META, spec, _params())["spec"]["template"]
+    meta, pod = template["metadata"], template["spec"]
+    assert meta["labels"]["team"] == "a"
+    assert meta["labels"][render.LABEL_ATTEMPT] == "3"  # ours win
+    assert meta["annotations"]["note"] == "x"
+    assert meta["annotations"][render.ANNOTATION_GRACE] == "77"
+    assert pod["nodeSelector"] == {"pool": "spot"}
+    assert pod["tolerations"] == [{"key": "spot", "operator": "Exists"}]
+    assert [v["name"] for v in pod["volumes"]] == ["ckpt", "cache"]
+    assert pod["restartPolicy"] == "Never"
+    assert pod["terminationGracePeriodSeconds"] == 77
+    assert pod["securityContext"]["runAsUser"] == 4242
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["serviceAccountName"] == "trainer"
+    trainer, sidecar = pod["containers"]
+    assert sidecar["name"] == "sidecar"
+    assert trainer["image"] == "preemptible:dev"
+    assert trainer["resources"] == {
+        "requests": {"cpu": 2},
+        "limits": {"memory": "1Gi", "nvidia.com/gpu": 1},
+    }
+    assert [m["mountPath"] for m in trainer["volumeMounts"]] == ["/ckpt", "/cache"]
+    names = [e["name"] for e in trainer["env"]]
+    assert names.count(protocol.ENV_OUTPUT_DIR) == 1
+    assert "HF_HOME" in names and "EXTRA" in names
+
+
+def test_service_is_headless_and_selects_all_attempts() -> None:
+    svc = render.render_service(META, make_spec())
+    assert svc["metadata"]["name"] == "tj"
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"] == {render.LABEL_TRAINING_JOB: "tj"}
+    assert svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+
+
+@pytest.mark.parametrize(
+    ("name", "ok"),
+    [
+        ("tj", True),
+        ("a" * 52, True),
+        ("a" * 53, False),
+        ("My-Job", False),
+        ("1job", False),
+        ("job.v1", False),
+        ("job-", False),
+    ],
+)
+def test_validate_name(name: str, ok: bool) -> None:
+    problem = render.validate_name(name)
+    assert (problem is None) is ok
+    if problem:
+        assert problem.startswith("metadata.name")
