@@ -133,6 +133,9 @@ def _runtime_env(
         {"name": protocol.ENV_OUTPUT_DIR, "value": spec.checkpoint.uri},
         {"name": protocol.ENV_RESUME_FROM, "value": params.resume_from},
         {"name": protocol.ENV_GRACE_SECONDS, "value": str(params.grace_seconds)},
+        # torchrun SIGKILLs its workers this long after SIGTERM (default 30 s): give them the
+        # pod's whole grace period when the user's command launches through torchrun.
+        {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(params.grace_seconds)},
         {
             "name": protocol.ENV_KILL_WAIT_SECONDS,
             "value": f"{spec.grace_period.kill_wait_seconds:g}",

@@ -253,6 +253,10 @@ class Trainer:
         try:
             checkpoint = self._resolve_resume(resume_from_checkpoint)
             output = self._train(checkpoint)
+            if self.preempted and 0 < self.state.max_steps <= self.state.global_step:
+                # The stop landed on the last step: training is finished, not interrupted, so the
+                # next attempt must not be started for zero steps.
+                self.preempted = False
             if operator and self.preempted:
                 # None on a rank that did not itself receive the SIGTERM (another rank did)
                 elapsed = latch.elapsed()
@@ -269,6 +273,9 @@ class Trainer:
                 raise SystemExit(EXIT_PREEMPTED)
             if operator:
                 self._write_termination("completed")
+                # A SIGTERM between here and the process exit must not turn a finished run into
+                # death by signal (exit 143): keep latching it.
+                keep_handler = True
             return output
         except BaseException as exc:
             if operator and not isinstance(exc, SystemExit | KeyboardInterrupt):

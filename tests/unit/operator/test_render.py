@@ -80,6 +80,7 @@ def test_runtime_environment_contract() -> None:
     assert env[protocol.ENV_OUTPUT_DIR] == "/ckpt/run"
     assert env[protocol.ENV_RESUME_FROM] == "/ckpt/run/checkpoint-10"
     assert env[protocol.ENV_GRACE_SECONDS] == "77"
+    assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "77"
     assert env[protocol.ENV_KILL_WAIT_SECONDS] == "3"
     assert env[protocol.ENV_ATTEMPT] == "3"
     assert env[protocol.ENV_METRICS_PORT] == "9090"

@@ -182,9 +182,31 @@ def test_operator_exit_protocol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     # the next attempt resumes and completes: exit protocol "completed", no exception
     monkeypatch.setenv(ENV_ATTEMPT, "3")
     done = make_trainer(out, max_steps=4, save_steps=100, enable_jit_checkpoint=True)
-    done.train(resume_from_checkpoint=True)
+    try:
+        done.train(resume_from_checkpoint=True)
+        # finished under the operator: a late SIGTERM must not turn exit 0 into exit 143
+        assert signal.getsignal(signal.SIGTERM) == done.sigterm_latch._handle  # type: ignore[union-attr]
+    finally:
+        signal.signal(signal.SIGTERM, before)
     msg = json.loads(log.read_text())
     assert msg["reason"] == "completed" and msg["step"] == 4 and msg["attempt"] == 3
+
+
+def test_stop_on_the_last_step_is_a_completion(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = tmp_path / "termination-log"
+    monkeypatch.setenv(ENV_TERMINATION_LOG, str(log))
+    monkeypatch.setenv(ENV_ATTEMPT, "1")
+    trainer, _ = jit_trainer(tmp_path / "out", "on_step_end", 4, save_steps=100, max_steps=4)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        trainer.train()  # no SystemExit(75): nothing is left to resume
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert not trainer.preempted and trainer.state.global_step == 4
+    msg = json.loads(log.read_text())
+    assert msg["reason"] == "completed" and msg["step"] == 4
 
 
 def test_operator_failure_is_reported_and_reraised(
