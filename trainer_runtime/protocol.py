@@ -13,6 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "DEFAULT_KILL_WAIT_SECONDS",
+    "DEFAULT_TERMINATION_LOG",
     "ENV_ATTEMPT",
     "ENV_GRACE_SECONDS",
     "ENV_KILL_WAIT_SECONDS",
@@ -23,8 +25,6 @@ __all__ = [
     "ENV_TERMINATION_LOG",
     "EXIT_PREEMPTED",
     "METRIC_NAMES",
-    "DEFAULT_KILL_WAIT_SECONDS",
-    "DEFAULT_TERMINATION_LOG",
     "SaveTimings",
     "StepTimings",
     "TerminationMessage",
