@@ -28,6 +28,7 @@ EVENTS = (
     "on_substep_end",
     "on_step_end",
     "on_evaluate",
+    "on_prediction_step",
     "on_predict",
     "on_save",
     "on_log",
@@ -96,6 +97,11 @@ class TrainerCallback:
         pass
 
     def on_predict(self, args: Any, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
+        pass
+
+    def on_prediction_step(
+        self, args: Any, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> Any:
         pass
 
     def on_save(self, args: Any, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:

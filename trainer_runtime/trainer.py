@@ -31,7 +31,7 @@ from trainer_runtime.callbacks import (
     DefaultFlowCallback,
     TrainerCallback,
 )
-from trainer_runtime.checkpoint_io import CheckpointReader, CheckpointWriter, rotate_checkpoints
+from trainer_runtime.checkpoint_io import CheckpointReader, CheckpointWriter
 from trainer_runtime.checkpoints import (
     TRAINER_STATE_NAME,
     CheckpointInfo,
@@ -60,6 +60,7 @@ from trainer_runtime.signals import SigtermLatch
 from trainer_runtime.state import PREEMPTIBLE_KEY, TrainerControl, TrainerState
 from trainer_runtime.storage import Storage
 from trainer_runtime.timings import SaveTimer, StepTimer
+from trainer_runtime.trainer_features import TrainerFeaturesMixin
 from trainer_runtime.trainer_utils import TrainOutput, set_seed
 from trainer_runtime.training_args import TrainingArguments
 
@@ -139,7 +140,7 @@ class _DataPosition:
         return {"kind": kind, "epoch": self.epoch, "batch": self.batch}
 
 
-class Trainer:
+class Trainer(TrainerFeaturesMixin):
     """Train a ``torch.nn.Module`` whose forward returns the loss first (a mapping with ``loss`` or
     a tuple), on a map-style or iterable dataset of examples, with resumable checkpoints and
     just-in-time checkpointing on SIGTERM.
@@ -157,6 +158,7 @@ class Trainer:
         compute_metrics: Callable[..., dict[str, float]] | None = None,
         callbacks: list[TrainerCallback | type[TrainerCallback]] | None = None,
         optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
+        preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
     ) -> None:
         if model is None:
             raise ConfigurationError("Trainer requires a model: pass model=<torch.nn.Module>")
@@ -209,6 +211,7 @@ class Trainer:
         # keyword arguments the forward accepts; None: any (**kwargs); computed on first use
         self._forward_keys: frozenset[str] | None = None
         self._forward_keys_known = False
+        self._init_features(preprocess_logits_for_metrics)
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
 
     # -- callbacks ---------------------------------------------------------------------------------
@@ -401,7 +404,7 @@ class Trainer:
         self.train_dataloader = self.get_train_dataloader()
         max_steps, num_epochs = self._plan_steps()
         self.create_optimizer_and_scheduler(max_steps)
-        self.model_wrapped = self.accelerator.prepare_model(self.model)
+        self.model_wrapped = self._maybe_compile(self.accelerator.prepare_model(self.model))
         self.callback_handler.objects.update(
             model=self.model,
             optimizer=self.optimizer,
@@ -443,13 +446,19 @@ class Trainer:
         try:
             # NEFTune noise only while training; the hook goes on every exit path.
             with enable_neftune(self.model, self.args.neftune_noise_alpha):
+                self.is_in_train = True
                 self._event("on_train_begin")
+                if self.args.eval_on_start:
+                    self._evaluate_during_training()
                 self._event("on_epoch_begin")
                 while not self.should_stop():
                     self.train_step()
                     self._after_step()
+            if not self.preempted:
+                self._load_best_model_at_end()
             self._event("on_train_end")
         finally:
+            self.is_in_train = False
             if self.metrics is not None:
                 self.metrics.close()
                 self.metrics = None
@@ -476,6 +485,7 @@ class Trainer:
         started = time.perf_counter()
         self.control._new_step()
         batches = self._next_micro_batches()
+        self._count_tokens(batches)
         num_items = losses.count_items_in_batch(
             batches,
             shift_labels=losses.is_causal_lm(self.model),
@@ -509,9 +519,14 @@ class Trainer:
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
+        self._after_optimizer_step()
         # One host sync per step: the measured step time then includes the device work, which
         # is what the grace period must cover.
         loss_value = float(step_loss.item())
+        filtered = self.args.logging_nan_inf_filter and not math.isfinite(loss_value)
+        if filtered and self._steps_since_log:
+            # Logging only: a NaN/Inf step counts as the mean of the valid ones since the last log.
+            loss_value = self._loss_since_log / self._steps_since_log
         self._loss_total += loss_value
         self._steps_total += 1
         self._loss_since_log += loss_value
@@ -536,6 +551,7 @@ class Trainer:
             model_accepts_loss_kwargs=self._model_accepts_loss_kwargs(),
             has_compute_loss_func=self.compute_loss_func is not None,
             num_items_in_batch=num_items_in_batch,
+            has_label_smoother=self.label_smoother is not None,
         )
         if not scaled:
             loss = self._scale_mean_loss(inputs, loss, num_items_in_batch, num_micro_batches)
@@ -579,16 +595,18 @@ class Trainer:
         num_items_in_batch: int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """The loss of one micro-batch (Hugging Face semantics, see losses.compute_loss)."""
-        loss, outputs = losses.compute_loss(
-            model,
-            inputs,
-            num_items_in_batch=num_items_in_batch,
-            compute_loss_func=self.compute_loss_func,
-            label_names=self.label_names,
-            accepts_loss_kwargs=self._model_accepts_loss_kwargs(),
-            world_size=distributed.world_size(),
-            average_tokens_across_devices=self.args.average_tokens_across_devices,
-        )
+        with self.autocast_smart_context_manager():
+            loss, outputs = losses.compute_loss(
+                model,
+                inputs,
+                num_items_in_batch=num_items_in_batch,
+                compute_loss_func=self.compute_loss_func,
+                label_smoother=self.label_smoother,
+                label_names=self.label_names,
+                accepts_loss_kwargs=self._model_accepts_loss_kwargs(),
+                world_size=distributed.world_size(),
+                average_tokens_across_devices=self.args.average_tokens_across_devices,
+            )
         return (loss, outputs) if return_outputs else loss
 
     def _prepare_inputs(self, inputs: Any) -> Any:
@@ -711,6 +729,9 @@ class Trainer:
     def _log_and_save(self) -> None:
         if self.control.should_log:
             self._log_training()
+        if self.control.should_evaluate:
+            # Sets should_save when save_strategy="best" and the metric improved.
+            self._evaluate_during_training()
         if self.control.should_save:
             self.save_checkpoint()
         self.control.should_log = False
@@ -728,6 +749,8 @@ class Trainer:
         }
         if self._last_grad_norm is not None:
             logs["grad_norm"] = self._last_grad_norm
+        if self.args.include_num_input_tokens_seen != "no":
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
         self._loss_since_log, self._steps_since_log = 0.0, 0
         self.log(logs)
 
@@ -844,6 +867,8 @@ class Trainer:
                 writer.write_json(SCHEDULER_NAME, self.lr_scheduler.state_dict())
             rng_tensors, rng_meta = capture_rng_state()
             writer.write_tensors(rng_file_name(rank, world), rng_tensors, rng_meta)
+        # Every rank records the best checkpoint, so every rank loads it at the end.
+        self._before_checkpoint_write()
         if main:
             writer.write_json(TRAINING_ARGS_NAME, self.args.to_dict())
             state = self.state.to_dict()
@@ -854,14 +879,9 @@ class Trainer:
         self.save_timer.record(seconds if seconds is not None else time.perf_counter() - started)
         self.last_checkpoint = info
         logger.info("saved %s in %.3f s", info.path, self.save_timer.last or 0.0)
-        if self.args.save_total_limit is not None and main:
-            removed = rotate_checkpoints(
-                str(self.args.output_dir), self.args.save_total_limit, protect=(info.name,)
-            )
-            for path in removed:
-                logger.info(
-                    "rotated out %s (save_total_limit=%d)", path, self.args.save_total_limit
-                )
+        # save_total_limit keeps the best checkpoint too; save_strategy="best" drops stale bests.
+        for path in self._rotate_after_save(info):
+            logger.info("rotated out %s (save_total_limit=%s)", path, self.args.save_total_limit)
         distributed.barrier()
         self._event("on_save", checkpoint=info.path)
         self._publish_metrics()

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from trainer_runtime.data_args import ALL_SAMPLING_STRATEGIES, DataArguments
 from trainer_runtime.ddp_args import DdpArguments
 from trainer_runtime.errors import ConfigurationError
+from trainer_runtime.eval_args import FeatureArguments
 from trainer_runtime.protocol import ENV_OUTPUT_DIR
 
 __all__ = ["SAMPLING_STRATEGIES", "TrainingArguments"]
@@ -47,7 +48,7 @@ def _steps_or_ratio(name: str, value: float) -> float:
     return int(value) if value >= 1 else value
 
 
-class TrainingArguments(DataArguments, DdpArguments):
+class TrainingArguments(FeatureArguments, DataArguments, DdpArguments):
     """Arguments of :class:`trainer_runtime.Trainer` (Hugging Face names and defaults).
 
     Invalid values raise :class:`trainer_runtime.errors.ConfigurationError` naming the field, the
@@ -113,9 +114,8 @@ class TrainingArguments(DataArguments, DdpArguments):
     )
 
     # -- checkpoints -------------------------------------------------------------------------------
-    save_strategy: Literal["no", "steps", "epoch"] = Field(
-        "steps", description="When to save periodic checkpoints."
-    )
+    # save_strategy (with "best"), report_to and the evaluation / logging / best-model / precision
+    # fields come from FeatureArguments (trainer_runtime.eval_args).
     save_steps: float = Field(
         500,
         description="Save every N optimizer steps (save_strategy='steps'); a value < 1 is a ratio "
@@ -168,9 +168,6 @@ class TrainingArguments(DataArguments, DdpArguments):
         500, description="Log every N optimizer steps; a value < 1 is a ratio of the total steps."
     )
     logging_first_step: bool = Field(False, description="Also log after the first step.")
-    report_to: str | list[str] | None = Field(
-        "none", description="Experiment trackers; only 'none' is supported."
-    )
 
     # -- validators --------------------------------------------------------------------------------
     @field_validator("save_steps", "logging_steps")
@@ -203,15 +200,6 @@ class TrainingArguments(DataArguments, DdpArguments):
             except json.JSONDecodeError as exc:
                 raise ValueError(f"not a JSON object ({exc})") from exc
         return value
-
-    @field_validator("report_to", mode="before")
-    @classmethod
-    def _check_report_to(cls, value: Any) -> str:
-        names = [value] if isinstance(value, str) or value is None else list(value)
-        names = [n for n in names if n not in (None, "none")]
-        if names:
-            raise ValueError("no tracker integrations exist in this runtime; use 'none'")
-        return "none"
 
     @model_validator(mode="after")
     def _cross_checks(self) -> TrainingArguments:
