@@ -15,7 +15,7 @@ if [ ! -x "$BASE/bin/python" ]; then
   python3 -m venv "$BASE"
   "$BASE/bin/pip" install -q --disable-pip-version-check --upgrade pip
 fi
-echo "==> installing dependencies from pyproject.toml into $BASE (first time: torch, several minutes)"
+echo "==> installing dependencies from pyproject.toml into $BASE (the first time includes torch: several minutes)"
 "$BASE/bin/python" - <<'PY' > "$CACHE/requirements.txt"
 import tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
