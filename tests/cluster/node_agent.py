@@ -917,14 +917,17 @@ class NodeAgent:
                         watch.stop()
                         break
             except ApiException as exc:
-                if exc.status == 410:  # too old: list again
-                    resource_version = None
-                else:
+                resource_version = None  # list again: _on_pod is idempotent per UID
+                if exc.status != 410:  # 410: our resourceVersion is too old
                     self.log.warning("watch on %s: %s", node, exc)
                     time.sleep(1)
             except Exception as exc:
+                # The client raises on a watch ERROR event too; with deserialize=False an expired
+                # resourceVersion surfaces as KeyError('raw_object'). Watching again from the same
+                # version would fail forever (the node would stop running pods): list again.
+                resource_version = None
                 if not self.stopping.is_set():
-                    self.log.warning("watch on %s: %r", node, exc)
+                    self.log.warning("watch on %s: %r; listing again", node, exc)
                     time.sleep(1)
 
     def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
