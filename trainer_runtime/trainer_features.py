@@ -336,22 +336,29 @@ class TrainerFeaturesMixin:
                 )
             return metrics
         loader = self.get_eval_dataloader(dataset)
+        output = self._timed_loop(loader, "Evaluation", ignore_keys, metric_key_prefix)
+        self.log(output.metrics)
+        self._event("on_evaluate", metrics=output.metrics)
+        return output.metrics
+
+    def _timed_loop(
+        self, loader: Any, description: str, ignore_keys: list[str] | None, prefix: str
+    ) -> Any:
+        """The evaluation loop plus the HF speed metrics (runtime, samples and steps per second)."""
         started = time.time()
         output = self.evaluation_loop(
-            loader, "Evaluation", ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix
+            loader, description, ignore_keys=ignore_keys, metric_key_prefix=prefix
         )
         batch_size = self.args.per_device_eval_batch_size * distributed.world_size()
         output.metrics.update(
             speed_metrics(
-                metric_key_prefix,
+                prefix,
                 started,
                 num_samples=output.num_samples,
                 num_steps=math.ceil(output.num_samples / batch_size),
             )
         )
-        self.log(output.metrics)
-        self._event("on_evaluate", metrics=output.metrics)
-        return output.metrics
+        return output
 
     def predict(
         self,
@@ -361,19 +368,7 @@ class TrainerFeaturesMixin:
     ) -> PredictionOutput:
         """Predictions (numpy, right-padded with -100), label ids, and metrics when labelled."""
         loader = self.get_test_dataloader(test_dataset)
-        started = time.time()
-        output = self.evaluation_loop(
-            loader, "Prediction", ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix
-        )
-        batch_size = self.args.per_device_eval_batch_size * distributed.world_size()
-        output.metrics.update(
-            speed_metrics(
-                metric_key_prefix,
-                started,
-                num_samples=output.num_samples,
-                num_steps=math.ceil(output.num_samples / batch_size),
-            )
-        )
+        output = self._timed_loop(loader, "Prediction", ignore_keys, metric_key_prefix)
         self._event("on_predict", metrics=output.metrics)
         return PredictionOutput(output.predictions, output.label_ids, output.metrics)
 
