@@ -35,6 +35,7 @@ cluster-up: setup cluster-binaries
 bench: setup
 	$(PY) benchmarks/resume_time.py
 	$(PY) benchmarks/agreement_overhead.py
+	$(PY) benchmarks/sampling_balance.py
 
 # Regenerate the CRD from the operator's models and the plain install YAML from the chart.
 manifests: setup cluster-binaries

@@ -353,7 +353,9 @@ class Trainer(TrainerFeaturesMixin):
         # from the global torch RNG, so creating an iterator mid-epoch on resume does not shift
         # the global RNG.
         loader = build_train_dataloader(
-            self.train_dataset,
+            # A datasets.Dataset loses its unused columns before collation (the length column
+            # stays: the length samplers read it).
+            self._drop_unused_columns(self.train_dataset, keep=[self.args.length_column_name]),
             self.args,
             collate_fn=self.data_collator,
             seed=self._data_seed(),

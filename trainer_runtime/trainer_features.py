@@ -39,6 +39,7 @@ from trainer_runtime.best import (
     update_best,
 )
 from trainer_runtime.callbacks import TrainerCallback
+from trainer_runtime.columns import remove_unused_columns
 from trainer_runtime.errors import ConfigurationError
 from trainer_runtime.evaluation import (
     EvalLoopOutput,
@@ -209,9 +210,19 @@ class TrainerFeaturesMixin:
         )
 
     # -- dataloaders -----------------------------------------------------------------------------
+    def _drop_unused_columns(self, dataset: Any, keep: list[str] | None = None) -> Any:
+        """``dataset`` without the columns forward() does not take, when it is a
+        ``datasets.Dataset`` and ``remove_unused_columns`` is set; other datasets are filtered per
+        batch (``_prepare_inputs``)."""
+        if not self.args.remove_unused_columns:
+            return dataset
+        return remove_unused_columns(
+            dataset, self.model, label_names=self.label_names, keep=keep or ()
+        )
+
     def _eval_loader(self, dataset: Dataset[Any]) -> DataLoader[Any]:
         loader = DataLoader(
-            dataset,
+            self._drop_unused_columns(dataset),
             batch_size=self.args.per_device_eval_batch_size,
             shuffle=False,
             collate_fn=self.data_collator,

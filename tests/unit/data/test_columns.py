@@ -73,7 +73,8 @@ def test_other_datasets_are_returned_unchanged() -> None:
 
 
 def test_hf_dataset_columns_are_removed() -> None:
-    datasets = pytest.importorskip("datasets")
+    import datasets  # a dev dependency: a missing install fails here instead of skipping
+
     ds = datasets.Dataset.from_dict(
         {"input_ids": [[1, 2], [3]], "text": ["a", "b"], "length": [2, 1], "label": [0, 1]}
     )

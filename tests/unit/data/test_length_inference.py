@@ -89,7 +89,8 @@ def test_infer_lengths_reads_length_column_without_touching_items() -> None:
 
 
 def test_infer_lengths_with_real_hf_dataset() -> None:
-    datasets = pytest.importorskip("datasets")
+    import datasets  # a dev dependency: a missing install fails here instead of skipping
+
     ds = datasets.Dataset.from_dict({"input_ids": [[1, 2], [1, 2, 3]], "len": [7, 8]})
     assert infer_lengths(ds, length_column_name="len") == [7, 8]
     assert infer_lengths(ds, length_column_name="missing") == [2, 3]
