@@ -902,6 +902,7 @@ class NodeAgent:
                     resource_version = listing.metadata.resource_version
                     for pod in listing.items:
                         self._on_pod("ADDED", self.client.sanitize_for_serialization(pod))  # type: ignore[union-attr]
+                    self.forget_missing(node, {pod.metadata.uid for pod in listing.items})
                 watch = kubernetes.watch.Watch()
                 for event in watch.stream(
                     core.list_pod_for_all_namespaces,
@@ -929,6 +930,25 @@ class NodeAgent:
                 if not self.stopping.is_set():
                     self.log.warning("watch on %s: %r; listing again", node, exc)
                     time.sleep(1)
+
+    def forget_missing(self, node: str, listed_uids: set[str]) -> list[str]:
+        """After a (re-)list: stop the pods of ``node`` whose objects are gone. A pod deleted
+        while the watch was down never sends its DELETED event; without this its process would
+        run on. Returns the UIDs stopped."""
+        with self.lock:
+            gone = [
+                worker
+                for uid, worker in self._workers.items()
+                if worker.record.node == node and uid not in listed_uids and not worker.finished
+            ]
+        for worker in gone:
+            self.log.info(
+                "pod %s/%s: not in the listing any more (deleted while the watch was down)",
+                worker.record.namespace,
+                worker.record.name,
+            )
+            worker.request_termination(None, gone=True)
+        return [worker.record.uid for worker in gone]
 
     def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
         if self.stopping.is_set():

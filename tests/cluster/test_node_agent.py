@@ -172,3 +172,31 @@ def test_delete_sends_sigterm_waits_grace_then_sigkills(
     assert run.killed and run.exit.signal == 9 and run.exit.exit_code == 137
     assert run.seconds_after_sigterm is not None and run.seconds_after_sigterm >= 3.0
     assert record.phase == "Failed"
+
+
+def test_relist_stops_pods_deleted_while_the_watch_was_down(
+    control_plane: ControlPlane, node_agent: NodeAgent, namespace: str, tmp_path: Path
+) -> None:
+    # The listing after a watch gap no longer holds the pod: its process must be stopped.
+    code = "import pathlib, sys, time; pathlib.Path(sys.argv[1]).write_text('up'); time.sleep(600)"
+    container = python_container(code, "/out/up", mounts={"out": "/out"})
+    pod = _pod(
+        "vanished",
+        [container],
+        terminationGracePeriodSeconds=2,
+        volumes=[{"name": "out", "hostPath": {"path": str(tmp_path)}}],
+    )
+    with control_plane.api_client() as client:
+        core = kubernetes.client.CoreV1Api(client)
+        core.create_namespaced_pod(namespace, pod)
+        eventually("process up", (tmp_path / "up").exists, timeout=120)
+        record = node_agent.record(namespace, "vanished")
+        assert record is not None
+        others = {r.uid for r in node_agent.records() if r.uid != record.uid}
+        stopped = node_agent.forget_missing(record.node, others)
+        assert stopped == [record.uid]
+        assert record.done.wait(60), "the pod process was not stopped"
+    run = record.last_run()
+    assert run is not None and run.exit is not None and run.seconds_after_sigterm is not None
+    # A listing that still holds every pod stops nothing.
+    assert node_agent.forget_missing(record.node, {r.uid for r in node_agent.records()}) == []
