@@ -15,6 +15,7 @@ from tests.operator.harness import (
     OperatorProcess,
     TJClient,
     delete_training_jobs,
+    free_port,
     install_crd,
 )
 
@@ -50,7 +51,11 @@ def operator(
     """The operator watching the test's namespace, started; stopped (by PID) afterwards. Its
     log is printed when the test fails."""
     op = OperatorProcess(
-        control_plane.kubeconfig, namespace, checkpoint_root, tmp_path / "operator.log"
+        control_plane.kubeconfig,
+        namespace,
+        checkpoint_root,
+        tmp_path / "operator.log",
+        metrics_port=free_port(),
     )
     op.start()
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ __all__ = [
     "OperatorProcess",
     "TJClient",
     "delete_training_jobs",
+    "free_port",
     "install_crd",
     "toy_training_job",
     "wait_for",
@@ -73,6 +75,12 @@ def install_crd(api_client: kubernetes.client.ApiClient) -> None:
     wait_for(f"CRD {name} Established", established, timeout=60)
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 class OperatorProcess:
     """``preemptible-operator run`` as a subprocess (killed by its own PID only)."""
 
@@ -83,7 +91,9 @@ class OperatorProcess:
         checkpoint_root: Path,
         log: Path,
         extra: tuple[str, ...] = (),
+        metrics_port: int = 0,
     ) -> None:
+        self.metrics_port = metrics_port
         self.argv = [
             sys.executable,
             "-m",
@@ -96,7 +106,7 @@ class OperatorProcess:
             "--checkpoint-path-map",
             f"{checkpoint_root}={checkpoint_root}",
             "--metrics-port",
-            "0",
+            str(metrics_port),
             "--liveness",
             "",
             "--poll-interval",
@@ -130,6 +140,22 @@ class OperatorProcess:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def metrics(self) -> dict[str, float]:
+        """The operator's /metrics, parsed: ``name{labels}`` -> value (needs ``metrics_port``)."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return values
 
     def tail(self, lines: int = 60) -> str:
         try:

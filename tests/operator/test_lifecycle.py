@@ -133,6 +133,14 @@ def test_eviction_requeues_and_resumes_from_the_jit_checkpoint(
     reasons = [r for r, _ in tj.events("evict")]
     assert reasons.count("AttemptCreated") == 1 and "Requeued" in reasons
     assert "PodEvicted" in reasons and "Completed" in reasons
+    # The operator's own /metrics saw the same preemption.
+    metrics = operator.metrics()
+    assert metrics['preemptible_operator_preemptions_total{reason="PodEvicted"}'] == 1, metrics
+    key = f'{{name="evict",namespace="{tj.ns}"}}'
+    assert metrics.get(f"preemptible_operator_lost_steps_total{key}", 0) == 0, metrics
+    assert metrics[f"preemptible_operator_grace_seconds{key}"] > 0, metrics
+    assert metrics["preemptible_operator_requeue_seconds_count"] == 1, metrics
+    assert metrics["preemptible_operator_reconcile_seconds_count"] > 0, metrics
 
 
 def test_sigkill_resumes_from_previous_checkpoint_reports_lost_steps_and_raises_grace(
