@@ -74,6 +74,8 @@ _EXPORTS: dict[str, str] = {
     "shard_model": "fsdp",
     "save_sharded": "fsdp",
     "load_sharded": "fsdp",
+    "FsdpArguments": "fsdp_args",
+    "FsdpConfigArguments": "fsdp_args",
 }
 
 __all__ = sorted(_EXPORTS)

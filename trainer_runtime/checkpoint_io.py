@@ -12,6 +12,17 @@ Write protocol (every rank calls the same methods in the same order)::
 ``barrier`` is a callable that returns when every rank reached it (e.g.
 ``torch.distributed.barrier`` or ``accelerator.wait_for_everyone``); with ``world_size == 1`` it is
 never needed.
+
+One copy per node (``each_node=True``, the ``save_on_each_node`` argument): for nodes without
+shared storage. The main process of every node (``local_rank == 0``) is the coordinator of its
+node's copy: it creates that copy's sentinel, writes the shared files (model, optimizer, ...; the
+replicas are identical under DDP) and, at commit, the per-rank files of *every* rank, which reach it
+through ``gather`` (an all-gather of Python objects, e.g. ``torch.distributed.all_gather_object``),
+so each node's copy is self-contained and can resume any rank. Files written by the other ranks of
+a node (or with ``per_rank=True``) are these per-rank files. The ranks agree (all-gather of each
+rank's outcome) after the sentinels are created, and again after every node wrote all its files:
+no node writes its manifest unless every node is ready to; a failure on any node raises on every
+rank. A node's copy is valid only with its own manifest.
 """
 
 from __future__ import annotations
@@ -59,14 +70,20 @@ __all__ = [
 OPTIMIZER_META_KEY = "preemptible.optimizer_meta"
 _OPTIMIZER_META_FORMAT = "preemptible-optimizer/1"
 _RESERVED_MANIFEST_KEYS = frozenset(
-    {"format", "step", "world_size", "attempt", "save_seconds", "created_at", "files"}
+    {"format", "step", "world_size", "attempt", "save_seconds", "created_at", "files", "node_copy"}
 )
 
 Barrier = Callable[[], Any]
+# every rank passes its object and gets the list of all ranks' objects, in rank order
+Gather = Callable[[Any], list[Any]]
 
 
 def _utc_now() -> str:
     return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _node_order(node: str) -> tuple[int, int, str]:
+    return (0, int(node), "") if node.isdigit() else (1, 0, node)
 
 
 def _partial_name(rank: int) -> str:
@@ -107,6 +124,10 @@ class CheckpointWriter:
         attempt: int | None = None,
         barrier: Barrier | None = None,
         storage_options: dict[str, Any] | None = None,
+        each_node: bool = False,
+        local_rank: int = 0,
+        node: str | None = None,
+        gather: Gather | None = None,
     ) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigurationError(f"step={step!r} is invalid: use the global step, an int >= 0")
@@ -121,6 +142,21 @@ class CheckpointWriter:
                 f"barrier is required with world_size={world_size}: "
                 "pass e.g. torch.distributed.barrier"
             )
+        # With one rank there is one node and one copy: the ordinary protocol.
+        self.each_node = bool(each_node) and world_size > 1
+        if self.each_node and gather is None:
+            raise ConfigurationError(
+                f"gather is required with each_node=True and world_size={world_size}: pass an "
+                "all-gather of objects, e.g. trainer_runtime.node_checkpoints.gather_objects"
+            )
+        if not isinstance(local_rank, int) or local_rank < 0:
+            raise ConfigurationError(f"local_rank={local_rank!r} is invalid: use an int >= 0")
+        self.local_rank = local_rank
+        self.node = str(node) if node is not None else str(rank)
+        self._gather = gather
+        self._nodes: list[str] = [self.node]
+        # per-rank files held until commit (each_node): every node's copy gets every rank's
+        self._rank_files: dict[str, bytes] = {}
         self.output_dir = output_dir
         self.step = step
         self.rank = rank
@@ -137,7 +173,9 @@ class CheckpointWriter:
 
     @property
     def is_coordinator(self) -> bool:
-        return self.rank == 0
+        """The rank that creates the sentinel and writes the manifest (and the shared files):
+        rank 0, or the main process of every node with ``each_node``."""
+        return self.local_rank == 0 if self.each_node else self.rank == 0
 
     def _wait(self) -> None:
         if self.world_size > 1 and self._barrier is not None:
@@ -152,6 +190,9 @@ class CheckpointWriter:
         if self._started is not None:
             raise CheckpointError(f"begin() called twice for {self.path}")
         self._started = time.monotonic()
+        if self.each_node:
+            self._begin_each_node()
+            return
         error: BaseException | None = None
         if self.is_coordinator:
             try:
@@ -182,6 +223,8 @@ class CheckpointWriter:
             "pid": os.getpid(),
             "token": self._token,
         }
+        if self.each_node:
+            sentinel["node"] = self.node
         # The sentinel goes first: from here on the directory reads as incomplete.
         self.root.write_json(self._rel(SENTINEL_NAME), sentinel)
         self.root.fsync_dir(self.name)
@@ -201,12 +244,23 @@ class CheckpointWriter:
         if self._committed:
             raise CheckpointError(f"{self.path} is already committed")
 
-    def write_bytes(self, filename: str, data: bytes) -> None:
-        """Write a file of this rank (flushed and fsynced; size and sha256 recorded)."""
+    def write_bytes(self, filename: str, data: bytes, *, per_rank: bool = False) -> None:
+        """Write a file of this rank (flushed and fsynced; size and sha256 recorded).
+
+        ``per_rank``: a file only this rank has (its RNG state). With ``each_node`` such files,
+        and every file of a rank that is not its node's main process, are held until
+        :meth:`commit`, which gives them to every node's coordinator to write.
+        """
         self._require_open()
         name = _check_filename(filename)
-        if name in self._files:
+        if name in self._files or name in self._rank_files:
             raise CheckpointError(f"{name} written twice to {self.path}")
+        if self.each_node and (per_rank or not self.is_coordinator):
+            self._rank_files[name] = bytes(data)
+            return
+        self._write_file(name, data)
+
+    def _write_file(self, name: str, data: bytes) -> None:
         size, sha = self.root.write_bytes(self._rel(name), data)
         self._files[name] = {"path": name, "size": size, "sha256": sha}
 
@@ -215,8 +269,10 @@ class CheckpointWriter:
         filename: str,
         tensors: Mapping[str, torch.Tensor],
         metadata: Mapping[str, str] | None = None,
+        *,
+        per_rank: bool = False,
     ) -> None:
-        """Write tensors as one safetensors file."""
+        """Write tensors as one safetensors file (``per_rank``: see :meth:`write_bytes`)."""
         prepared = {k: t.detach().contiguous() for k, t in tensors.items()}
         try:
             data = _st_save(prepared, metadata=dict(metadata) if metadata else None)
@@ -224,11 +280,11 @@ class CheckpointWriter:
             raise CheckpointError(
                 f"cannot serialise tensors for {self._rel(filename)}: {exc}"
             ) from exc
-        self.write_bytes(filename, data)
+        self.write_bytes(filename, data, per_rank=per_rank)
 
-    def write_json(self, filename: str, obj: Any) -> None:
+    def write_json(self, filename: str, obj: Any, *, per_rank: bool = False) -> None:
         data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")
-        self.write_bytes(filename, data)
+        self.write_bytes(filename, data, per_rank=per_rank)
 
     def write_optimizer_state(self, filename: str, state_dict: Mapping[str, Any]) -> None:
         """An optimizer state_dict as one safetensors file (non-tensor parts in its metadata)."""
@@ -254,6 +310,8 @@ class CheckpointWriter:
             raise ConfigurationError(
                 f"extra_manifest keys {sorted(clash)} are reserved by the manifest: rename them"
             )
+        if self.each_node:
+            return self._commit_each_node(extra)
         error: BaseException | None = None
         if self.world_size > 1 and not self.is_coordinator:  # the coordinator has its own in memory
             try:
@@ -283,6 +341,9 @@ class CheckpointWriter:
         return info
 
     def _commit_coordinator(self, extra: dict[str, Any]) -> CheckpointInfo:
+        return self._publish_manifest(self._prepare_manifest(extra, self._merge_records()))
+
+    def _merge_records(self) -> dict[str, dict[str, Any]]:
         merged: dict[str, dict[str, Any]] = {}
         owners: dict[str, int] = {}
         for rank in range(self.world_size):
@@ -310,6 +371,13 @@ class CheckpointWriter:
                     )
                 merged[entry["path"]] = {k: entry[k] for k in ("path", "size", "sha256")}
                 owners[entry["path"]] = rank
+        return merged
+
+    def _prepare_manifest(
+        self, extra: dict[str, Any], merged: dict[str, dict[str, Any]]
+    ) -> dict[str, Any]:
+        """Check the files on storage against the records and that the sentinel is still ours;
+        the manifest to write."""
         present = self.root.walk_files(self.name)
         for entry in merged.values():
             if present.get(entry["path"]) != entry["size"]:
@@ -318,8 +386,9 @@ class CheckpointWriter:
                     f"storage, the writer recorded {entry['size']}"
                 )
         self._check_still_ours()
-        for rank in range(1, self.world_size):
-            self.root.remove(self._rel(_partial_name(rank)))
+        if not self.each_node:
+            for rank in range(1, self.world_size):
+                self.root.remove(self._rel(_partial_name(rank)))
         assert self._started is not None
         save_seconds = time.monotonic() - self._started
         manifest = {
@@ -332,6 +401,15 @@ class CheckpointWriter:
             "created_at": _utc_now(),
             "files": sorted(merged.values(), key=lambda e: e["path"]),
         }
+        if self.each_node:
+            manifest["node_copy"] = {
+                "node": self.node,
+                "nodes": list(self._nodes),
+                "writer_rank": self.rank,
+            }
+        return manifest
+
+    def _publish_manifest(self, manifest: dict[str, Any]) -> CheckpointInfo:
         self.root.fsync_dir(self.name)
         # The commit point, then the sentinel goes (last); a crash in between leaves an incomplete
         # checkpoint, never a complete-looking partial one.
@@ -344,6 +422,97 @@ class CheckpointWriter:
                 f"checkpoint {self.path} is not complete after commit: {info.reason}"
             )
         return info
+
+    # -- one copy per node ---------------------------------------------------------------------
+    def _agree(self, phase: str, error: BaseException | None) -> list[Any]:
+        """All-gather every rank's outcome of ``phase``; raise on every rank if any failed."""
+        assert self._gather is not None
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        outcomes = self._gather((self.node, self.rank, mine))
+        failed = [(node, rank, msg) for node, rank, msg in outcomes if msg is not None]
+        if error is not None:
+            raise error
+        if failed:
+            where = "; ".join(f"node {node} (rank {rank}): {msg}" for node, rank, msg in failed)
+            raise CheckpointError(f"checkpoint {self.name}: {phase} failed on {where}")
+        return outcomes
+
+    def _begin_each_node(self) -> None:
+        error: BaseException | None = None
+        if self.is_coordinator:
+            try:
+                self._begin_coordinator()
+            except BaseException as exc:  # the other ranks must not hang in the gather
+                error = exc
+        outcomes = self._agree("begin", error)
+        self._nodes = sorted({str(node) for node, _, _ in outcomes}, key=_node_order)
+        # Every node's sentinel exists now: a node whose sentinel was replaced by another node's
+        # shares its storage with it (nothing has been written yet).
+        if self.is_coordinator:
+            try:
+                self._check_not_shared()
+            except BaseException as exc:
+                error = exc
+        self._agree("begin", error)
+
+    def _commit_each_node(self, extra: dict[str, Any]) -> CheckpointInfo:
+        # Every rank's per-rank files reach every node's coordinator.
+        assert self._gather is not None
+        gathered = self._gather((self.rank, sorted(self._rank_files.items())))
+        manifest: dict[str, Any] | None = None
+        error: BaseException | None = None
+        if self.is_coordinator:
+            try:
+                owners: dict[str, int] = {}
+                for rank, files in gathered:
+                    for name, data in files:
+                        if name in owners or name in self._files:
+                            raise CheckpointError(
+                                f"file {name} of {self.path} written by ranks "
+                                f"{owners.get(name, self.rank)} and {rank}: give each rank its "
+                                "own file names"
+                            )
+                        owners[name] = rank
+                        self._write_file(name, data)
+                manifest = self._prepare_manifest(extra, {e["path"]: e for e in self.files})
+            except BaseException as exc:
+                error = exc
+        # No node commits unless every node wrote all of its files.
+        self._agree("write", error)
+        info: CheckpointInfo | None = None
+        if self.is_coordinator:
+            assert manifest is not None
+            try:
+                info = self._publish_manifest(manifest)
+            except BaseException as exc:
+                error = exc
+        self._committed = True
+        self._agree("commit", error)
+        if info is None:
+            info = inspect_checkpoint(self.root, self.name)
+            if not info.complete:
+                raise CheckpointError(
+                    f"rank {self.rank}: the copy of node {self.node} at {self.path} was not "
+                    f"committed ({info.reason})"
+                )
+        return info
+
+    def _check_not_shared(self) -> None:
+        """each_node, right after every node created its sentinel: ours must still be there."""
+        try:
+            sentinel = self.root.read_json(self._rel(SENTINEL_NAME))
+        except StorageError:
+            sentinel = None  # unreadable: two writers wrote it at once
+        if isinstance(sentinel, dict) and sentinel.get("token") == self._token:
+            return
+        other = sentinel.get("node") if isinstance(sentinel, dict) else None
+        by = f"node {other}" if other is not None else "another writer"
+        raise CheckpointError(
+            f"save_on_each_node=True, but the sentinel node {self.node} created in {self.path} "
+            f"was replaced by {by}: output_dir is storage the nodes share, where their copies "
+            "would overwrite each other; use save_on_each_node=False with shared storage (one "
+            "copy, committed by rank 0), or give each node its own disk"
+        )
 
     def _check_still_ours(self) -> None:
         try:

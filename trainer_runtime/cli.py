@@ -73,6 +73,10 @@ def _info_dict(info: CheckpointInfo) -> dict[str, Any]:
         "save_seconds": info.save_seconds,
         "created_at": info.created_at,
         "world_size": (info.manifest or {}).get("world_size"),
+        # save_on_each_node: which node's copy this is ({"node", "nodes", "writer_rank"})
+        "node_copy": (info.manifest or {}).get("node_copy"),
+        # fsdp: {"format": "fsdp-dcp/1", "metadata": ".metadata", "optimizer": bool}
+        "sharding": (info.manifest or {}).get("sharding"),
     }
 
 
@@ -111,6 +115,21 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     for r in rows:
         print("  ".join(r[c].ljust(widths[c]) if c != 2 else r[c] for c in order).rstrip())
     print(f"newest complete: {latest.name if latest else 'none'}")
+    sharding = (latest.manifest or {}).get("sharding") if latest else None
+    if isinstance(sharding, dict):
+        world = (latest.manifest or {}).get("world_size") if latest else None
+        print(
+            f"sharded: {sharding.get('format')} (FSDP model"
+            f"{' and optimizer' if sharding.get('optimizer', True) else ''} shards of {world} "
+            "ranks, torch.distributed.checkpoint); resume it with fsdp set"
+        )
+    copy = (latest.manifest or {}).get("node_copy") if latest else None
+    if isinstance(copy, dict):
+        print(
+            f"node copy: this is node {copy.get('node')}'s copy (save_on_each_node; nodes "
+            f"{', '.join(map(str, copy.get('nodes') or []))}): each node holds its own, "
+            "inspect the output dir on every node"
+        )
     return 0
 
 

@@ -11,9 +11,10 @@ Importing this module does not import torch (the argument model is torch-free).
 
 from __future__ import annotations
 
+import logging
 import random
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
@@ -29,10 +30,16 @@ __all__ = [
     "build_train_dataloader",
     "check_train_dataset",
     "dataloader_kwargs",
+    "dataset_state_file_name",
+    "has_dataset_state",
     "is_iterable_dataset",
+    "iterable_dataset_state",
     "seed_worker",
     "set_dataset_epoch",
+    "skip_batches",
 ]
+
+logger = logging.getLogger(__name__)
 
 ALL_SAMPLING_STRATEGIES = ("random", "sequential", "group_by_length", "batch_rebalance")
 SamplingStrategy = Literal["random", "sequential", "group_by_length", "batch_rebalance"]
@@ -240,6 +247,45 @@ def set_dataset_epoch(dataset: Any, epoch: int, seed: int) -> str | None:
         generator.manual_seed(seed + epoch)
         return "generator"
     return None
+
+
+def dataset_state_file_name(rank: int, world_size: int) -> str:
+    """Checkpoint file of an iterable dataset's own position (one per rank)."""
+    return "dataset_state.json" if world_size == 1 else f"dataset_state_{rank}.json"
+
+
+def iterable_dataset_state(dataset: Any, num_workers: int) -> dict[str, Any] | None:
+    """The dataset's own resumable position (``state_dict()``), when it offers one and it is
+    exact: with DataLoader workers the dataset is iterated in the worker processes, so the copy
+    here never moves (``None``: resume then skips by iteration)."""
+    if num_workers > 0 or not has_dataset_state(dataset):
+        return None
+    state = dataset.state_dict()
+    return dict(state) if isinstance(state, Mapping) else None
+
+
+def has_dataset_state(dataset: Any) -> bool:
+    return callable(getattr(dataset, "state_dict", None)) and callable(
+        getattr(dataset, "load_state_dict", None)
+    )
+
+
+def skip_batches(iterator: Iterator[Any], count: int, *, disable: bool, why: str) -> None:
+    """Consume ``count`` batches to restore a data position, with a progress bar and a warning
+    that says why it is slow."""
+    if count <= 0:
+        return
+    logger.warning(
+        "skipping %d batches of the iterable dataset to restore the data position: %s, so the "
+        "batches are read (and collated) again, which may be slow (set ignore_data_skip=True to "
+        "start the epoch over instead)",
+        count,
+        why,
+    )
+    from tqdm.auto import tqdm
+
+    for _ in tqdm(range(count), desc="skipping to the data position", disable=disable):
+        next(iterator)
 
 
 def build_train_dataloader(

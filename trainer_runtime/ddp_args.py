@@ -25,6 +25,8 @@ __all__ = [
     "DdpArguments",
     "accelerator_kwargs",
     "check_backend",
+    "dispatch_batches",
+    "even_batches",
     "per_rank_batch_size",
 ]
 
@@ -36,9 +38,9 @@ _VENDOR_BACKENDS = ("ccl", "hccl", "cncl", "mccl", "xccl")
 class AcceleratorConfig(BaseModel):
     """How batches are spread over ranks (the Hugging Face ``accelerator_config`` keys).
 
-    The Trainer builds one resumable batch sampler per rank, so only the combinations that keep
-    every rank at the same number of batches per epoch are accepted: a rank with fewer batches
-    would stop taking part in the per-step stop agreement and hang the others.
+    Every rank always runs the same number of micro-batches per epoch (the per-step stop agreement
+    and DDP's all-reduce are collectives): with ``even_batches=False`` a rank that runs out of
+    samples runs a padding micro-batch whose loss and gradient are zero instead of a duplicate.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -50,13 +52,14 @@ class AcceleratorConfig(BaseModel):
     )
     dispatch_batches: bool | None = Field(
         None,
-        description="Rank 0 reads the data and sends each rank its batch. Not supported: every "
-        "rank reads its own shard (None or False).",
+        description="The main process alone iterates the dataloader and sends every rank its "
+        "share of each global batch. None: True for iterable datasets with several ranks, False "
+        "for map-style ones (whose samplers shard by index; the same samples either way).",
     )
     even_batches: bool = Field(
         True,
-        description="Pad the epoch (wrapping around) so every rank gets the same number of "
-        "batches. Must stay True.",
+        description="Pad the epoch by wrapping around so every rank gets as many samples; False: "
+        "no sample twice, ranks short of data run zero-weight padding micro-batches.",
     )
     use_seedable_sampler: bool = Field(
         True,
@@ -72,16 +75,6 @@ class AcceleratorConfig(BaseModel):
 
     @model_validator(mode="after")
     def _supported(self) -> AcceleratorConfig:
-        if self.dispatch_batches:
-            raise ValueError(
-                "dispatch_batches=True is not supported: each rank reads its own shard through "
-                "the resumable sampler; use dispatch_batches=None"
-            )
-        if not self.even_batches:
-            raise ValueError(
-                "even_batches=False is not supported: ranks with fewer batches would hang the "
-                "per-step stop agreement; keep even_batches=True"
-            )
         if not self.use_seedable_sampler:
             raise ValueError(
                 "use_seedable_sampler=False is not supported: resuming at a batch needs the "
@@ -164,8 +157,10 @@ class DdpArguments(BaseModel):
     # -- checkpoints -----------------------------------------------------------------------------
     save_on_each_node: bool = Field(
         False,
-        description="Write checkpoints from the main process of every node (for node-local "
-        "disks). Not supported: a checkpoint is committed by one manifest on shared storage.",
+        description="Multi-node runs whose nodes do NOT share storage: the main process of "
+        "every node writes a complete copy of each checkpoint to its own node's output_dir, and "
+        "each node resumes from its own copy. Never with storage the nodes share (the copies "
+        "would collide; refused at the first save).",
     )
 
     @field_validator("ddp_backend")
@@ -190,16 +185,16 @@ class DdpArguments(BaseModel):
     def _parse_accelerator_config(cls, value: Any) -> Any:
         return _load_accelerator_config(value)
 
-    @field_validator("save_on_each_node")
-    @classmethod
-    def _check_save_on_each_node(cls, value: bool) -> bool:
-        if value:
+    @model_validator(mode="after")
+    def _check_save_on_each_node(self) -> DdpArguments:
+        # fsdp is a field of TrainingArguments (fsdp_args), which inherits this validator.
+        if self.save_on_each_node and getattr(self, "fsdp", None):
             raise ValueError(
-                "not supported: every rank writes into one output_dir and rank 0 commits the "
-                "manifest, so output_dir must be storage all nodes share (a ReadWriteMany volume "
-                "or an object store); leave save_on_each_node=False"
+                "save_on_each_node=True cannot be combined with fsdp: every rank holds its own "
+                "shard, so no node can write a complete copy; use save_on_each_node=False with "
+                "storage all nodes share"
             )
-        return value
+        return self
 
 
 # ------------------------------------------------------------------------------------------------
@@ -237,6 +232,26 @@ def per_rank_batch_size(args: Any, world_size: int) -> int:
     return size // world_size
 
 
+def dispatch_batches(args: Any, *, iterable: bool, world_size: int) -> bool:
+    """Whether the main process reads the training data and sends each rank its share.
+
+    ``accelerator_config.dispatch_batches``, or when it is None accelerate's default: True for an
+    iterable dataset (one stream, split by the main process: no rank reads a sample twice), False
+    for a map-style one. Always False in a single process (there is nobody to send to).
+    """
+    if world_size <= 1:
+        return False
+    config = getattr(args, "accelerator_config", None)
+    value = None if config is None else config.dispatch_batches
+    return bool(iterable) if value is None else bool(value)
+
+
+def even_batches(args: Any) -> bool:
+    """``accelerator_config.even_batches`` (True when the arguments have no accelerator_config)."""
+    config = getattr(args, "accelerator_config", None)
+    return True if config is None else bool(config.even_batches)
+
+
 def _launched_world_size() -> int:
     try:
         return int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -261,6 +276,13 @@ def accelerator_kwargs(args: Any, *, cuda: bool = False) -> dict[str, Any]:
     ddp: dict[str, Any] = {}
     if args.ddp_find_unused_parameters is not None:
         ddp["find_unused_parameters"] = args.ddp_find_unused_parameters
+    elif getattr(args, "full_determinism", False) and not args.ddp_static_graph:
+        # DDP re-orders its gradient buckets once, after the first step of each process. A
+        # resumed process reduces its first step in the initial order, so with 3+ ranks the float
+        # sums round differently from an uninterrupted run. find_unused_parameters=True is the
+        # public way to keep the initial order for the whole run (at the cost of a graph walk
+        # per step): resume is then bit-identical for any world size.
+        ddp["find_unused_parameters"] = True
     if args.ddp_bucket_cap_mb is not None:
         ddp["bucket_cap_mb"] = args.ddp_bucket_cap_mb
     if args.ddp_broadcast_buffers is not None:

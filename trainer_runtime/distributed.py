@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
+import logging
+import os
+import sys
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -9,8 +15,10 @@ __all__ = [
     "agree_to_stop",
     "all_reduce_sum",
     "barrier",
+    "destroy_at_exit",
     "is_distributed",
     "rank",
+    "run_and_exit",
     "world_size",
 ]
 
@@ -56,3 +64,53 @@ def all_reduce_sum(value: int) -> int:
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
+
+
+_destroy_registered = False
+
+
+def destroy_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits normally (``sys.exit``
+    included). Left to interpreter teardown, gloo's process group is destroyed after Python has
+    finalised and sometimes aborts the process ("terminate called without an active exception",
+    exit -6): a finished run would then look like a crash to the operator."""
+    global _destroy_registered
+    if not _destroy_registered and dist.is_available() and dist.is_initialized():
+        atexit.register(_destroy_process_group)
+        _destroy_registered = True
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)  # sys.exit("message") prints it and exits 1
+    return 1
+
+
+def run_and_exit(main: Callable[[], int | None]) -> None:
+    """Run an entry point's ``main`` and exit the process with its code.
+
+    After a distributed run the exit skips the interpreter's teardown: the process group is
+    destroyed and every stream flushed first, then ``os._exit``. Even with the process group
+    destroyed, a gloo process that ran an evaluation aborted at teardown in about 1 run in 10 on
+    our machines (C++ "terminate called without an active exception", exit -6), which would turn
+    a completed or preempted run into a crash for the operator.
+    """
+    try:
+        code = _exit_code(main())
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    if not (dist.is_available() and dist.is_initialized()):
+        sys.exit(code)
+    atexit._run_exitfuncs()  # the process group's destroy and every other library's handlers
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)

@@ -16,6 +16,10 @@ Documented behaviour it implements:
 * ``prediction_loss_only`` returns only the loss; ``label_names`` says which inputs are labels.
 * Metric names get ``<metric_key_prefix>_``; a dict of eval datasets is evaluated one by one with
   ``<prefix>_<name>_`` names.
+* ``accelerator_config.even_batches=False`` over several ranks: :class:`UnevenEvalBatchSampler`
+  deals the consecutive batches of the set round-robin (no sample twice) and
+  :class:`UnevenGather` drops what a rank without a real batch computed, so there is exactly one
+  prediction per sample, in dataset order.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from torch.utils.data import Sampler
 
 from trainer_runtime.losses import compute_loss
 
@@ -34,6 +39,8 @@ __all__ = [
     "EvalLoopOutput",
     "EvalPrediction",
     "PredictionAccumulator",
+    "UnevenEvalBatchSampler",
+    "UnevenGather",
     "evaluate_datasets",
     "evaluation_loop",
     "nested_concat",
@@ -42,6 +49,7 @@ __all__ = [
     "prefix_metrics",
     "should_evaluate_at_epoch_end",
     "should_evaluate_at_step",
+    "uneven_eval_batches",
 ]
 
 PADDING_INDEX = -100
@@ -263,6 +271,96 @@ def prediction_step(
     return loss, nested_detach(logits), labels
 
 
+# -- even_batches=False over several ranks ---------------------------------------------------------
+
+
+def uneven_eval_batches(
+    num_samples: int, batch_size: int, world_size: int, rank: int, *, drop_last: bool = False
+) -> list[list[int] | None]:
+    """This rank's evaluation batches: the set's consecutive batches ``rank``, ``rank +
+    world_size``, ... and ``None`` (pad) where the rank has none, so every rank loops equally often.
+    """
+    if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"batch_size={batch_size}, world_size={world_size}, rank={rank}: need batch_size >= 1 "
+            "and 0 <= rank < world_size"
+        )
+    stop = num_samples - num_samples % batch_size if drop_last else num_samples
+    batches = [list(range(i, min(i + batch_size, stop))) for i in range(0, stop, batch_size)]
+    rounds = -(-len(batches) // world_size)
+    mine = batches[rank::world_size]
+    return [*mine, *([None] * (rounds - len(mine)))]
+
+
+class UnevenEvalBatchSampler(Sampler[list[int]]):
+    """The batches of :func:`uneven_eval_batches`; a pad is one real index (index 0), run only to
+    keep the ranks' collectives in step and dropped by :class:`UnevenGather`."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        *,
+        world_size: int,
+        rank: int,
+        drop_last: bool = False,
+    ) -> None:
+        self.batches = uneven_eval_batches(
+            num_samples, batch_size, world_size, rank, drop_last=drop_last
+        )
+
+    def is_padding(self, index: int) -> bool:
+        return 0 <= index < len(self.batches) and self.batches[index] is None
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.batches:
+            yield [0] if batch is None else batch
+
+
+class UnevenGather:
+    """``gather`` for :func:`evaluation_loop` when ranks hold different numbers of rows.
+
+    ``begin_batch(index, rows)`` (called by the loop before each batch's gathers) shares how many
+    rows each rank keeps: ``rows``, or 0 for a padding batch. A gather then pads every tensor to
+    the longest rank's rows, gathers, and keeps each rank's real rows, in rank order (which is
+    dataset order for :class:`UnevenEvalBatchSampler`).
+    """
+
+    def __init__(
+        self,
+        sampler: UnevenEvalBatchSampler,
+        *,
+        gather: Callable[[Any], Any],
+        pad_across_processes: Callable[..., Any],
+        device: torch.device,
+    ) -> None:
+        self.sampler = sampler
+        self.gather = gather
+        self.pad = pad_across_processes
+        self.device = device
+        self.counts: list[int] = []
+
+    def begin_batch(self, index: int, rows: int) -> None:
+        keep = 0 if self.sampler.is_padding(index) else rows
+        counts = self.gather(torch.tensor([keep], dtype=torch.int64, device=self.device))
+        self.counts = [int(c) for c in counts.reshape(-1).tolist()]
+
+    def _trim(self, gathered: torch.Tensor) -> torch.Tensor:
+        world = len(self.counts)
+        if gathered.ndim == 0 or world == 0:
+            return gathered
+        per_rank = gathered.shape[0] // world
+        parts = [gathered[r * per_rank : r * per_rank + self.counts[r]] for r in range(world)]
+        return torch.cat(parts, dim=0)
+
+    def __call__(self, value: Nested) -> Nested:
+        padded = self.pad(value, dim=0)
+        return _map(self._trim, self.gather(padded))
+
+
 # -- the loop --------------------------------------------------------------------------------------
 
 
@@ -393,9 +491,12 @@ def evaluation_loop(
     metrics: Mapping[str, Any] | None = None
     num_samples = 0
     model.eval()
+    begin_batch = getattr(gather, "begin_batch", None)  # an UnevenGather
     for index, (raw, is_last) in enumerate(_with_last(batches)):
         inputs = prepare(raw) if prepare is not None else raw
         batch_size = _batch_size(inputs, main_input_name)
+        if begin_batch is not None:
+            begin_batch(index, batch_size)
         loss, logits, labels = step(model, inputs)
         batch_inputs = inputs.get(main_input_name) if want_inputs else None
         sample_losses = None

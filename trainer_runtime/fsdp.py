@@ -22,6 +22,7 @@ refused with a clear error on CPU.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -38,10 +39,15 @@ __all__ = [
     "DCP_METADATA_NAME",
     "SHARDED_FORMAT",
     "FsdpConfig",
+    "ShardedCheckpointWriter",
     "check_fsdp_config",
+    "full_state_tensors",
     "load_sharded",
     "save_sharded",
     "shard_model",
+    "sharded_manifest",
+    "wrap_targets",
+    "write_shards",
 ]
 
 SHARDED_FORMAT = "fsdp-dcp/1"
@@ -55,11 +61,23 @@ class FsdpConfig:
 
     ``reshard_after_forward``: free the gathered parameters after forward (ZeRO-3) or keep them
     until backward (ZeRO-2 style). ``cpu_offload`` and ``mixed_precision`` need CUDA devices.
+
+    ``wrap`` picks the submodules that become FSDP units of their own (the root always is one):
+    ``children`` every direct child owning parameters; ``transformer`` every module whose class
+    name is in ``layer_classes`` (default: the model's ``_no_split_modules``); ``size`` every
+    module holding at least ``min_num_params`` parameters not already in a unit; ``none`` only
+    the root. ``sync_module_states`` broadcasts rank 0's parameters and buffers before sharding;
+    ``activation_checkpointing`` recomputes each unit's activations in backward.
     """
 
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     mixed_precision: Literal["bf16", "fp16"] | None = None
+    wrap: Literal["children", "transformer", "size", "none"] = "children"
+    layer_classes: tuple[str, ...] = ()
+    min_num_params: int = 0
+    sync_module_states: bool = False
+    activation_checkpointing: bool = False
 
 
 def check_fsdp_config(
@@ -92,8 +110,54 @@ def check_fsdp_config(
         )
 
 
+def wrap_targets(model: nn.Module, config: FsdpConfig) -> list[nn.Module]:
+    """The submodules (not the root) that become FSDP units, innermost first."""
+    if config.wrap == "none":
+        return []
+    if config.wrap == "children":
+        return [c for c in model.children() if any(True for _ in c.parameters())]
+    if config.wrap == "transformer":
+        names = set(config.layer_classes or getattr(model, "_no_split_modules", None) or ())
+        if not names:
+            raise ConfigurationError(
+                f"TRANSFORMER_BASED_WRAP on {type(model).__name__}: no layer classes to wrap; "
+                "set fsdp_config.transformer_layer_cls_to_wrap to the class names of its "
+                "blocks, or use min_num_params (SIZE_BASED_WRAP)"
+            )
+        found = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+        if not found:
+            present = sorted({type(m).__name__ for m in model.modules()})
+            raise ConfigurationError(
+                f"fsdp_config.transformer_layer_cls_to_wrap={sorted(names)}: no such module in "
+                f"{type(model).__name__} (it has {present}); name classes the model contains"
+            )
+        return found
+    if config.min_num_params <= 0:
+        raise ConfigurationError("SIZE_BASED_WRAP needs fsdp_config.min_num_params > 0")
+    targets: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> int:
+        # Post-order: a module is wrapped when the parameters not yet in a unit are enough.
+        free = sum(visit(child) for child in module.children())
+        free += sum(p.numel() for p in module.parameters(recurse=False))
+        if module is not model and free >= config.min_num_params:
+            targets.append(module)
+            return 0
+        return free
+
+    visit(model)
+    return targets
+
+
+def _sync_module_states(model: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank (what DDP does when it wraps a model)."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+
+
 def shard_model(model: nn.Module, config: FsdpConfig | None = None) -> nn.Module:
-    """Apply ``fully_shard`` to every direct child that owns parameters, then to the root."""
+    """Apply ``fully_shard`` to the units ``config.wrap`` selects, then to the root."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     config = config or FsdpConfig()
@@ -110,14 +174,39 @@ def shard_model(model: nn.Module, config: FsdpConfig | None = None) -> nn.Module
     if config.mixed_precision is not None:
         dtype = torch.bfloat16 if config.mixed_precision == "bf16" else torch.float16
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for child in model.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, **kwargs)
+    targets = wrap_targets(model, config)
+    if config.sync_module_states and dist.is_initialized():
+        _sync_module_states(model)
+    if config.activation_checkpointing:
+        if not targets:
+            raise ConfigurationError(
+                "activation_checkpointing=True needs wrapped units (auto wrap), not only the root"
+            )
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            apply_activation_checkpointing,
+        )
+
+        chosen = {id(m) for m in targets}
+        apply_activation_checkpointing(model, check_fn=lambda m: id(m) in chosen)
+    for unit in targets:
+        fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     return model
 
 
-class _ShardedCheckpointWriter(CheckpointWriter):
+def full_state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The gathered (unsharded) model state on rank 0, as contiguous CPU tensors; {} elsewhere.
+
+    A collective: every rank must call it.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    return {k: v.detach().contiguous() for k, v in state.items()}
+
+
+class ShardedCheckpointWriter(CheckpointWriter):
     """A CheckpointWriter that also records files DCP wrote on its own."""
 
     def record_written(self, filename: str) -> None:
@@ -180,13 +269,15 @@ def save_sharded(
     json_files: dict[str, Any] | None = None,
     attempt: int | None = None,
     storage_options: dict[str, Any] | None = None,
+    write_extra: Callable[[CheckpointWriter], None] | None = None,
 ) -> CheckpointInfo:
-    """Write ``checkpoint-<step>`` of a sharded model (and optimizer) from every rank."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    """Write ``checkpoint-<step>`` of a sharded model (and optimizer) from every rank.
 
+    ``write_extra(writer)`` runs on every rank after the shards are written and before the
+    commit, to add files of its own (per-rank RNG state, the gathered model, trainer state).
+    """
     rank, world = distributed.rank(), distributed.world_size()
-    writer = _ShardedCheckpointWriter(
+    writer = ShardedCheckpointWriter(
         output_dir,
         step,
         rank=rank,
@@ -196,6 +287,26 @@ def save_sharded(
         storage_options=storage_options,
     )
     writer.begin()
+    manifest = write_shards(writer, model, optimizer)
+    if rank == 0:
+        for name, obj in (json_files or {}).items():
+            writer.write_json(name, obj)
+    if write_extra is not None:
+        write_extra(writer)
+    return writer.commit(manifest)
+
+
+def write_shards(
+    writer: ShardedCheckpointWriter,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> dict[str, Any]:
+    """Write this rank's DCP shards of ``model`` (and ``optimizer``) into the begun checkpoint of
+    ``writer`` and record them; every rank calls it. Returns the manifest entry to pass to
+    ``writer.commit`` (it marks the checkpoint as sharded)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
@@ -204,12 +315,21 @@ def save_sharded(
     # DCP gathers every rank's write result and raises on all ranks when one failed, so an error
     # here leaves every rank without a commit: the sentinel stays, the checkpoint is incomplete.
     dcp.save(state, storage_writer=_writer_for(writer.path))
-    for name in _own_files(writer.root.listdir(writer.name), rank):
+    for name in _own_files(writer.root.listdir(writer.name), writer.rank):
         writer.record_written(name)
-    if rank == 0:
-        for name, obj in (json_files or {}).items():
-            writer.write_json(name, obj)
-    return writer.commit({_MANIFEST_KEY: {"format": SHARDED_FORMAT, "metadata": DCP_METADATA_NAME}})
+    return {
+        _MANIFEST_KEY: {
+            "format": SHARDED_FORMAT,
+            "metadata": DCP_METADATA_NAME,
+            "optimizer": optimizer is not None,
+        }
+    }
+
+
+def sharded_manifest(info: CheckpointInfo) -> dict[str, Any] | None:
+    """The sharding entry of a checkpoint's manifest; None for a checkpoint that is not sharded."""
+    entry = (info.manifest or {}).get(_MANIFEST_KEY)
+    return dict(entry) if isinstance(entry, dict) else None
 
 
 def load_sharded(
@@ -233,6 +353,11 @@ def load_sharded(
         raise ResumeError(
             f"{path} is not a sharded (FSDP) checkpoint (manifest {_MANIFEST_KEY!r}: "
             f"{sharding or 'absent'}); load it with the Trainer's regular resume"
+        )
+    if optimizer is not None and sharding.get("optimizer") is False:
+        raise ResumeError(
+            f"{path} holds no optimizer shards (saved with save_only_model); load it without "
+            "an optimizer"
         )
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)

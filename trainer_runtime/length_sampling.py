@@ -9,7 +9,9 @@ They follow the protocol of :class:`trainer_runtime.samplers.ResumableBatchSampl
 ``state_dict`` = ``{"epoch", "start"}`` plus a fingerprint, ``load_state_dict``, ``__len__``), and
 shard like it: the epoch's permutation is padded by wrapping around to a multiple of the world size,
 so every rank gets the same number of micro-batches, and the ranks' samples are disjoint apart from
-that padding. Importing this module registers both strategies in ``samplers.BATCH_SAMPLERS``.
+that padding. With ``even_batches=False`` there is no wrap-around: the samples are disjoint, and
+a rank short of samples ends the epoch with padding batches (see ``ResumableBatchSampler``).
+Importing this module registers both strategies in ``samplers.BATCH_SAMPLERS``.
 """
 
 from __future__ import annotations
@@ -189,6 +191,7 @@ def group_by_length_plan(
     world_size: int = 1,
     drop_last: bool = False,
     mega_batch_mult: int | None = None,
+    even_batches: bool = True,
 ) -> list[list[int]]:
     """This rank's micro-batches for one epoch of ``group_by_length``.
 
@@ -196,10 +199,13 @@ def group_by_length_plan(
     samples, each sorted by length (longest first); the megabatch holding the longest sample goes
     first so an out-of-memory shows up on the first step. Consecutive ``batch_size * world_size``
     runs of the sorted order form one step and are dealt round-robin to the ranks, so the ranks of
-    a step get similar lengths.
+    a step get similar lengths. ``even_batches=False``: no wrap-around, so the last ranks may get
+    fewer samples (and micro-batches).
     """
     _check_common(lengths, batch_size, rank, world_size)
-    perm = _pad_to_world(_epoch_permutation(len(lengths), seed, epoch), world_size)
+    perm = _epoch_permutation(len(lengths), seed, epoch)
+    if even_batches:
+        perm = _pad_to_world(perm, world_size)
     step_size = batch_size * world_size
     if mega_batch_mult is None:
         mega_batch_mult = max(1, min(len(perm) // (step_size * 4), _MAX_MEGA_BATCH_MULT))
@@ -321,6 +327,7 @@ def batch_rebalance_plan(
     rank: int = 0,
     world_size: int = 1,
     drop_last: bool = False,
+    even_batches: bool = True,
 ) -> list[list[int]]:
     """This rank's micro-batches for one epoch of ``batch_rebalance``.
 
@@ -331,7 +338,9 @@ def batch_rebalance_plan(
     ones in large ones. Micro-step ``j`` of the step gets groups ``j * world_size`` to
     ``(j + 1) * world_size - 1`` (so the longest samples run first and the ranks of a micro-step
     carry similar cost), dealt so that the ranks' step totals stay even. Every rank gets as many
-    micro-batches per epoch as with a plain sampler.
+    micro-batches per epoch as with a plain sampler. ``even_batches=False``: no wrap-around, so
+    the epoch's last step has fewer samples; it is cut into at most one group per sample and
+    ranks left without a group get fewer micro-batches (the sampler pads them).
     """
     _check_common(lengths, batch_size, rank, world_size)
     accum = gradient_accumulation_steps
@@ -341,7 +350,8 @@ def batch_rebalance_plan(
         )
     perm = _epoch_permutation(len(lengths), seed, epoch)
     per_rank, n_batches = _per_rank_batch_counts(len(perm), batch_size, world_size, drop_last)
-    perm = _pad_to_world(perm, world_size)
+    if even_batches:
+        perm = _pad_to_world(perm, world_size)
     batches: list[list[int]] = []
     consumed = 0
     for step_start in range(0, n_batches, accum):
@@ -350,8 +360,12 @@ def batch_rebalance_plan(
         step_rank_samples = min(micro * batch_size, per_rank - step_start * batch_size)
         pool = perm[consumed : consumed + step_rank_samples * world_size]
         consumed += len(pool)
+        if not pool:
+            break
         pool.sort(key=lambda idx: -int(lengths[idx]))
-        sizes = balanced_partition([int(lengths[i]) for i in pool], micro * world_size)
+        # Unpadded (even_batches=False), the last pool may hold fewer samples than groups.
+        parts = min(micro * world_size, len(pool))
+        sizes = balanced_partition([int(lengths[i]) for i in pool], parts)
         groups: list[list[int]] = []
         start = 0
         for size in sizes:
@@ -376,7 +390,8 @@ def _assign_to_ranks(
         chunk = groups[j * world_size : (j + 1) * world_size]
         chunk = sorted(chunk, key=lambda g: -padded_cost([int(lengths[i]) for i in g]))
         ranks = sorted(range(world_size), key=lambda r: (totals[r], r))
-        for group, r in zip(chunk, ranks, strict=True):
+        # A short last chunk (even_batches=False) leaves the ranks with the largest totals out.
+        for group, r in zip(chunk, ranks[: len(chunk)], strict=True):
             per_rank[r].append(group)
             totals[r] += padded_cost([int(lengths[i]) for i in group])
     return per_rank
@@ -401,6 +416,7 @@ class _LengthBatchSampler(ResumableBatchSampler):
         drop_last: bool = False,
         num_replicas: int = 1,
         rank: int = 0,
+        even_batches: bool = True,
     ) -> None:
         _check_common(lengths, batch_size, rank, num_replicas)
         super().__init__(
@@ -410,17 +426,20 @@ class _LengthBatchSampler(ResumableBatchSampler):
             drop_last=drop_last,
             num_replicas=num_replicas,
             rank=rank,
+            even_batches=even_batches,
         )
         self.lengths = [int(x) for x in lengths]
-        self._plan_cache: tuple[int, list[list[int]]] | None = None
+        self._plan_cache: tuple[tuple[int, int, bool], list[list[int]]] | None = None
 
     def _make_plan(self, epoch: int) -> list[list[int]]:
         raise NotImplementedError
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
-        # Planning sorts and partitions the whole epoch: do it once per epoch.
-        if self._plan_cache is None or self._plan_cache[0] != epoch:
-            self._plan_cache = (epoch, self._make_plan(epoch))
+        # Planning sorts and partitions the whole epoch: do it once per epoch (and per layout,
+        # since even_batches may be set after construction).
+        key = (epoch, self.rank, self.even_batches)
+        if self._plan_cache is None or self._plan_cache[0] != key:
+            self._plan_cache = (key, self._make_plan(epoch))
         return [list(b) for b in self._plan_cache[1]]
 
     def _fingerprint(self) -> dict[str, Any]:
@@ -431,6 +450,7 @@ class _LengthBatchSampler(ResumableBatchSampler):
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
             "num_samples": self.num_samples,
+            "even_batches": self.even_batches,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -463,6 +483,7 @@ class LengthGroupedBatchSampler(_LengthBatchSampler):
         num_replicas: int = 1,
         rank: int = 0,
         mega_batch_mult: int | None = None,
+        even_batches: bool = True,
     ) -> None:
         super().__init__(
             lengths,
@@ -471,6 +492,7 @@ class LengthGroupedBatchSampler(_LengthBatchSampler):
             drop_last=drop_last,
             num_replicas=num_replicas,
             rank=rank,
+            even_batches=even_batches,
         )
         self.mega_batch_mult = mega_batch_mult
 
@@ -484,6 +506,7 @@ class LengthGroupedBatchSampler(_LengthBatchSampler):
             world_size=self.num_replicas,
             drop_last=self.drop_last,
             mega_batch_mult=self.mega_batch_mult,
+            even_batches=self.even_batches,
         )
 
 
@@ -508,6 +531,7 @@ class BatchRebalanceBatchSampler(_LengthBatchSampler):
         drop_last: bool = False,
         num_replicas: int = 1,
         rank: int = 0,
+        even_batches: bool = True,
     ) -> None:
         if gradient_accumulation_steps < 1:
             raise ConfigurationError(
@@ -520,6 +544,7 @@ class BatchRebalanceBatchSampler(_LengthBatchSampler):
             drop_last=drop_last,
             num_replicas=num_replicas,
             rank=rank,
+            even_batches=even_batches,
         )
         self.gradient_accumulation_steps = gradient_accumulation_steps
 
@@ -548,6 +573,7 @@ class BatchRebalanceBatchSampler(_LengthBatchSampler):
             rank=self.rank,
             world_size=self.num_replicas,
             drop_last=self.drop_last,
+            even_batches=self.even_batches,
         )
 
 
@@ -565,6 +591,7 @@ def build_length_batch_sampler(
     model_input_name: str | None = None,
     lengths: Sequence[int] | None = None,
     parallelism: str = "data",
+    even_batches: bool = True,
 ) -> ResumableBatchSampler:
     """The batch sampler for ``train_sampling_strategy`` ``group_by_length``/``batch_rebalance``.
 
@@ -595,6 +622,7 @@ def build_length_batch_sampler(
         "drop_last": drop_last,
         "num_replicas": num_replicas,
         "rank": rank,
+        "even_batches": even_batches,
     }
     if strategy == "group_by_length":
         return LengthGroupedBatchSampler(lengths, batch_size, **common)

@@ -13,7 +13,10 @@ pass, so a signal lands in a step in flight); ``--save-sleep`` routes checkpoint
 ``slowfile://`` filesystem of :mod:`trainer_runtime.testing` so saves are slow;
 ``--enospc-after-bytes`` routes them through ``fulldiskfile://`` (disk full after N bytes);
 ``--events-file`` appends one JSON line per event (train_begin, step_begin, step_end, save_begin,
-save_committed, save, train_end) so tests wait for real events instead of sleeping.
+save_committed, save, train_end) so tests wait for real events instead of sleeping;
+``--record-samples`` adds a ``samples`` event per training forward pass (the dataset indices of the
+micro-batch, its step, and whether it is a padding micro-batch); ``--predict-samples N`` predicts
+a labelled set of N samples after training and writes a ``predict`` event.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from trainer_runtime import testing
+from trainer_runtime import distributed, testing
 from trainer_runtime.protocol import ENV_OUTPUT_DIR
 
 __all__ = ["ToyDataset", "ToyModel", "build_trainer", "main", "parse_args"]
@@ -46,7 +48,8 @@ class ToyDataset(Dataset):
     A pure function of ``seed``: the same seed gives the same tensors in every process.
     """
 
-    def __init__(self, size: int = 512, seed: int = 0) -> None:
+    def __init__(self, size: int = 512, seed: int = 0, *, with_index: bool = False) -> None:
+        self.with_index = with_index
         gen = torch.Generator().manual_seed(seed)
         self.x = torch.randn(size, FEATURES, generator=gen)
         teacher = torch.randn(FEATURES, CLASSES, generator=gen)
@@ -57,7 +60,10 @@ class ToyDataset(Dataset):
         return self.x.shape[0]
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"x": self.x[index], "labels": self.labels[index]}
+        item = {"x": self.x[index], "labels": self.labels[index]}
+        if self.with_index:  # lets a test see which samples a forward pass used
+            item["index"] = torch.tensor(index)
+        return item
 
 
 class ToyModel(nn.Module):
@@ -73,7 +79,10 @@ class ToyModel(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, labels: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        index: torch.Tensor | None = None,  # dataset indices (--record-samples); unused
     ) -> dict[str, torch.Tensor]:
         logits = self.net(x)
         out = {"logits": logits}
@@ -129,7 +138,40 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="fail checkpoint writes with ENOSPC after N bytes (fulldiskfile:// filesystem)",
     )
     p.add_argument("--events-file", default=None, help="append one JSON line per event here")
+    p.add_argument(
+        "--save-on-each-node",
+        action="store_true",
+        help="every node's main process writes its own copy (save_on_each_node=True)",
+    )
+    p.add_argument(
+        "--accelerator-config",
+        default=None,
+        help="accelerator_config as a JSON object (dispatch_batches, even_batches, ...)",
+    )
+    p.add_argument(
+        "--record-samples",
+        action="store_true",
+        help="write a 'samples' event (dataset indices) per training forward pass",
+    )
+    p.add_argument(
+        "--predict-samples",
+        type=int,
+        default=0,
+        help="after training, predict a labelled set of N samples ('predict' event)",
+    )
+    p.add_argument("--eval-batch-size", type=int, default=8, help="per-device eval batch size")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument(
+        "--full-determinism",
+        action="store_true",
+        help="TrainingArguments.full_determinism (bit-identical resume with 3+ DDP ranks)",
+    )
+    p.add_argument(
+        "--fsdp", default=None, help="shard with FSDP: TrainingArguments.fsdp, e.g. full_shard"
+    )
+    p.add_argument(
+        "--fsdp-config", default=None, help="TrainingArguments.fsdp_config as a JSON object"
+    )
     args = p.parse_args(argv)
     for name in ("max_steps", "save_steps", "batch_size", "num_samples", "threads"):
         if getattr(args, name) < 1:
@@ -229,17 +271,57 @@ def build_trainer(args: argparse.Namespace) -> Any:
         save_strategy="steps",
         save_steps=args.save_steps,
         save_total_limit=args.save_total_limit,
+        save_on_each_node=args.save_on_each_node,
         logging_steps=args.logging_steps,
         seed=args.seed,
+        full_determinism=args.full_determinism,
         enable_jit_checkpoint=True,
         use_cpu=True,
         report_to="none",
+        fsdp=args.fsdp,
+        fsdp_config=args.fsdp_config,
+        per_device_eval_batch_size=args.eval_batch_size,
+        **({"accelerator_config": args.accelerator_config} if args.accelerator_config else {}),
     )
-    return Trainer(
+    trainer = Trainer(
         model=model,
         args=targs,
-        train_dataset=ToyDataset(args.num_samples, seed=args.seed),
+        train_dataset=ToyDataset(args.num_samples, seed=args.seed, with_index=args.record_samples),
         callbacks=[_make_callback(args)],
+    )
+    if args.record_samples:
+        _record_samples(trainer, model, args.events_file)
+    return trainer
+
+
+def _record_samples(trainer: Any, model: nn.Module, events_file: str | None) -> None:
+    """A 'samples' event per training forward pass: which dataset indices this rank trained on."""
+
+    def hook(module: nn.Module, _args: Any, kwargs: dict[str, Any]) -> None:
+        index = kwargs.get("index")
+        if not module.training or index is None:
+            return
+        testing.append_event(
+            events_file,
+            "samples",
+            step=trainer.state.global_step + 1,
+            indices=[int(i) for i in index.reshape(-1).tolist()],
+            padding=bool(trainer.in_padding_batch),
+        )
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _predict(trainer: Any, args: argparse.Namespace) -> None:
+    """Predict a fresh labelled set; the event says how many rows came back, in which order."""
+    dataset = ToyDataset(args.predict_samples, seed=args.seed + 1)
+    output = trainer.predict(dataset)
+    testing.append_event(
+        args.events_file,
+        "predict",
+        rows=int(output.predictions.shape[0]),
+        label_ids=[int(x) for x in output.label_ids.reshape(-1).tolist()],
+        expected=[int(x) for x in dataset.labels.tolist()],
     )
 
 
@@ -252,6 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     result = trainer.train(resume_from_checkpoint=args.resume_from)
+    if args.predict_samples > 0:
+        _predict(trainer, args)
     state = trainer.state
     loss = getattr(result, "training_loss", math.nan)
     if state.global_step < args.max_steps:
@@ -269,4 +353,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    distributed.run_and_exit(main)

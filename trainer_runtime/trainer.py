@@ -25,13 +25,13 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from trainer_runtime import distributed, losses
+from trainer_runtime import distributed, losses, node_checkpoints
 from trainer_runtime.callbacks import (
     CallbackHandler,
     DefaultFlowCallback,
     TrainerCallback,
 )
-from trainer_runtime.checkpoint_io import CheckpointReader, CheckpointWriter
+from trainer_runtime.checkpoint_io import CheckpointReader
 from trainer_runtime.checkpoints import (
     TRAINER_STATE_NAME,
     CheckpointInfo,
@@ -39,8 +39,30 @@ from trainer_runtime.checkpoints import (
     attempt_from_env,
 )
 from trainer_runtime.data import default_data_collator
-from trainer_runtime.data_args import build_train_dataloader, is_iterable_dataset, set_dataset_epoch
-from trainer_runtime.ddp_args import accelerator_kwargs, per_rank_batch_size
+from trainer_runtime.data_args import (
+    build_train_dataloader,
+    dataloader_kwargs,
+    dataset_state_file_name,
+    has_dataset_state,
+    is_iterable_dataset,
+    iterable_dataset_state,
+    set_dataset_epoch,
+    skip_batches,
+)
+from trainer_runtime.ddp_args import (
+    accelerator_kwargs,
+    dispatch_batches,
+    even_batches,
+    per_rank_batch_size,
+)
+from trainer_runtime.dispatch import (
+    GlobalBatchSampler,
+    PaddingBatch,
+    SplitCollate,
+    SplitStream,
+    TaggedDataset,
+    dispatch_iterator,
+)
 from trainer_runtime.errors import ConfigurationError, ResumeError
 from trainer_runtime.metrics import TrainingMetrics, metrics_from_env
 from trainer_runtime.neftune import enable_neftune
@@ -61,6 +83,7 @@ from trainer_runtime.state import PREEMPTIBLE_KEY, TrainerControl, TrainerState
 from trainer_runtime.storage import Storage
 from trainer_runtime.timings import SaveTimer, StepTimer
 from trainer_runtime.trainer_features import TrainerFeaturesMixin
+from trainer_runtime.trainer_fsdp import FsdpTrainerMixin
 from trainer_runtime.trainer_utils import TrainOutput, set_seed
 from trainer_runtime.training_args import TrainingArguments
 
@@ -93,6 +116,15 @@ def _to_device(data: Any, device: torch.device) -> Any:
     if isinstance(data, (list, tuple)):
         return type(data)(_to_device(v, device) for v in data)
     return data
+
+
+def _without_items(batch: Mapping[str, Any], label_names: list[str]) -> dict[str, Any]:
+    """``batch`` with its labels set to the ignore index: what a padding batch counts."""
+    out = dict(batch)
+    for key in [*label_names, "shift_labels"]:
+        if isinstance(out.get(key), torch.Tensor):
+            out[key] = torch.full_like(out[key], losses.IGNORE_INDEX)
+    return out
 
 
 def model_state_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -140,7 +172,7 @@ class _DataPosition:
         return {"kind": kind, "epoch": self.epoch, "batch": self.batch}
 
 
-class Trainer(TrainerFeaturesMixin):
+class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
     """Train a ``torch.nn.Module`` whose forward returns the loss first (a mapping with ``loss`` or
     a tuple), on a map-style or iterable dataset of examples, with resumable checkpoints and
     just-in-time checkpointing on SIGTERM.
@@ -169,7 +201,10 @@ class Trainer(TrainerFeaturesMixin):
         self.accelerator = Accelerator(
             cpu=self.args.use_cpu, **accelerator_kwargs(self.args, cuda=cuda)
         )
+        distributed.destroy_at_exit()
         self.model = model.to(self.accelerator.device)
+        # fsdp: sharded here (so evaluate/predict work before train too); never DDP-wrapped.
+        self._init_fsdp(user_optimizer=optimizers[0] is not None, cuda=cuda)
         self.model_wrapped: nn.Module = self.model
         self.data_collator = data_collator or default_data_collator
         self.train_dataset = train_dataset
@@ -202,6 +237,15 @@ class Trainer(TrainerFeaturesMixin):
         self.preempted = False
         self._position = _DataPosition()
         self._data_iter: Iterator[Any] | None = None
+        # accelerator_config.dispatch_batches: the main process reads through this loader and
+        # sends every rank its share (dispatch.py); None on the other ranks.
+        self._dispatch = False
+        self._dispatch_loader: DataLoader | None = None
+        # True while training_step runs a padding micro-batch (even_batches=False: this rank has
+        # no sample left for it); its loss and gradient are zero.
+        self.in_padding_batch = False
+        # An iterable dataset's own position, loaded from a checkpoint, applied at the epoch start.
+        self._dataset_state: dict[str, Any] | None = None
         self._num_batches: int | None = None  # micro-batches per epoch (map-style only)
         # running loss sums: of this train() call, and since the last log entry
         self._loss_total, self._steps_total = 0.0, 0
@@ -254,6 +298,10 @@ class Trainer(TrainerFeaturesMixin):
             latch.install()
         keep_handler = False
         try:
+            # save_on_each_node: refuse shared storage before any step is spent (a collective)
+            node_checkpoints.check_storage_not_shared(
+                self.args, self.accelerator.local_process_index
+            )
             checkpoint = self._resolve_resume(resume_from_checkpoint)
             output = self._train(checkpoint)
             if self.preempted and 0 < self.state.max_steps <= self.state.global_step:
@@ -300,6 +348,14 @@ class Trainer(TrainerFeaturesMixin):
         if resume is False:
             return None
         output_dir = str(self.args.output_dir)
+        if node_checkpoints.each_node_active(self.args):
+            # Each node resumes from its own copy; all ranks agree on the step (a collective).
+            return node_checkpoints.resolve_resume(
+                output_dir,
+                resume,
+                from_env=from_env,
+                local_rank=self.accelerator.local_process_index,
+            )
         if resume is True:
             store = CheckpointStore(output_dir)
             for info in store.incomplete():
@@ -343,11 +399,14 @@ class Trainer(TrainerFeaturesMixin):
         by the resumable batch sampler of ``train_sampling_strategy``, sharded over ranks."""
         if self.train_dataset is None:
             raise ConfigurationError("Trainer.train() requires a train_dataset")
-        if self._is_iterable() and distributed.is_distributed():
+        world = distributed.world_size()
+        self._dispatch = dispatch_batches(self.args, iterable=self._is_iterable(), world_size=world)
+        if self._is_iterable() and distributed.is_distributed() and not self._dispatch:
             logger.warning(
-                "iterable dataset with %d ranks: each rank iterates the dataset as given; "
-                "shard it per rank (torch.distributed.get_rank()) to avoid duplicates",
-                distributed.world_size(),
+                "iterable dataset with %d ranks and accelerator_config.dispatch_batches=False: "
+                "each rank iterates the dataset as given; shard it per rank "
+                "(torch.distributed.get_rank()) to avoid duplicates",
+                world,
             )
         # The DataLoader gets a private generator (data_seed): it draws its base seed from it, not
         # from the global torch RNG, so creating an iterator mid-epoch on resume does not shift
@@ -368,7 +427,39 @@ class Trainer(TrainerFeaturesMixin):
         )
         sampler = loader.batch_sampler
         self.train_sampler = sampler if isinstance(sampler, ResumableBatchSampler) else None
+        if self.train_sampler is not None:
+            self.train_sampler.even_batches = even_batches(self.args)
+        self._dispatch_loader = None
+        if self._dispatch and self.accelerator.is_main_process:
+            self._dispatch_loader = self._build_dispatch_loader(loader)
         return loader
+
+    def _build_dispatch_loader(self, loader: DataLoader) -> DataLoader:
+        """The main process's loader under dispatch_batches: each item is a list of per-rank
+        batches (map-style: every rank's sampler batch; iterable: one global batch, split)."""
+        world = distributed.world_size()
+        generator = torch.Generator()
+        generator.manual_seed(self._data_seed())
+        options = dataloader_kwargs(self.args)
+        if self.train_sampler is not None:
+            return DataLoader(
+                TaggedDataset(loader.dataset),
+                batch_sampler=GlobalBatchSampler(self.train_sampler),
+                collate_fn=SplitCollate(self.data_collator, world),
+                generator=generator,
+                **options,
+            )
+        batch_size = per_rank_batch_size(self.args, world)
+        return DataLoader(
+            loader.dataset,
+            batch_size=batch_size * world,
+            drop_last=bool(self.args.dataloader_drop_last),
+            collate_fn=SplitStream(
+                self.data_collator, world, batch_size, even_batches=even_batches(self.args)
+            ),
+            generator=generator,
+            **options,
+        )
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
         if self.optimizer is None:
@@ -406,7 +497,8 @@ class Trainer(TrainerFeaturesMixin):
         self.train_dataloader = self.get_train_dataloader()
         max_steps, num_epochs = self._plan_steps()
         self.create_optimizer_and_scheduler(max_steps)
-        self.model_wrapped = self._maybe_compile(self.accelerator.prepare_model(self.model))
+        if self._fsdp is None:
+            self.model_wrapped = self._maybe_compile(self.accelerator.prepare_model(self.model))
         self.callback_handler.objects.update(
             model=self.model,
             optimizer=self.optimizer,
@@ -487,9 +579,13 @@ class Trainer(TrainerFeaturesMixin):
         started = time.perf_counter()
         self.control._new_step()
         batches = self._next_micro_batches()
-        self._count_tokens(batches)
+        # Padding micro-batches (even_batches=False) carry no samples: count nothing for them.
+        self._count_tokens([b for b in batches if not isinstance(b, PaddingBatch)])
         num_items = losses.count_items_in_batch(
-            batches,
+            [
+                _without_items(b, self.label_names) if isinstance(b, PaddingBatch) else b
+                for b in batches
+            ],
             shift_labels=losses.is_causal_lm(self.model),
             label_name=self.label_names[0],
             across_ranks=self.args.average_tokens_across_devices and distributed.is_distributed(),
@@ -500,9 +596,7 @@ class Trainer(TrainerFeaturesMixin):
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             # Gradients are all-reduced once per optimizer step, on the last micro-batch.
-            sync = (
-                contextlib.nullcontext() if last else self.accelerator.no_sync(self.model_wrapped)
-            )
+            sync = contextlib.nullcontext() if last else self._no_sync(self.model_wrapped)
             with sync:
                 step_loss += self.training_step(
                     self.model_wrapped, batch, num_items, num_micro_batches=len(batches)
@@ -514,7 +608,7 @@ class Trainer(TrainerFeaturesMixin):
             norm = self.accelerator.clip_grad_norm_(
                 self.model.parameters(), self.args.max_grad_norm
             )
-            self._last_grad_norm = float(norm)
+            self._last_grad_norm = self._grad_norm_value(norm)
         assert self.optimizer is not None and self.lr_scheduler is not None
         self.optimizer.step()
         self._event("on_optimizer_step")
@@ -545,6 +639,7 @@ class Trainer(TrainerFeaturesMixin):
         num_micro_batches: int = 1,
     ) -> torch.Tensor:
         """Forward, loss scaled to its share of the optimizer step, backward; returns the loss."""
+        self.in_padding_batch = isinstance(inputs, PaddingBatch)
         inputs = self._prepare_inputs(inputs)
         loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         assert isinstance(loss, torch.Tensor)
@@ -557,7 +652,11 @@ class Trainer(TrainerFeaturesMixin):
         )
         if not scaled:
             loss = self._scale_mean_loss(inputs, loss, num_items_in_batch, num_micro_batches)
+        if self.in_padding_batch:
+            # The forward/backward only keeps DDP's all-reduce in step: zero loss, zero gradient.
+            loss = loss.nan_to_num(0.0, 0.0, 0.0) * 0.0
         self.accelerator.backward(loss)
+        self.in_padding_batch = False
         return loss.detach()
 
     def _scale_mean_loss(
@@ -652,19 +751,43 @@ class Trainer(TrainerFeaturesMixin):
         epoch = self._position.epoch
         if self.train_sampler is not None:
             self.train_sampler.load_state_dict({"epoch": epoch, "start": skip})
-            self._data_iter = iter(self.train_dataloader)
+            self._data_iter = self._dispatched(self._epoch_source())
             return
         set_dataset_epoch(self.train_dataset, epoch, self._data_seed())
-        self._data_iter = iter(self.train_dataloader)
-        if skip:
-            logger.warning(
-                "skipping %d batches of the iterable dataset to restore the data position; this "
-                "iterates (and collates) them and may be slow (set ignore_data_skip=True to start "
-                "the epoch over instead)",
+        state, self._dataset_state = self._dataset_state, None
+        if skip and state is not None:
+            # The dataset's own position: nothing is read again.
+            self.train_dataset.load_state_dict(state)  # type: ignore[union-attr]
+            self._data_iter = self._dispatched(self._epoch_source())
+            return
+        source = self._epoch_source()
+        if has_dataset_state(self.train_dataset) and self.args.dataloader_num_workers > 0:
+            why = "the dataset's state_dict() is not tracked with dataloader_num_workers > 0"
+        else:
+            why = "the dataset has no state_dict()/load_state_dict() to restore its position"
+        if source is not None:
+            # Under dispatch only the main process reads, so only it skips (global batches).
+            skip_batches(
+                source,
                 skip,
+                disable=bool(self.args.disable_tqdm) or not self.accelerator.is_local_main_process,
+                why=why,
             )
-            for _ in range(skip):
-                next(self._data_iter)
+        self._data_iter = self._dispatched(source)
+
+    def _epoch_source(self) -> Iterator[Any] | None:
+        """The loader iterator this process reads: its own, or under dispatch_batches the main
+        process's global one (None on the other ranks, which only receive)."""
+        assert self.train_dataloader is not None
+        if not self._dispatch:
+            return iter(self.train_dataloader)
+        return iter(self._dispatch_loader) if self._dispatch_loader is not None else None
+
+    def _dispatched(self, source: Iterator[Any] | None) -> Iterator[Any]:
+        if not self._dispatch:
+            assert source is not None
+            return source
+        return dispatch_iterator(source, rank=distributed.rank())
 
     def _epoch_exhausted(self) -> bool:
         return self._num_batches is not None and self._position.batch >= self._num_batches
@@ -690,6 +813,10 @@ class Trainer(TrainerFeaturesMixin):
                 # An iterable dataset ran out at a step boundary: next epoch, keep going.
                 self._end_epoch()
                 continue
+            sampler, position = self.train_sampler, self._position
+            if sampler is not None and sampler.is_padding(position.epoch, position.batch):
+                # even_batches=False: this rank has no sample left for this micro-batch.
+                batch = PaddingBatch(batch)
             batches.append(batch)
             self._position.batch += 1
         if not batches:
@@ -841,6 +968,12 @@ class Trainer(TrainerFeaturesMixin):
         }
         if self.train_sampler is not None:
             layout["strategy"] = args.train_sampling_strategy
+        elif self._dispatch:
+            # Iterable: one split stream, not one stream per rank (key absent: not dispatched).
+            layout["dispatch_batches"] = True
+        if not even_batches(args):
+            # Without wrap-around the ranks' shares differ from a padded run's (absent: True).
+            layout["even_batches"] = False
         return layout
 
     def save_checkpoint(self, jit: bool = False) -> CheckpointInfo:
@@ -850,25 +983,38 @@ class Trainer(TrainerFeaturesMixin):
             return self.last_checkpoint
         started = time.perf_counter()
         rank, world = distributed.rank(), distributed.world_size()
-        writer = CheckpointWriter(
+        writer = self._checkpoint_writer_class()(
             str(self.args.output_dir),
             step,
             rank=rank,
             world_size=world,
             barrier=distributed.barrier,
+            # save_on_each_node: every node's main process writes a full copy on its own disk
+            **node_checkpoints.writer_options(self.args),
         )
         writer.begin()
-        main = self.accelerator.is_main_process
-        if main:
+        main = writer.is_coordinator
+        # fsdp: model and optimizer go into every rank's shards (manifest entry "sharding").
+        sharding = self._write_model_shards(writer) if self._fsdp is not None else {}
+        if main and self._fsdp is None:
             tensors, meta = model_state_tensors(self.model)
             writer.write_tensors(MODEL_NAME, tensors, meta)
         if not self.args.save_only_model:
             assert self.optimizer is not None and self.lr_scheduler is not None
             if main:
-                writer.write_optimizer_state(OPTIMIZER_NAME, self.optimizer.state_dict())
+                if self._fsdp is None:
+                    writer.write_optimizer_state(OPTIMIZER_NAME, self.optimizer.state_dict())
                 writer.write_json(SCHEDULER_NAME, self.lr_scheduler.state_dict())
             rng_tensors, rng_meta = capture_rng_state()
-            writer.write_tensors(rng_file_name(rank, world), rng_tensors, rng_meta)
+            writer.write_tensors(rng_file_name(rank, world), rng_tensors, rng_meta, per_rank=True)
+            if self._is_iterable():
+                dataset_state = iterable_dataset_state(
+                    self.train_dataset, self.args.dataloader_num_workers
+                )
+                if dataset_state is not None:
+                    writer.write_json(
+                        dataset_state_file_name(rank, world), dataset_state, per_rank=True
+                    )
         # Every rank records the best checkpoint, so every rank loads it at the end.
         self._before_checkpoint_write()
         if main:
@@ -876,7 +1022,7 @@ class Trainer(TrainerFeaturesMixin):
             state = self.state.to_dict()
             state[PREEMPTIBLE_KEY] = self._preemptible_record(jit)
             writer.write_json(TRAINER_STATE_NAME, state)
-        info = writer.commit()
+        info = writer.commit(sharding)
         seconds = info.save_seconds if info.save_seconds is not None else None
         self.save_timer.record(seconds if seconds is not None else time.perf_counter() - started)
         self.last_checkpoint = info
@@ -894,14 +1040,20 @@ class Trainer(TrainerFeaturesMixin):
         (default: args.output_dir). Not a checkpoint: nothing to resume from. Returns the
         directory on the main process, None elsewhere."""
         target = output_dir or str(self.args.output_dir)
-        if not self.accelerator.is_main_process:
+        # fsdp: every rank takes part in gathering the full weights; the main process writes them.
+        gathered = self._gathered_model_tensors()
+        if not node_checkpoints.is_checkpoint_writer(
+            self.args,
+            is_main_process=self.accelerator.is_main_process,
+            is_local_main_process=self.accelerator.is_local_main_process,
+        ):
             distributed.barrier()
             return None
         from safetensors.torch import save as st_save
 
         storage = Storage(target)
         storage.makedirs("")
-        tensors, meta = model_state_tensors(self.model)
+        tensors, meta = (gathered, {}) if gathered is not None else model_state_tensors(self.model)
         storage.write_bytes(MODEL_NAME, st_save(tensors, metadata=meta or None))
         storage.write_json(TRAINING_ARGS_NAME, self.args.to_dict())
         distributed.barrier()
@@ -922,14 +1074,17 @@ class Trainer(TrainerFeaturesMixin):
             # Stock Hugging Face checkpoints have no manifest: look at the directory.
             return name in listed if reader.info.manifest else reader.exists(name)
 
-        if not has(MODEL_NAME):
+        # fsdp: model (and optimizer) from every rank's shards; False: optimizer not in them.
+        sharded_optimizer = self._load_model_shards(info) if self._fsdp is not None else None
+        if sharded_optimizer is None and not has(MODEL_NAME):
             raise ResumeError(
                 f"cannot resume from {info.path}: it has no {MODEL_NAME} (sharded or pickled "
-                "weights are not supported)"
+                "weights are not supported without fsdp)"
             )
-        load_model_state(
-            self.model, reader.load_tensors(MODEL_NAME), reader.load_metadata(MODEL_NAME)
-        )
+        if sharded_optimizer is None:
+            load_model_state(
+                self.model, reader.load_tensors(MODEL_NAME), reader.load_metadata(MODEL_NAME)
+            )
         state = reader.load_json(TRAINER_STATE_NAME)
         record = dict(state.get(PREEMPTIBLE_KEY) or {})
         restored = TrainerState.from_dict(state)
@@ -954,8 +1109,10 @@ class Trainer(TrainerFeaturesMixin):
         assert self.optimizer is not None and self.lr_scheduler is not None
         rank, world = distributed.rank(), distributed.world_size()
         rng_name = rng_file_name(rank, world)
-        if has(OPTIMIZER_NAME) and has(SCHEDULER_NAME):
-            self.optimizer.load_state_dict(reader.load_optimizer_state(OPTIMIZER_NAME))
+        optimizer_saved = has(OPTIMIZER_NAME) if sharded_optimizer is None else sharded_optimizer
+        if optimizer_saved and has(SCHEDULER_NAME):
+            if sharded_optimizer is None:
+                self.optimizer.load_state_dict(reader.load_optimizer_state(OPTIMIZER_NAME))
             self.lr_scheduler.load_state_dict(reader.load_json(SCHEDULER_NAME))
         else:
             logger.warning(
@@ -974,6 +1131,9 @@ class Trainer(TrainerFeaturesMixin):
             restore_rng_state(reader.load_tensors(rng_name), reader.load_metadata(rng_name))
         else:
             logger.warning("%s has no %s: RNG state not restored", info.path, rng_name)
+        dataset_state_name = dataset_state_file_name(rank, world)
+        if self._is_iterable() and has(dataset_state_name) and not self.args.ignore_data_skip:
+            self._dataset_state = reader.load_json(dataset_state_name)
 
         position = record.get("data_position") or {}
         layout = self._data_layout()
@@ -986,7 +1146,9 @@ class Trainer(TrainerFeaturesMixin):
             int(position.get("batch", 0)),
             saved_shape,
             DataShape(layout["world_size"], layout["batch_size"]),
-            map_style=self.train_sampler is not None,
+            # A dispatched stream is one sequence of global batches: it re-shards like map-style.
+            map_style=self.train_sampler is not None
+            or (self._dispatch and bool(position.get("dispatch_batches"))),
             ignore_data_skip=self.args.ignore_data_skip,
             path=info.path,
         )
@@ -997,6 +1159,11 @@ class Trainer(TrainerFeaturesMixin):
             and position[key] != value
             and key not in ("world_size", "batch_size")
         }
+        for key, default in (("even_batches", True), ("dispatch_batches", False)):
+            # Recorded only when not the default: compare with the default filled in.
+            old, new = position.get(key, default), layout.get(key, default)
+            if old != new and (key == "even_batches" or self.train_sampler is None):
+                changed[key] = (old, new)
         if saved_shape != DataShape(layout["world_size"], layout["batch_size"]):
             logger.warning(
                 "%s was saved by %d rank(s) x %d samples, this run has %d x %d: data position "

@@ -40,9 +40,12 @@ from trainer_runtime.best import (
 )
 from trainer_runtime.callbacks import TrainerCallback
 from trainer_runtime.columns import remove_unused_columns
+from trainer_runtime.ddp_args import even_batches
 from trainer_runtime.errors import ConfigurationError
 from trainer_runtime.evaluation import (
     EvalLoopOutput,
+    UnevenEvalBatchSampler,
+    UnevenGather,
     evaluation_loop,
     prediction_step,
     should_evaluate_at_epoch_end,
@@ -221,6 +224,24 @@ class TrainerFeaturesMixin:
         )
 
     def _eval_loader(self, dataset: Dataset[Any]) -> DataLoader[Any]:
+        if (
+            distributed.is_distributed()
+            and not even_batches(self.args)
+            and isinstance(dataset, Sized)
+        ):
+            # even_batches=False: no sample twice; UnevenGather drops the pads' rows.
+            return DataLoader(
+                self._drop_unused_columns(dataset),
+                batch_sampler=UnevenEvalBatchSampler(
+                    len(dataset),
+                    self.args.per_device_eval_batch_size,
+                    world_size=distributed.world_size(),
+                    rank=distributed.rank(),
+                    drop_last=self.args.dataloader_drop_last,
+                ),
+                collate_fn=self.data_collator,
+                num_workers=self.args.dataloader_num_workers,
+            )
         loader = DataLoader(
             self._drop_unused_columns(dataset),
             batch_size=self.args.per_device_eval_batch_size,
@@ -308,6 +329,14 @@ class TrainerFeaturesMixin:
         gather: Callable[[Any], Any] = (
             self.accelerator.gather_for_metrics if distributed.is_distributed() else lambda x: x
         )
+        uneven = getattr(dataloader, "batch_sampler", None)
+        if isinstance(uneven, UnevenEvalBatchSampler):
+            gather = UnevenGather(
+                uneven,
+                gather=self.accelerator.gather,
+                pad_across_processes=self.accelerator.pad_across_processes,
+                device=self.accelerator.device,
+            )
         try:
             return evaluation_loop(
                 model,
@@ -435,9 +464,15 @@ class TrainerFeaturesMixin:
         save_strategy='best' removes earlier (stale) best checkpoints."""
         from trainer_runtime.checkpoint_io import rotate_checkpoints
         from trainer_runtime.checkpoints import CheckpointStore
+        from trainer_runtime.node_checkpoints import is_checkpoint_writer
 
         args = self.args
-        if not self.accelerator.is_main_process:
+        # save_on_each_node: every node rotates its own copies
+        if not is_checkpoint_writer(
+            args,
+            is_main_process=self.accelerator.is_main_process,
+            is_local_main_process=self.accelerator.is_local_main_process,
+        ):
             return []
         if args.save_total_limit is None and args.save_strategy != "best":
             return []

@@ -5,7 +5,8 @@ documentation) and, when it depends on other fields, check it in ``_cross_checks
 their own live in mixins this class inherits: the dataloader/data fields in
 :class:`trainer_runtime.data_args.DataArguments`, the distributed fields (ddp_*,
 average_tokens_across_devices, accelerator_config, save_on_each_node) in
-:class:`trainer_runtime.ddp_args.DdpArguments`.
+:class:`trainer_runtime.ddp_args.DdpArguments`, the FSDP fields (fsdp, fsdp_config) in
+:class:`trainer_runtime.fsdp_args.FsdpArguments`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from trainer_runtime.data_args import ALL_SAMPLING_STRATEGIES, DataArguments
 from trainer_runtime.ddp_args import DdpArguments
 from trainer_runtime.errors import ConfigurationError
 from trainer_runtime.eval_args import FeatureArguments
+from trainer_runtime.fsdp_args import FsdpArguments
 from trainer_runtime.protocol import ENV_OUTPUT_DIR
 
 __all__ = ["SAMPLING_STRATEGIES", "TrainingArguments"]
@@ -48,7 +50,7 @@ def _steps_or_ratio(name: str, value: float) -> float:
     return int(value) if value >= 1 else value
 
 
-class TrainingArguments(FeatureArguments, DataArguments, DdpArguments):
+class TrainingArguments(FeatureArguments, DataArguments, DdpArguments, FsdpArguments):
     """Arguments of :class:`trainer_runtime.Trainer` (Hugging Face names and defaults).
 
     Invalid values raise :class:`trainer_runtime.errors.ConfigurationError` naming the field, the
@@ -154,7 +156,10 @@ class TrainingArguments(FeatureArguments, DataArguments, DdpArguments):
     )
     data_seed: int | None = Field(None, ge=0, description="Seed of the data order; default: seed.")
     full_determinism: bool = Field(
-        False, description="Also call torch.use_deterministic_algorithms(True) (slower)."
+        False,
+        description="Also call torch.use_deterministic_algorithms(True), and keep DDP's gradient "
+        "bucket order fixed (find_unused_parameters=True unless set) so a resumed run is "
+        "bit-identical with any number of ranks (slower).",
     )
 
     # -- hardware ----------------------------------------------------------------------------------
@@ -244,9 +249,11 @@ def _format_errors(exc: ValidationError, data: dict[str, Any], model: type[BaseM
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "output_dir"
         if err["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(str(err["loc"][0]), list(model.model_fields), n=1)
+            known = _nested_fields(model, err["loc"][:-1])
+            close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
             hint = f"did you mean {close[0]!r}?" if close else "remove it"
-            lines.append(f"  - {loc}: unknown argument; {hint}")
+            what = "argument" if len(err["loc"]) == 1 else "key"
+            lines.append(f"  - {loc}: unknown {what}; {hint}")
             continue
         field = model.model_fields.get(str(err["loc"][0])) if err["loc"] else None
         value = data.get(str(err["loc"][0]), err.get("input")) if err["loc"] else None
@@ -257,3 +264,19 @@ def _format_errors(exc: ValidationError, data: dict[str, Any], model: type[BaseM
         else:
             lines.append(f"  - {msg}")
     return "\n".join(lines)
+
+
+def _nested_fields(model: type[BaseModel], path: tuple[Any, ...]) -> list[str]:
+    """Field names of the (nested) model at ``path``, e.g. ("fsdp_config",) -> its keys."""
+    current: Any = model
+    for part in path:
+        field = current.model_fields.get(str(part)) if isinstance(current, type) else None
+        if field is None:
+            return []
+        candidates = [field.annotation, *getattr(field.annotation, "__args__", ())]
+        current = next(
+            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
+        )
+        if current is None:
+            return []
+    return list(current.model_fields)

@@ -224,3 +224,31 @@ def test_importing_the_argument_model_does_not_import_torch() -> None:
     code = "import trainer_runtime.data_args, sys; assert 'torch' not in sys.modules"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_skip_batches_shows_progress_and_says_why(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    from trainer_runtime.data_args import skip_batches
+
+    it = iter(range(10))
+    with caplog.at_level("WARNING"):
+        skip_batches(it, 4, disable=False, why="the dataset has no state_dict()")
+    assert next(it) == 4
+    assert "skipping 4 batches" in caplog.text and "no state_dict()" in caplog.text
+    assert "skipping to the data position" in capsys.readouterr().err
+
+
+def test_iterable_dataset_state_only_without_workers() -> None:
+    from trainer_runtime.data_args import iterable_dataset_state
+
+    class WithState(Stream):
+        def state_dict(self) -> dict[str, int]:
+            return {"position": 3}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            pass
+
+    assert iterable_dataset_state(WithState(), num_workers=0) == {"position": 3}
+    assert iterable_dataset_state(WithState(), num_workers=2) is None
+    assert iterable_dataset_state(Stream(), num_workers=0) is None

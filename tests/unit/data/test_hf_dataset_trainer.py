@@ -17,6 +17,8 @@ from trainer_runtime.protocol import ENV_ATTEMPT, ENV_OUTPUT_DIR, ENV_RESUME_FRO
 from trainer_runtime.trainer import Trainer
 from trainer_runtime.training_args import TrainingArguments
 
+from ..builders import StopAt
+
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,3 +100,41 @@ def test_without_removal_the_text_column_reaches_the_collator(tmp_path: Path) ->
     trainer = make(tmp_path, "random", remove=False)
     with pytest.raises(Exception, match="text"):
         trainer.train()
+
+
+def test_iterable_hf_dataset_resumes_from_its_own_state(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rows = hf_dataset(16).remove_columns(["text", "length"]).to_list()
+
+    def stream() -> datasets.IterableDataset:
+        return datasets.IterableDataset.from_generator(lambda: iter(rows))
+
+    def run(out: Path, stop: int | None = None, resume: str | None = None) -> Trainer:
+        torch.manual_seed(0)
+        args = TrainingArguments(
+            output_dir=str(out),
+            per_device_train_batch_size=2,
+            max_steps=10,
+            save_steps=3,
+            use_cpu=True,
+            disable_tqdm=True,
+            report_to="none",
+        )
+        trainer = Trainer(
+            model=TinyLM(), args=args, data_collator=PaddingCollator(), train_dataset=stream()
+        )
+        if stop is not None:
+            trainer.add_callback(StopAt(stop))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full")
+    run(tmp_path / "run", stop=3)
+    state = tmp_path / "run" / "checkpoint-3" / "dataset_state.json"
+    assert state.is_file()
+    with caplog.at_level("WARNING"):
+        resumed = run(tmp_path / "run", resume=str(tmp_path / "run" / "checkpoint-3"))
+    assert "skipping" not in caplog.text
+    for name, value in full.model.state_dict().items():
+        assert torch.equal(value, resumed.model.state_dict()[name]), name

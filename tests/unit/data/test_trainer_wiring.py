@@ -15,13 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from trainer_runtime.callbacks import TrainerCallback
 from trainer_runtime.collators import PaddingCollator
 from trainer_runtime.length_sampling import build_length_batch_sampler
 from trainer_runtime.neftune import enable_neftune
 from trainer_runtime.protocol import ENV_ATTEMPT, ENV_OUTPUT_DIR, ENV_RESUME_FROM
 from trainer_runtime.trainer import Trainer
 from trainer_runtime.training_args import TrainingArguments
+
+from ..builders import StopAt
 
 
 @pytest.fixture(autouse=True)
@@ -86,16 +87,6 @@ class LengthTrainer(Trainer):
             collate_fn=self.data_collator,
             generator=generator,
         )
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if state.global_step == self.step:
-            control.should_save = True
-            control.should_training_stop = True
 
 
 def make(out: Path, strategy: str, callbacks: list[Any] | None = None) -> LengthTrainer:

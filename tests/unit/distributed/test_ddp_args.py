@@ -15,6 +15,8 @@ from trainer_runtime.ddp_args import (
     DdpArguments,
     accelerator_kwargs,
     check_backend,
+    dispatch_batches,
+    even_batches,
     per_rank_batch_size,
 )
 from trainer_runtime.errors import ConfigurationError
@@ -36,9 +38,6 @@ def test_defaults_are_hugging_face_defaults() -> None:
         ("ddp_backend", "nccl2", "unknown backend"),
         ("ddp_timeout", 0, "greater than or equal to 1"),
         ("ddp_bucket_cap_mb", 0, "greater than 0"),
-        ("save_on_each_node", True, "all nodes share"),
-        ("accelerator_config", {"even_batches": False}, "even_batches"),
-        ("accelerator_config", {"dispatch_batches": True}, "dispatch_batches"),
         ("accelerator_config", {"use_seedable_sampler": False}, "seeded order"),
         ("accelerator_config", {"split_batch": True}, "split_batch"),
         ("accelerator_config", "{not json", "JSON"),
@@ -63,6 +62,33 @@ def test_accelerator_config_from_json_string_and_file(tmp_path: Path) -> None:
     path.write_text(json.dumps({"split_batches": True, "non_blocking": True}))
     b = DdpArguments(accelerator_config=str(path))
     assert b.accelerator_config.split_batches and b.accelerator_config.non_blocking
+
+
+@pytest.mark.parametrize(
+    ("dispatch", "iterable", "world", "expected"),
+    [
+        # None follows accelerate: iterable datasets are dispatched, map-style ones are not
+        (None, False, 2, False),
+        (None, True, 2, True),
+        (True, False, 2, True),
+        (False, True, 2, False),
+        # a single process never dispatches
+        (True, False, 1, False),
+        (None, True, 1, False),
+    ],
+)
+def test_dispatch_batches_resolution(
+    dispatch: bool | None, iterable: bool, world: int, expected: bool
+) -> None:
+    args = DdpArguments(accelerator_config={"dispatch_batches": dispatch})
+    assert dispatch_batches(args, iterable=iterable, world_size=world) is expected
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_even_batches_is_accepted_both_ways(value: bool) -> None:
+    args = DdpArguments(accelerator_config={"even_batches": value})
+    assert even_batches(args) is value
+    assert even_batches(object()) is True  # arguments without accelerator_config
 
 
 @pytest.mark.parametrize(
@@ -108,6 +134,30 @@ def test_accelerator_kwargs_pass_only_what_was_set(monkeypatch: pytest.MonkeyPat
     assert ddp.to_kwargs() == {"find_unused_parameters": True}
     (only_init,) = accelerator_kwargs(DdpArguments())["kwargs_handlers"]
     assert only_init.timeout == timedelta(seconds=1800)
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"full_determinism": True}, {"find_unused_parameters": True}),
+        # An explicit choice wins (False is accelerate's default: nothing to pass); a static
+        # graph rebuilds its buckets anyway.
+        (
+            {"full_determinism": True, "ddp_find_unused_parameters": False},
+            {},
+        ),
+        ({"full_determinism": True, "ddp_static_graph": True}, {"static_graph": True}),
+        ({"full_determinism": False}, None),
+    ],
+)
+def test_full_determinism_keeps_the_initial_bucket_order(
+    fields: dict[str, Any], expected: dict[str, Any] | None
+) -> None:
+    from trainer_runtime.training_args import TrainingArguments
+
+    handlers = accelerator_kwargs(TrainingArguments(output_dir="o", **fields))["kwargs_handlers"]
+    ddp = [h.to_kwargs() for h in handlers[1:]]
+    assert ddp == ([] if expected is None else [expected])
 
 
 def test_single_process_does_not_force_a_backend(monkeypatch: pytest.MonkeyPatch) -> None:

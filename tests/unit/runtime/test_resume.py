@@ -9,32 +9,25 @@ from typing import Any
 import pytest
 import torch
 
-from trainer_runtime.callbacks import TrainerCallback
 from trainer_runtime.checkpoints import SENTINEL_NAME
 from trainer_runtime.errors import ResumeError
 from trainer_runtime.protocol import ENV_ATTEMPT, ENV_OUTPUT_DIR, ENV_RESUME_FROM
 from trainer_runtime.trainer import Trainer
 from trainer_runtime.training_args import TrainingArguments
 
-from .tiny import ClassificationData, IterableClassificationData, TinyClassifier
+from ..builders import StopAt
+from .tiny import (
+    ClassificationData,
+    IterableClassificationData,
+    StatefulIterableClassificationData,
+    TinyClassifier,
+)
 
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in (ENV_OUTPUT_DIR, ENV_RESUME_FROM, ENV_ATTEMPT):
         monkeypatch.delenv(name, raising=False)
-
-
-class StopAt(TrainerCallback):
-    """Save and stop at ``step``: an interruption without a signal."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if state.global_step == self.step:
-            control.should_save = True
-            control.should_training_stop = True
 
 
 def make_trainer(out: Path, dataset: Any = None, **overrides: Any) -> Trainer:
@@ -111,6 +104,47 @@ def test_resume_iterable_dataset_skips_by_iteration(
     with caplog.at_level(logging.WARNING):
         resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
     assert "skipping 2 batches of the iterable dataset" in caplog.text
+    assert "has no state_dict()" in caplog.text
+    assert_same_training(full, resumed)
+
+
+def test_resume_iterable_dataset_uses_its_own_state(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    common = {"max_steps": 12, "save_steps": 100}
+    full = make_trainer(tmp_path / "full", StatefulIterableClassificationData(n=20), **common)
+    full.train()
+    first_data = StatefulIterableClassificationData(n=20)
+    first = make_trainer(tmp_path / "run", first_data, **common)
+    first.add_callback(StopAt(4))  # epoch 1, 2 batches (8 examples) in
+    first.train()
+    assert (tmp_path / "run" / "checkpoint-4" / "dataset_state.json").is_file()
+    data = StatefulIterableClassificationData(n=20)
+    resumed = make_trainer(tmp_path / "run", data, **common)
+    with caplog.at_level(logging.WARNING):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    assert "skipping" not in caplog.text
+    # Nothing read twice: the two runs together read exactly what the uninterrupted one read.
+    assert first_data.reads + data.reads == full.train_dataset.reads  # type: ignore[union-attr]
+    assert_same_training(full, resumed)
+
+
+def test_iterable_dataset_state_is_not_used_with_workers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # With workers the dataset is iterated in another process: its state here never moves, so
+    # resume falls back to skipping, with the reason in the warning.
+    common = {"max_steps": 6, "save_steps": 100, "dataloader_num_workers": 1}
+    full = make_trainer(tmp_path / "full", StatefulIterableClassificationData(n=20), **common)
+    full.train()
+    first = make_trainer(tmp_path / "run", StatefulIterableClassificationData(n=20), **common)
+    first.add_callback(StopAt(4))
+    first.train()
+    assert not (tmp_path / "run" / "checkpoint-4" / "dataset_state.json").exists()
+    resumed = make_trainer(tmp_path / "run", StatefulIterableClassificationData(n=20), **common)
+    with caplog.at_level(logging.WARNING):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    assert "skipping 2 batches" in caplog.text and "dataloader_num_workers > 0" in caplog.text
     assert_same_training(full, resumed)
 
 

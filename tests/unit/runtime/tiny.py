@@ -37,6 +37,30 @@ class IterableClassificationData(IterableDataset):
             yield self.inner[i]
 
 
+class StatefulIterableClassificationData(IterableClassificationData):
+    """The iterable examples with their own resumable position (``state_dict`` /
+    ``load_state_dict``, as ``datasets.IterableDataset`` offers); counts the examples read."""
+
+    def __init__(self, n: int = 40, seed: int = 0) -> None:
+        super().__init__(n, seed)
+        self.position = 0
+        self.reads = 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        start, self.position = self.position, 0
+        for i in range(start, len(self.inner)):
+            self.position = i + 1
+            self.reads += 1
+            yield self.inner[i]
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = int(state["position"])
+
+
 class TinyClassifier(nn.Module):
     """MLP with dropout (so the RNG matters) and a LayerNorm (so weight-decay grouping matters)."""
 

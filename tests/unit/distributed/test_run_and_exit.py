@@ -1,0 +1,85 @@
+"""``distributed.run_and_exit``: the entry point's code becomes the exit status, output and atexit
+handlers are flushed, and a distributed process skips the interpreter teardown."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from trainer_runtime import distributed
+
+SCRIPT = textwrap.dedent(
+    """
+    import atexit, sys
+    import torch.distributed as dist
+    from trainer_runtime import distributed
+
+    def main():
+        if sys.argv[1] == "dist":
+            dist.init_process_group("gloo")
+            distributed.destroy_at_exit()
+            dist.all_reduce(__import__("torch").ones(4))
+        atexit.register(lambda: print("atexit ran", flush=True))
+        print("trained", end="")  # no newline, no flush: must still reach the log
+        return int(sys.argv[2])
+
+    distributed.run_and_exit(main)
+    """
+)
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Never os._exit the test process, even if another test left a process group behind.
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+
+
+@pytest.mark.parametrize(("main_result", "code"), [(0, 0), (75, 75), (None, 0), ("boom", 1)])
+def test_single_process_exit_codes(main_result: object, code: int) -> None:
+    with pytest.raises(SystemExit) as exc:
+        distributed.run_and_exit(lambda: main_result)  # type: ignore[arg-type, return-value]
+    assert exc.value.code == code
+
+
+def test_system_exit_inside_main_is_kept() -> None:
+    def main() -> int:
+        raise SystemExit(75)
+
+    with pytest.raises(SystemExit) as exc:
+        distributed.run_and_exit(main)
+    assert exc.value.code == 75
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_two_gloo_ranks_exit_with_the_code_and_flushed_output(tmp_path: Path) -> None:
+    script = tmp_path / "entry.py"
+    script.write_text(SCRIPT)
+    port = _port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env.update(WORLD_SIZE="2", RANK=str(rank))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-P", str(script), "dist", "75"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    for proc in procs:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 75, out
+        assert "trained" in out and "atexit ran" in out, out
