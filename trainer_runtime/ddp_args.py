@@ -88,20 +88,28 @@ class AcceleratorConfig(BaseModel):
         return self
 
 
-def _load_accelerator_config(value: Any) -> Any:
-    """Accept a mapping, a JSON string, or the path of a JSON file (as Hugging Face does)."""
-    if value is None:
-        return AcceleratorConfig()
+def load_json_or_path(value: Any) -> Any:
+    """A mapping, a JSON string, or the path of a JSON file (as Hugging Face accepts for its
+    dict-valued arguments); anything else is returned for the model to validate."""
     if isinstance(value, str):
         text = value.strip()
-        if not text.startswith("{") and os.path.isfile(text):
+        if not text.startswith("{"):
+            if not os.path.isfile(text):
+                raise ValueError(
+                    "neither a JSON object nor the path of an existing JSON file; pass a dict, "
+                    "a JSON string or a path"
+                )
             with open(text, encoding="utf-8") as fh:
                 text = fh.read()
         try:
             value = json.loads(text) if text else {}
         except json.JSONDecodeError as exc:
-            raise ValueError(f"not a JSON object nor the path of a JSON file ({exc})") from exc
+            raise ValueError(f"not valid JSON ({exc})") from exc
     return value
+
+
+def _load_accelerator_config(value: Any) -> Any:
+    return AcceleratorConfig() if value is None else load_json_or_path(value)
 
 
 class DdpArguments(BaseModel):

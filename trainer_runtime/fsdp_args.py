@@ -12,13 +12,12 @@ equivalent for are refused with the reason, never silently ignored. Torch-free a
 
 from __future__ import annotations
 
-import json
-import os
 import warnings
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from trainer_runtime.ddp_args import load_json_or_path
 from trainer_runtime.errors import ConfigurationError
 
 __all__ = [
@@ -202,25 +201,6 @@ class FsdpConfigArguments(BaseModel):
         return self
 
 
-def _load_json_or_path(value: Any) -> Any:
-    """A mapping, a JSON string, or the path of a JSON file (as Hugging Face accepts)."""
-    if isinstance(value, str):
-        text = value.strip()
-        if not text.startswith("{"):
-            if not os.path.isfile(text):
-                raise ValueError(
-                    "neither a JSON object nor the path of an existing JSON file; pass a dict, "
-                    "a JSON string or a path"
-                )
-            with open(text, encoding="utf-8") as fh:
-                text = fh.read()
-        try:
-            value = json.loads(text) if text else {}
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"not valid JSON ({exc})") from exc
-    return value
-
-
 class FsdpArguments(BaseModel):
     """Fully sharded data parallel fields of ``TrainingArguments``."""
 
@@ -274,7 +254,7 @@ class FsdpArguments(BaseModel):
     def _parse_config(cls, value: Any) -> Any:
         if value is None:
             return None
-        return _load_json_or_path(value)
+        return load_json_or_path(value)
 
     @model_validator(mode="after")
     def _fsdp_cross_checks(self) -> FsdpArguments:
