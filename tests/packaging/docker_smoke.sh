@@ -25,6 +25,14 @@ die() {
   exit 1
 }
 
+# Every run re-tags the same names: the images they replace (about 6 GB each) and the containers of
+# a failed build would pile up in the engine's data directory until the disk is full.
+cleanup() {
+  "$DOCKER" container prune -f >/dev/null 2>&1 || true
+  "$DOCKER" image prune -f >/dev/null 2>&1 || true
+}
+trap cleanup EXIT
+
 local_base() {
   command -v debootstrap >/dev/null || die "--local-base needs debootstrap (apt-get install debootstrap)"
   local mirror rootfs
