@@ -1,4 +1,4 @@
-"""Per-step cost of the rank agreement on stopping (``distributed.agree_to_stop``).
+"""Per-step cost of the rank agreement on stopping (``collectives.agree_to_stop``).
 
 Every optimizer step, every rank calls ``agree_to_stop(local_flag)``: one all-reduce (MAX) of one
 int32. This prints its cost in one process (a no-op) and across ``--ranks`` real processes on gloo
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from trainer_runtime import distributed
+from trainer_runtime.distributed import collectives
 
 BUDGET = 0.01
 
@@ -41,7 +41,7 @@ def _time_calls(calls: int, flag: bool = False) -> list[float]:
     samples = []
     for _ in range(calls):
         start = time.perf_counter()
-        distributed.agree_to_stop(flag)
+        collectives.agree_to_stop(flag)
         samples.append(time.perf_counter() - start)
     return samples
 
@@ -73,7 +73,7 @@ def _worker(rank: int, world: int, port: int, calls: int, queue: mp.Queue[object
         _time_calls(50)  # warm up the connections
         samples = _time_calls(calls)
         # A stop requested by the last rank only must reach every rank in the same call.
-        agreed = distributed.agree_to_stop(rank == world - 1)
+        agreed = collectives.agree_to_stop(rank == world - 1)
         step = _ddp_step_seconds(12)
         queue.put((rank, samples, agreed, step))
     finally:

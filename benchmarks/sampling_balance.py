@@ -30,12 +30,12 @@ import sys
 import time
 from collections.abc import Callable
 
-from trainer_runtime.length_sampling import (
+from trainer_runtime.data.length_sampling import (
     BatchRebalanceBatchSampler,
     LengthGroupedBatchSampler,
     padded_cost,
 )
-from trainer_runtime.samplers import RandomBatchSampler, ResumableBatchSampler
+from trainer_runtime.data.samplers import RandomBatchSampler, ResumableBatchSampler
 
 
 def make_lengths(n: int, seed: int, distribution: str) -> list[int]:

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer_runtime.checkpoints import CheckpointInfo, CheckpointStore
+from trainer_runtime.checkpoint.layout import CheckpointInfo, CheckpointStore
 from trainer_runtime.errors import TrainerRuntimeError
 
 __all__ = ["CheckpointView", "PathMap", "StorageSnapshot", "parse_path_map"]

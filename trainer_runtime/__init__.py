@@ -1,14 +1,19 @@
 """preemptible trainer runtime: a Hugging Face style Trainer that survives preemption.
 
-The public names are loaded lazily so that torch-free modules (``trainer_runtime.checkpoints``,
-``trainer_runtime.grace``, ``trainer_runtime.protocol``) can be imported by the operator without
-importing torch.
+Sub-packages by domain: ``checkpoint`` (storage seam, layout and completeness, writer and reader,
+per-node copies, resharding, RNG), ``data`` (samplers, collators, columns, NEFTune, the data
+arguments), ``distributed`` (collectives, DDP and FSDP arguments, FSDP, the torchrun launcher) and
+``features`` (evaluation, best model, early stopping, trackers, logging, progress, losses,
+precision, optimizers). The Trainer, its arguments, state, callbacks, signals, timings, the grace
+rule and the operator contract (``protocol``) stay at the top.
+
+Public names load lazily, so the torch-free modules the operator imports (``errors``, ``grace``,
+``protocol``, ``checkpoint.storage``, ``checkpoint.layout``) never pull in torch.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from trainer_runtime._lazy import lazy_exports
 
 # public name -> module that defines it (filled in as modules land)
 _EXPORTS: dict[str, str] = {
@@ -18,21 +23,21 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": "errors",
     "StorageError": "errors",
     "ResumeError": "errors",
-    "Storage": "storage",
-    "CheckpointInfo": "checkpoints",
-    "CheckpointStore": "checkpoints",
-    "is_complete": "checkpoints",
-    "rotation_victims": "checkpoints",
+    "Storage": "checkpoint.storage",
+    "CheckpointInfo": "checkpoint.layout",
+    "CheckpointStore": "checkpoint.layout",
+    "is_complete": "checkpoint.layout",
+    "rotation_victims": "checkpoint.layout",
     "grace_seconds": "grace",
     "GracePolicy": "grace",
     "GraceRecommendation": "grace",
     "recommend_grace": "grace",
     # checkpoint I/O (torch + safetensors)
-    "CheckpointWriter": "checkpoint_io",
-    "CheckpointReader": "checkpoint_io",
-    "optimizer_state_to_tensors": "checkpoint_io",
-    "optimizer_state_from_tensors": "checkpoint_io",
-    "rotate_checkpoints": "checkpoint_io",
+    "CheckpointWriter": "checkpoint.io",
+    "CheckpointReader": "checkpoint.io",
+    "optimizer_state_to_tensors": "checkpoint.io",
+    "optimizer_state_from_tensors": "checkpoint.io",
+    "rotate_checkpoints": "checkpoint.io",
     # trainer core
     "Trainer": "trainer",
     "TrainingArguments": "training_args",
@@ -43,50 +48,39 @@ _EXPORTS: dict[str, str] = {
     "DefaultFlowCallback": "callbacks",
     "PrinterCallback": "callbacks",
     # EvalPrediction iterates over present fields only (preds, labels = eval_pred) and has losses
-    "EvalPrediction": "evaluation",
+    "EvalPrediction": "features.evaluation",
     # trainer features (evaluation, best model, trackers, progress, early stopping)
-    "EvalLoopOutput": "evaluation",
-    "FeatureArguments": "eval_args",
-    "EarlyStoppingCallback": "early_stopping",
-    "ProgressCallback": "progress",
-    "TensorBoardCallback": "integrations",
-    "WandbCallback": "integrations",
-    "MLflowCallback": "integrations",
-    "TrackioCallback": "integrations",
-    "LabelSmoother": "losses",
+    "EvalLoopOutput": "features.evaluation",
+    "FeatureArguments": "features.arguments",
+    "EarlyStoppingCallback": "features.early_stopping",
+    "ProgressCallback": "features.progress",
+    "TensorBoardCallback": "features.trackers",
+    "WandbCallback": "features.trackers",
+    "MLflowCallback": "features.trackers",
+    "TrackioCallback": "features.trackers",
+    "LabelSmoother": "features.losses",
     "TrainOutput": "trainer_utils",
     "set_seed": "trainer_utils",
-    "default_data_collator": "data",
+    "default_data_collator": "data.defaults",
     "SigtermLatch": "signals",
     # data pipeline: length-based samplers, padding, NEFTune, column removal, dataloader args
-    "LengthGroupedBatchSampler": "length_sampling",
-    "BatchRebalanceBatchSampler": "length_sampling",
-    "PaddingCollator": "collators",
-    "RemoveColumnsCollator": "columns",
-    "enable_neftune": "neftune",
-    "activate_neftune": "neftune",
-    "deactivate_neftune": "neftune",
-    "DataArguments": "data_args",
+    "LengthGroupedBatchSampler": "data.length_sampling",
+    "BatchRebalanceBatchSampler": "data.length_sampling",
+    "PaddingCollator": "data.collators",
+    "RemoveColumnsCollator": "data.columns",
+    "enable_neftune": "data.neftune",
+    "activate_neftune": "data.neftune",
+    "deactivate_neftune": "data.neftune",
+    "DataArguments": "data.arguments",
     # distributed: DDP arguments, torchrun launcher, FSDP sharded checkpoints
-    "DdpArguments": "ddp_args",
-    "AcceleratorConfig": "ddp_args",
-    "FsdpConfig": "fsdp",
-    "shard_model": "fsdp",
-    "save_sharded": "fsdp",
-    "load_sharded": "fsdp",
-    "FsdpArguments": "fsdp_args",
-    "FsdpConfigArguments": "fsdp_args",
+    "DdpArguments": "distributed.ddp_args",
+    "AcceleratorConfig": "distributed.ddp_args",
+    "FsdpConfig": "distributed.fsdp",
+    "shard_model": "distributed.fsdp",
+    "save_sharded": "distributed.fsdp",
+    "load_sharded": "distributed.fsdp",
+    "FsdpArguments": "distributed.fsdp_args",
+    "FsdpConfigArguments": "distributed.fsdp_args",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'trainer_runtime' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"trainer_runtime.{module}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

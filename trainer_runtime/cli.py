@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trainer_runtime.checkpoints import TRAINER_STATE_NAME, CheckpointInfo, CheckpointStore
+from trainer_runtime.checkpoint.layout import TRAINER_STATE_NAME, CheckpointInfo, CheckpointStore
 from trainer_runtime.errors import TrainerRuntimeError
 from trainer_runtime.grace import GracePolicy, recommend_grace
 from trainer_runtime.protocol import SaveTimings, StepTimings
@@ -240,7 +240,7 @@ def _add_grace(sub: Any) -> None:
 
 
 def _add_launch(sub: Any) -> None:
-    from trainer_runtime.launch import add_launch_parser
+    from trainer_runtime.distributed.launch import add_launch_parser
 
     add_launch_parser(sub)
 

@@ -64,8 +64,8 @@ __all__ = [
     "weights_identical",
 ]
 
-# Must equal trainer_runtime.checkpoints.SENTINEL_NAME; repeated here (and checked by the runtime
-# tests) so that this module stays importable without the checkpoint package.
+# Must equal trainer_runtime.checkpoint.layout.SENTINEL_NAME; repeated here (and checked by the
+# runtime tests) so that this module stays importable without the checkpoint package.
 _SENTINEL_NAME = "checkpoint-is-incomplete.txt"
 _CHECKPOINT_PREFIX = "checkpoint-"
 

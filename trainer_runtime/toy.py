@@ -32,7 +32,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from trainer_runtime import distributed, testing
+from trainer_runtime import testing
+from trainer_runtime.distributed import collectives
 from trainer_runtime.protocol import ENV_OUTPUT_DIR
 
 __all__ = ["ToyDataset", "ToyModel", "build_trainer", "main", "parse_args"]
@@ -353,4 +354,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    distributed.run_and_exit(main)
+    collectives.run_and_exit(main)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import logging
 import math
 import os
@@ -25,21 +24,32 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from trainer_runtime import distributed, losses, node_checkpoints
 from trainer_runtime.callbacks import (
     CallbackHandler,
     DefaultFlowCallback,
     TrainerCallback,
 )
-from trainer_runtime.checkpoint_io import CheckpointReader
-from trainer_runtime.checkpoints import (
+from trainer_runtime.checkpoint import per_node
+from trainer_runtime.checkpoint.io import CheckpointReader
+from trainer_runtime.checkpoint.layout import (
     TRAINER_STATE_NAME,
     CheckpointInfo,
     CheckpointStore,
     attempt_from_env,
 )
-from trainer_runtime.data import default_data_collator
-from trainer_runtime.data_args import (
+from trainer_runtime.checkpoint.model_state import (
+    MODEL_NAME,
+    OPTIMIZER_NAME,
+    SCHEDULER_NAME,
+    TRAINING_ARGS_NAME,
+    load_model_state,
+    model_state_tensors,
+    rng_file_name,
+)
+from trainer_runtime.checkpoint.resharding import DataShape, reshard_position
+from trainer_runtime.checkpoint.rng import capture_rng_state, restore_rng_state
+from trainer_runtime.checkpoint.storage import Storage
+from trainer_runtime.data.arguments import (
     build_train_dataloader,
     dataloader_kwargs,
     dataset_state_file_name,
@@ -49,13 +59,8 @@ from trainer_runtime.data_args import (
     set_dataset_epoch,
     skip_batches,
 )
-from trainer_runtime.ddp_args import (
-    accelerator_kwargs,
-    dispatch_batches,
-    even_batches,
-    per_rank_batch_size,
-)
-from trainer_runtime.dispatch import (
+from trainer_runtime.data.defaults import default_data_collator
+from trainer_runtime.data.dispatch import (
     GlobalBatchSampler,
     PaddingBatch,
     SplitCollate,
@@ -63,10 +68,21 @@ from trainer_runtime.dispatch import (
     TaggedDataset,
     dispatch_iterator,
 )
+from trainer_runtime.data.neftune import enable_neftune
+from trainer_runtime.data.samplers import ResumableBatchSampler
+from trainer_runtime.distributed import collectives
+from trainer_runtime.distributed.ddp_args import (
+    accelerator_kwargs,
+    dispatch_batches,
+    even_batches,
+    per_rank_batch_size,
+)
+from trainer_runtime.distributed.trainer_fsdp import FsdpTrainerMixin
 from trainer_runtime.errors import ConfigurationError, ResumeError
+from trainer_runtime.features import losses
+from trainer_runtime.features.optim import create_optimizer, create_scheduler
+from trainer_runtime.features.trainer_features import TrainerFeaturesMixin
 from trainer_runtime.metrics import TrainingMetrics, metrics_from_env
-from trainer_runtime.neftune import enable_neftune
-from trainer_runtime.optim import create_optimizer, create_scheduler
 from trainer_runtime.protocol import (
     ENV_ATTEMPT,
     ENV_OUTPUT_DIR,
@@ -75,15 +91,9 @@ from trainer_runtime.protocol import (
     TerminationMessage,
     write_termination_message,
 )
-from trainer_runtime.resharding import DataShape, reshard_position
-from trainer_runtime.rng import capture_rng_state, restore_rng_state
-from trainer_runtime.samplers import ResumableBatchSampler
 from trainer_runtime.signals import SigtermLatch
 from trainer_runtime.state import PREEMPTIBLE_KEY, TrainerControl, TrainerState
-from trainer_runtime.storage import Storage
 from trainer_runtime.timings import SaveTimer, StepTimer
-from trainer_runtime.trainer_features import TrainerFeaturesMixin
-from trainer_runtime.trainer_fsdp import FsdpTrainerMixin
 from trainer_runtime.trainer_utils import TrainOutput, set_seed
 from trainer_runtime.training_args import TrainingArguments
 
@@ -91,21 +101,10 @@ __all__ = ["Trainer"]
 
 logger = logging.getLogger(__name__)
 
-# Checkpoint file names (Hugging Face names where they exist; safetensors/JSON instead of pickles).
-MODEL_NAME = "model.safetensors"
-OPTIMIZER_NAME = "optimizer.safetensors"
-SCHEDULER_NAME = "scheduler.json"
-TRAINING_ARGS_NAME = "training_args.json"
-_ALIASES_KEY = "preemptible.aliases"
-
 
 def under_operator() -> bool:
     """The operator's environment contract is present: exit codes and termination messages apply."""
     return bool(os.environ.get(ENV_OUTPUT_DIR) or os.environ.get(ENV_ATTEMPT))
-
-
-def rng_file_name(rank: int, world_size: int) -> str:
-    return "rng_state.safetensors" if world_size == 1 else f"rng_state_{rank}.safetensors"
 
 
 def _to_device(data: Any, device: torch.device) -> Any:
@@ -125,40 +124,6 @@ def _without_items(batch: Mapping[str, Any], label_names: list[str]) -> dict[str
         if isinstance(out.get(key), torch.Tensor):
             out[key] = torch.full_like(out[key], losses.IGNORE_INDEX)
     return out
-
-
-def model_state_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The state_dict as CPU tensors, tied (storage-sharing) entries stored once.
-
-    safetensors refuses shared storage; the dropped names are kept in the metadata as aliases.
-    """
-    tensors: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    seen: dict[tuple[Any, ...], str] = {}
-    for name, tensor in model.state_dict().items():
-        key = (
-            tensor.device,
-            tensor.untyped_storage().data_ptr(),
-            tensor.storage_offset(),
-            tuple(tensor.shape),
-            tuple(tensor.stride()),
-            tensor.dtype,
-        )
-        if tensor.numel() > 0 and key in seen:
-            aliases[name] = seen[key]
-            continue
-        seen[key] = name
-        tensors[name] = tensor.detach().to("cpu").contiguous()
-    return tensors, {_ALIASES_KEY: json.dumps(aliases)} if aliases else {}
-
-
-def load_model_state(
-    model: nn.Module, tensors: dict[str, torch.Tensor], meta: dict[str, str]
-) -> None:
-    state = dict(tensors)
-    for alias, target in json.loads(meta.get(_ALIASES_KEY, "{}")).items():
-        state[alias] = state[target]
-    model.load_state_dict(state, strict=True)
 
 
 class _DataPosition:
@@ -201,7 +166,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         self.accelerator = Accelerator(
             cpu=self.args.use_cpu, **accelerator_kwargs(self.args, cuda=cuda)
         )
-        distributed.destroy_at_exit()
+        collectives.destroy_at_exit()
         self.model = model.to(self.accelerator.device)
         # fsdp: sharded here (so evaluate/predict work before train too); never DDP-wrapped.
         self._init_fsdp(user_optimizer=optimizers[0] is not None, cuda=cuda)
@@ -299,9 +264,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         keep_handler = False
         try:
             # save_on_each_node: refuse shared storage before any step is spent (a collective)
-            node_checkpoints.check_storage_not_shared(
-                self.args, self.accelerator.local_process_index
-            )
+            per_node.check_storage_not_shared(self.args, self.accelerator.local_process_index)
             checkpoint = self._resolve_resume(resume_from_checkpoint)
             output = self._train(checkpoint)
             if self.preempted and 0 < self.state.max_steps <= self.state.global_step:
@@ -348,9 +311,9 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         if resume is False:
             return None
         output_dir = str(self.args.output_dir)
-        if node_checkpoints.each_node_active(self.args):
+        if per_node.each_node_active(self.args):
             # Each node resumes from its own copy; all ranks agree on the step (a collective).
-            return node_checkpoints.resolve_resume(
+            return per_node.resolve_resume(
                 output_dir,
                 resume,
                 from_env=from_env,
@@ -399,9 +362,9 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         by the resumable batch sampler of ``train_sampling_strategy``, sharded over ranks."""
         if self.train_dataset is None:
             raise ConfigurationError("Trainer.train() requires a train_dataset")
-        world = distributed.world_size()
+        world = collectives.world_size()
         self._dispatch = dispatch_batches(self.args, iterable=self._is_iterable(), world_size=world)
-        if self._is_iterable() and distributed.is_distributed() and not self._dispatch:
+        if self._is_iterable() and collectives.is_distributed() and not self._dispatch:
             logger.warning(
                 "iterable dataset with %d ranks and accelerator_config.dispatch_batches=False: "
                 "each rank iterates the dataset as given; shard it per rank "
@@ -418,10 +381,10 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
             self.args,
             collate_fn=self.data_collator,
             seed=self._data_seed(),
-            batch_size=per_rank_batch_size(self.args, distributed.world_size()),
+            batch_size=per_rank_batch_size(self.args, collectives.world_size()),
             gradient_accumulation_steps=self.args.gradient_accumulation_steps,
-            num_replicas=distributed.world_size(),
-            rank=distributed.rank(),
+            num_replicas=collectives.world_size(),
+            rank=collectives.rank(),
             max_steps=self.args.max_steps,
             model_input_name=self._model_input_name(),
         )
@@ -437,7 +400,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
     def _build_dispatch_loader(self, loader: DataLoader) -> DataLoader:
         """The main process's loader under dispatch_batches: each item is a list of per-rank
         batches (map-style: every rank's sampler batch; iterable: one global batch, split)."""
-        world = distributed.world_size()
+        world = collectives.world_size()
         generator = torch.Generator()
         generator.manual_seed(self._data_seed())
         options = dataloader_kwargs(self.args)
@@ -569,7 +532,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
             return False
         wants_jit = bool(self.sigterm_latch and self.sigterm_latch.should_act())
         # Every rank takes part in the collective every step, so they stop at the same step.
-        if distributed.agree_to_stop(wants_jit):
+        if collectives.agree_to_stop(wants_jit):
             self._stop_for_preemption()
             return True
         return False
@@ -588,7 +551,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
             ],
             shift_labels=losses.is_causal_lm(self.model),
             label_name=self.label_names[0],
-            across_ranks=self.args.average_tokens_across_devices and distributed.is_distributed(),
+            across_ranks=self.args.average_tokens_across_devices and collectives.is_distributed(),
         )
         self._event("on_step_begin")
         self.model_wrapped.train()
@@ -683,8 +646,8 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
                     # A mean over zero tokens is NaN; this micro-batch carries no signal.
                     return loss.nan_to_num(0.0) * 0.0
                 weight = local / num_items
-                if self.args.average_tokens_across_devices and distributed.is_distributed():
-                    weight *= distributed.world_size()
+                if self.args.average_tokens_across_devices and collectives.is_distributed():
+                    weight *= collectives.world_size()
                 return loss * weight
         return loss / num_micro_batches
 
@@ -705,7 +668,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
                 label_smoother=self.label_smoother,
                 label_names=self.label_names,
                 accepts_loss_kwargs=self._model_accepts_loss_kwargs(),
-                world_size=distributed.world_size(),
+                world_size=collectives.world_size(),
                 average_tokens_across_devices=self.args.average_tokens_across_devices,
             )
         return (loss, outputs) if return_outputs else loss
@@ -787,7 +750,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         if not self._dispatch:
             assert source is not None
             return source
-        return dispatch_iterator(source, rank=distributed.rank())
+        return dispatch_iterator(source, rank=collectives.rank())
 
     def _epoch_exhausted(self) -> bool:
         return self._num_batches is not None and self._position.batch >= self._num_batches
@@ -962,8 +925,8 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         """What the meaning of a data position depends on (checked on resume)."""
         args = self.args
         layout: dict[str, Any] = {
-            "batch_size": per_rank_batch_size(args, distributed.world_size()),
-            "world_size": distributed.world_size(),
+            "batch_size": per_rank_batch_size(args, collectives.world_size()),
+            "world_size": collectives.world_size(),
             "data_seed": self._data_seed(),
         }
         if self.train_sampler is not None:
@@ -982,15 +945,15 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         if self.last_checkpoint is not None and self.last_checkpoint.step == step:
             return self.last_checkpoint
         started = time.perf_counter()
-        rank, world = distributed.rank(), distributed.world_size()
+        rank, world = collectives.rank(), collectives.world_size()
         writer = self._checkpoint_writer_class()(
             str(self.args.output_dir),
             step,
             rank=rank,
             world_size=world,
-            barrier=distributed.barrier,
+            barrier=collectives.barrier,
             # save_on_each_node: every node's main process writes a full copy on its own disk
-            **node_checkpoints.writer_options(self.args),
+            **per_node.writer_options(self.args),
         )
         writer.begin()
         main = writer.is_coordinator
@@ -1030,7 +993,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         # save_total_limit keeps the best checkpoint too; save_strategy="best" drops stale bests.
         for path in self._rotate_after_save(info):
             logger.info("rotated out %s (save_total_limit=%s)", path, self.args.save_total_limit)
-        distributed.barrier()
+        collectives.barrier()
         self._event("on_save", checkpoint=info.path)
         self._publish_metrics()
         return info
@@ -1042,12 +1005,12 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         target = output_dir or str(self.args.output_dir)
         # fsdp: every rank takes part in gathering the full weights; the main process writes them.
         gathered = self._gathered_model_tensors()
-        if not node_checkpoints.is_checkpoint_writer(
+        if not per_node.is_checkpoint_writer(
             self.args,
             is_main_process=self.accelerator.is_main_process,
             is_local_main_process=self.accelerator.is_local_main_process,
         ):
-            distributed.barrier()
+            collectives.barrier()
             return None
         from safetensors.torch import save as st_save
 
@@ -1056,7 +1019,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         tensors, meta = (gathered, {}) if gathered is not None else model_state_tensors(self.model)
         storage.write_bytes(MODEL_NAME, st_save(tensors, metadata=meta or None))
         storage.write_json(TRAINING_ARGS_NAME, self.args.to_dict())
-        distributed.barrier()
+        collectives.barrier()
         return target
 
     def is_world_process_zero(self) -> bool:
@@ -1107,7 +1070,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         self.sigterm_to_exit = [float(x) for x in record.get("sigterm_to_exit_seconds") or []]
 
         assert self.optimizer is not None and self.lr_scheduler is not None
-        rank, world = distributed.rank(), distributed.world_size()
+        rank, world = collectives.rank(), collectives.world_size()
         rng_name = rng_file_name(rank, world)
         optimizer_saved = has(OPTIMIZER_NAME) if sharded_optimizer is None else sharded_optimizer
         if optimizer_saved and has(SCHEDULER_NAME):

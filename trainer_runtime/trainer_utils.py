@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 # One EvalPrediction for the whole package: the evaluation loop's (iterates over present fields).
-from trainer_runtime.evaluation import EvalPrediction
+from trainer_runtime.features.evaluation import EvalPrediction
 
 __all__ = [
     "EvalPrediction",

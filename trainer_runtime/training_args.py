@@ -3,10 +3,10 @@
 Fields are grouped by concern; to add one, put it in its group with a ``description`` (that is its
 documentation) and, when it depends on other fields, check it in ``_cross_checks``. Field groups of
 their own live in mixins this class inherits: the dataloader/data fields in
-:class:`trainer_runtime.data_args.DataArguments`, the distributed fields (ddp_*,
+:class:`trainer_runtime.data.arguments.DataArguments`, the distributed fields (ddp_*,
 average_tokens_across_devices, accelerator_config, save_on_each_node) in
-:class:`trainer_runtime.ddp_args.DdpArguments`, the FSDP fields (fsdp, fsdp_config) in
-:class:`trainer_runtime.fsdp_args.FsdpArguments`.
+:class:`trainer_runtime.distributed.ddp_args.DdpArguments`, the FSDP fields (fsdp, fsdp_config) in
+:class:`trainer_runtime.distributed.fsdp_args.FsdpArguments`.
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from trainer_runtime.data_args import ALL_SAMPLING_STRATEGIES, DataArguments
-from trainer_runtime.ddp_args import DdpArguments
+from trainer_runtime.data.arguments import ALL_SAMPLING_STRATEGIES, DataArguments
+from trainer_runtime.distributed.ddp_args import DdpArguments
+from trainer_runtime.distributed.fsdp_args import FsdpArguments
 from trainer_runtime.errors import ConfigurationError
-from trainer_runtime.eval_args import FeatureArguments
-from trainer_runtime.fsdp_args import FsdpArguments
+from trainer_runtime.features.arguments import FeatureArguments
 from trainer_runtime.protocol import ENV_OUTPUT_DIR
 
 __all__ = ["SAMPLING_STRATEGIES", "TrainingArguments"]
 
-# Batch orders the trainer can build (trainer_runtime.samplers and length_sampling).
+# Batch orders the trainer can build (trainer_runtime.data.samplers and length_sampling).
 SAMPLING_STRATEGIES: tuple[str, ...] = ALL_SAMPLING_STRATEGIES
 
 
@@ -117,7 +117,7 @@ class TrainingArguments(FeatureArguments, DataArguments, DdpArguments, FsdpArgum
 
     # -- checkpoints -------------------------------------------------------------------------------
     # save_strategy (with "best"), report_to and the evaluation / logging / best-model / precision
-    # fields come from FeatureArguments (trainer_runtime.eval_args).
+    # fields come from FeatureArguments (trainer_runtime.features.arguments).
     save_steps: float = Field(
         500,
         description="Save every N optimizer steps (save_strategy='steps'); a value < 1 is a ratio "

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.ranks import RankedRun
-from trainer_runtime.checkpoints import CheckpointStore
+from trainer_runtime.checkpoint.layout import CheckpointStore
 
 WORLD_SIZE = 2
 MAX_STEPS = 12

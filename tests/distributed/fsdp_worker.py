@@ -15,9 +15,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from trainer_runtime.checkpoints import SENTINEL_NAME, CheckpointStore
+from trainer_runtime.checkpoint.layout import SENTINEL_NAME, CheckpointStore
+from trainer_runtime.distributed.fsdp import FsdpConfig, load_sharded, save_sharded, shard_model
 from trainer_runtime.errors import ResumeError
-from trainer_runtime.fsdp import FsdpConfig, load_sharded, save_sharded, shard_model
 from trainer_runtime.toy import ToyDataset, ToyModel
 
 STOP, END, BATCH = 3, 6, 8

@@ -13,8 +13,8 @@ import pytest
 
 from tests.distributed.conftest import RUN_TIMEOUT, WORLD_SIZE
 from tests.distributed.ranks import free_port
+from trainer_runtime.distributed.fsdp import FsdpConfig, check_fsdp_config
 from trainer_runtime.errors import ConfigurationError
-from trainer_runtime.fsdp import FsdpConfig, check_fsdp_config
 
 
 @pytest.mark.runtime

@@ -18,7 +18,7 @@ import pytest
 
 from tests.distributed.conftest import MAX_STEPS, RUN_TIMEOUT, WORLD_SIZE, toy_args
 from tests.distributed.ranks import RankedRun, free_port
-from trainer_runtime.checkpoints import SENTINEL_NAME, CheckpointStore
+from trainer_runtime.checkpoint.layout import SENTINEL_NAME, CheckpointStore
 from trainer_runtime.cli import main as cli_main
 from trainer_runtime.protocol import EXIT_PREEMPTED
 from trainer_runtime.testing import weights_identical

@@ -16,7 +16,7 @@ import pytest
 
 from tests.distributed.conftest import MAX_STEPS, RUN_TIMEOUT, toy_args
 from tests.distributed.ranks import free_port
-from trainer_runtime.checkpoints import CheckpointStore
+from trainer_runtime.checkpoint.layout import CheckpointStore
 from trainer_runtime.protocol import (
     ENV_ATTEMPT,
     ENV_GRACE_SECONDS,

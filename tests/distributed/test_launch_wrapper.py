@@ -38,7 +38,7 @@ sys.exit(1)
 
 WRAPPER = r"""
 import sys
-from trainer_runtime.launch import LaunchPlan, run_launch
+from trainer_runtime.distributed.launch import LaunchPlan, run_launch
 plan = LaunchPlan(command=sys.argv[1:-1], env={}, shutdown_timeout=None, grace_seconds=None,
                   termination_log=sys.argv[-1])
 sys.exit(run_launch(plan))

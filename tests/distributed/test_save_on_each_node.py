@@ -33,7 +33,7 @@ import pytest
 
 from tests.distributed.conftest import MAX_STEPS, SAVE_STEPS, Reference, toy_args
 from tests.distributed.ranks import RankedRun, free_port
-from trainer_runtime.checkpoints import SENTINEL_NAME, CheckpointStore
+from trainer_runtime.checkpoint.layout import SENTINEL_NAME, CheckpointStore
 from trainer_runtime.protocol import (
     ENV_ATTEMPT,
     ENV_GRACE_SECONDS,

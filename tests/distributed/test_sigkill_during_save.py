@@ -19,7 +19,7 @@ from tests.distributed.conftest import (
     toy_args,
 )
 from tests.distributed.ranks import RankedRun
-from trainer_runtime.checkpoints import MANIFEST_NAME, CheckpointStore
+from trainer_runtime.checkpoint.layout import MANIFEST_NAME, CheckpointStore
 from trainer_runtime.testing import weights_identical
 
 pytestmark = [pytest.mark.runtime, pytest.mark.timeout(600)]

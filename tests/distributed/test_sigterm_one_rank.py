@@ -20,7 +20,7 @@ from tests.distributed.conftest import (
     toy_args,
 )
 from tests.distributed.ranks import RankedRun
-from trainer_runtime.checkpoints import CheckpointStore
+from trainer_runtime.checkpoint.layout import CheckpointStore
 from trainer_runtime.protocol import EXIT_PREEMPTED
 from trainer_runtime.testing import weights_identical
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.conftest import MAX_STEPS, RUN_TIMEOUT, toy_args
-from trainer_runtime.checkpoints import CheckpointStore
+from trainer_runtime.checkpoint.layout import CheckpointStore
 from trainer_runtime.protocol import (
     ENV_ATTEMPT,
     ENV_GRACE_SECONDS,

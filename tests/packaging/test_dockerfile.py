@@ -144,6 +144,18 @@ def test_copy_sources_are_in_the_build_context(parsed) -> None:
     assert package_dirs <= copied
 
 
+def test_pyproject_lists_every_runtime_subpackage() -> None:
+    """`pip install .` (the image) installs only the packages pyproject names: a sub-package missing
+    there imports in an editable checkout but not in the image."""
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    declared = set(pyproject["tool"]["setuptools"]["packages"])
+    on_disk = {
+        ".".join(init.parent.relative_to(REPO_ROOT).parts)
+        for init in (REPO_ROOT / "trainer_runtime").rglob("__init__.py")
+    }
+    assert on_disk <= declared, sorted(on_disk - declared)
+
+
 def test_dockerignore_keeps_local_state_out() -> None:
     patterns = _dockerignore()
     for path in (".git", "tests/unit", "trainer_runtime/__pycache__", "preemptible.egg-info"):

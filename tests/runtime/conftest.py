@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer_runtime.checkpoints import CheckpointInfo, CheckpointStore
+from trainer_runtime.checkpoint.layout import CheckpointInfo, CheckpointStore
 from trainer_runtime.protocol import EXIT_PREEMPTED, TerminationMessage
 from trainer_runtime.testing import ToyRun, checkpoint_step, weights_identical
 

@@ -21,7 +21,7 @@ from tests.runtime.conftest import (
     assert_preempted,
     toy_args,
 )
-from trainer_runtime.checkpoints import CheckpointStore
+from trainer_runtime.checkpoint.layout import CheckpointStore
 from trainer_runtime.protocol import EXIT_PREEMPTED
 from trainer_runtime.testing import ToyRun
 

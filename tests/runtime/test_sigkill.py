@@ -19,7 +19,7 @@ from tests.runtime.conftest import (
     resume_to_end,
     toy_args,
 )
-from trainer_runtime.checkpoints import SENTINEL_NAME
+from trainer_runtime.checkpoint.layout import SENTINEL_NAME
 from trainer_runtime.testing import ToyRun
 
 pytestmark = [pytest.mark.runtime, pytest.mark.timeout(400)]

@@ -17,7 +17,7 @@ from tests.runtime.conftest import (
     resume_to_end,
     toy_args,
 )
-from trainer_runtime.checkpoints import CheckpointStore
+from trainer_runtime.checkpoint.layout import CheckpointStore
 from trainer_runtime.testing import ToyRun
 
 pytestmark = [pytest.mark.runtime, pytest.mark.timeout(400)]

@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 
 from tests.unit.data._lengths import lognormal_lengths, skewed_lengths
-from trainer_runtime.errors import ConfigurationError
-from trainer_runtime.length_sampling import (
+from trainer_runtime.data.length_sampling import (
     BatchRebalanceBatchSampler,
     balanced_partition,
     batch_rebalance_plan,
@@ -20,7 +19,8 @@ from trainer_runtime.length_sampling import (
     group_by_length_plan,
     padded_cost,
 )
-from trainer_runtime.samplers import RandomBatchSampler
+from trainer_runtime.data.samplers import RandomBatchSampler
+from trainer_runtime.errors import ConfigurationError
 
 LENGTHS = skewed_lengths(301, seed=11)
 BALANCE = lognormal_lengths(2000, seed=2)

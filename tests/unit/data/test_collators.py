@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer_runtime.collators import PaddingCollator
+from trainer_runtime.data.collators import PaddingCollator
 from trainer_runtime.errors import ConfigurationError
 
 
@@ -54,7 +54,7 @@ def test_feature_dimension_is_kept() -> None:
 
 
 def test_pads_what_a_length_sampler_batches() -> None:
-    from trainer_runtime.length_sampling import BatchRebalanceBatchSampler
+    from trainer_runtime.data.length_sampling import BatchRebalanceBatchSampler
 
     data = [{"input_ids": list(range(n))} for n in (1, 9, 2, 7, 3, 3, 8, 1)]
     sampler = BatchRebalanceBatchSampler([len(d["input_ids"]) for d in data], 2, seed=0)

@@ -8,8 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from trainer_runtime.collators import PaddingCollator
-from trainer_runtime.columns import RemoveColumnsCollator, remove_unused_columns, signature_columns
+from trainer_runtime.data.collators import PaddingCollator
+from trainer_runtime.data.columns import (
+    RemoveColumnsCollator,
+    remove_unused_columns,
+    signature_columns,
+)
 from trainer_runtime.errors import ConfigurationError
 
 

@@ -9,8 +9,7 @@ import torch
 from pydantic import BaseModel, ValidationError
 from torch.utils.data import Dataset, IterableDataset
 
-from trainer_runtime.collators import PaddingCollator
-from trainer_runtime.data_args import (
+from trainer_runtime.data.arguments import (
     DataArguments,
     build_train_dataloader,
     check_train_dataset,
@@ -18,8 +17,12 @@ from trainer_runtime.data_args import (
     is_iterable_dataset,
     set_dataset_epoch,
 )
+from trainer_runtime.data.collators import PaddingCollator
+from trainer_runtime.data.length_sampling import (
+    BatchRebalanceBatchSampler,
+    LengthGroupedBatchSampler,
+)
 from trainer_runtime.errors import ConfigurationError
-from trainer_runtime.length_sampling import BatchRebalanceBatchSampler, LengthGroupedBatchSampler
 
 
 class Args(DataArguments):
@@ -221,7 +224,7 @@ def test_importing_the_argument_model_does_not_import_torch() -> None:
     import subprocess
     import sys
 
-    code = "import trainer_runtime.data_args, sys; assert 'torch' not in sys.modules"
+    code = "import trainer_runtime.data.arguments, sys; assert 'torch' not in sys.modules"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
 
@@ -229,7 +232,7 @@ def test_importing_the_argument_model_does_not_import_torch() -> None:
 def test_skip_batches_shows_progress_and_says_why(
     capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    from trainer_runtime.data_args import skip_batches
+    from trainer_runtime.data.arguments import skip_batches
 
     it = iter(range(10))
     with caplog.at_level("WARNING"):
@@ -240,7 +243,7 @@ def test_skip_batches_shows_progress_and_says_why(
 
 
 def test_iterable_dataset_state_only_without_workers() -> None:
-    from trainer_runtime.data_args import iterable_dataset_state
+    from trainer_runtime.data.arguments import iterable_dataset_state
 
     class WithState(Stream):
         def state_dict(self) -> dict[str, int]:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from trainer_runtime.dispatch import (
+from trainer_runtime.data.dispatch import (
     GlobalBatchSampler,
     PaddingBatch,
     SplitCollate,
@@ -18,16 +18,16 @@ from trainer_runtime.dispatch import (
     TaggedDataset,
     split_counts,
 )
-from trainer_runtime.evaluation import UnevenEvalBatchSampler, uneven_eval_batches
-from trainer_runtime.length_sampling import (
+from trainer_runtime.data.length_sampling import (
     BatchRebalanceBatchSampler,
     LengthGroupedBatchSampler,
 )
-from trainer_runtime.samplers import (
+from trainer_runtime.data.samplers import (
     RandomBatchSampler,
     ResumableBatchSampler,
     SequentialBatchSampler,
 )
+from trainer_runtime.features.evaluation import UnevenEvalBatchSampler, uneven_eval_batches
 
 Factory = Callable[..., ResumableBatchSampler]
 

@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 
 from tests.unit.data._lengths import skewed_lengths
-from trainer_runtime.errors import ConfigurationError
-from trainer_runtime.length_sampling import (
+from trainer_runtime.data.length_sampling import (
     LengthGroupedBatchSampler,
     group_by_length_plan,
     padded_cost,
 )
-from trainer_runtime.samplers import BATCH_SAMPLERS, RandomBatchSampler, build_batch_sampler
+from trainer_runtime.data.samplers import BATCH_SAMPLERS, RandomBatchSampler, build_batch_sampler
+from trainer_runtime.errors import ConfigurationError
 
 LENGTHS = skewed_lengths(203, seed=3)
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer_runtime.collators import PaddingCollator
+from trainer_runtime.data.collators import PaddingCollator
 from trainer_runtime.protocol import ENV_ATTEMPT, ENV_OUTPUT_DIR, ENV_RESUME_FROM
 from trainer_runtime.trainer import Trainer
 from trainer_runtime.training_args import TrainingArguments

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from trainer_runtime.data.length_sampling import infer_lengths, item_length, padded_cost
 from trainer_runtime.errors import ConfigurationError
-from trainer_runtime.length_sampling import infer_lengths, item_length, padded_cost
 
 
 class FeatureContainer(UserDict):

@@ -8,14 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from trainer_runtime.errors import ConfigurationError
-from trainer_runtime.neftune import (
+from trainer_runtime.data.neftune import (
     activate_neftune,
     deactivate_neftune,
     enable_neftune,
     find_input_embeddings,
     neftune_noise,
 )
+from trainer_runtime.errors import ConfigurationError
 
 
 class TinyLM(nn.Module):

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from trainer_runtime.collators import PaddingCollator
-from trainer_runtime.length_sampling import build_length_batch_sampler
-from trainer_runtime.neftune import enable_neftune
+from trainer_runtime.data.collators import PaddingCollator
+from trainer_runtime.data.length_sampling import build_length_batch_sampler
+from trainer_runtime.data.neftune import enable_neftune
 from trainer_runtime.protocol import ENV_ATTEMPT, ENV_OUTPUT_DIR, ENV_RESUME_FROM
 from trainer_runtime.trainer import Trainer
 from trainer_runtime.training_args import TrainingArguments

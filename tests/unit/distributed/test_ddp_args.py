@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from trainer_runtime.ddp_args import (
+from trainer_runtime.distributed.ddp_args import (
     AcceleratorConfig,
     DdpArguments,
     accelerator_kwargs,

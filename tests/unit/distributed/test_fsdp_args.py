@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from trainer_runtime.distributed.fsdp_args import check_fsdp_runtime, fsdp_settings
 from trainer_runtime.errors import ConfigurationError
-from trainer_runtime.fsdp_args import check_fsdp_runtime, fsdp_settings
 from trainer_runtime.training_args import TrainingArguments
 
 
@@ -235,6 +235,6 @@ def test_runtime_accepts(kw: dict[str, Any], cuda: bool) -> None:
 
 
 def test_fsdp_args_module_is_torch_free() -> None:
-    code = "import trainer_runtime.fsdp_args, sys; assert 'torch' not in sys.modules"
+    code = "import trainer_runtime.distributed.fsdp_args, sys; assert 'torch' not in sys.modules"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
+from trainer_runtime.distributed.fsdp import FsdpConfig, wrap_targets
 from trainer_runtime.errors import ConfigurationError
-from trainer_runtime.fsdp import FsdpConfig, wrap_targets
 
 
 class Block(nn.Module):

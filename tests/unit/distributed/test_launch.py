@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from trainer_runtime.errors import ConfigurationError
-from trainer_runtime.launch import (
+from trainer_runtime.distributed.launch import (
     launch_exit_code,
     plan_launch,
     shutdown_timeout_seconds,
     torchrun_options,
 )
+from trainer_runtime.errors import ConfigurationError
 from trainer_runtime.protocol import EXIT_PREEMPTED, TerminationMessage
 
 

@@ -1,4 +1,4 @@
-"""``distributed.run_and_exit``: the entry point's code becomes the exit status, output and atexit
+"""``collectives.run_and_exit``: the entry point's code becomes the exit status, output and atexit
 handlers are flushed, and a distributed process skips the interpreter teardown."""
 
 from __future__ import annotations
@@ -12,24 +12,24 @@ from pathlib import Path
 
 import pytest
 
-from trainer_runtime import distributed
+from trainer_runtime.distributed import collectives
 
 SCRIPT = textwrap.dedent(
     """
     import atexit, sys
     import torch.distributed as dist
-    from trainer_runtime import distributed
+    from trainer_runtime.distributed import collectives
 
     def main():
         if sys.argv[1] == "dist":
             dist.init_process_group("gloo")
-            distributed.destroy_at_exit()
+            collectives.destroy_at_exit()
             dist.all_reduce(__import__("torch").ones(4))
         atexit.register(lambda: print("atexit ran", flush=True))
         print("trained", end="")  # no newline, no flush: must still reach the log
         return int(sys.argv[2])
 
-    distributed.run_and_exit(main)
+    collectives.run_and_exit(main)
     """
 )
 
@@ -37,13 +37,13 @@ SCRIPT = textwrap.dedent(
 @pytest.fixture(autouse=True)
 def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
     # Never os._exit the test process, even if another test left a process group behind.
-    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(collectives.dist, "is_initialized", lambda: False)
 
 
 @pytest.mark.parametrize(("main_result", "code"), [(0, 0), (75, 75), (None, 0), ("boom", 1)])
 def test_single_process_exit_codes(main_result: object, code: int) -> None:
     with pytest.raises(SystemExit) as exc:
-        distributed.run_and_exit(lambda: main_result)  # type: ignore[arg-type, return-value]
+        collectives.run_and_exit(lambda: main_result)  # type: ignore[arg-type, return-value]
     assert exc.value.code == code
 
 
@@ -52,7 +52,7 @@ def test_system_exit_inside_main_is_kept() -> None:
         raise SystemExit(75)
 
     with pytest.raises(SystemExit) as exc:
-        distributed.run_and_exit(main)
+        collectives.run_and_exit(main)
     assert exc.value.code == 75
 
 

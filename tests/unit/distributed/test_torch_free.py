@@ -10,7 +10,12 @@ import pytest
 
 
 @pytest.mark.parametrize(
-    "module", ["trainer_runtime.launch", "trainer_runtime.ddp_args", "trainer_runtime.resharding"]
+    "module",
+    [
+        "trainer_runtime.distributed.launch",
+        "trainer_runtime.distributed.ddp_args",
+        "trainer_runtime.checkpoint.resharding",
+    ],
 )
 def test_module_is_torch_free(module: str) -> None:
     code = f"import {module}, sys; assert 'torch' not in sys.modules, 'torch was imported'"

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from trainer_runtime.best import (
+from trainer_runtime.errors import ConfigurationError
+from trainer_runtime.features.best import (
     best_rotation_victims,
     default_greater_is_better,
     is_better,
@@ -13,7 +14,6 @@ from trainer_runtime.best import (
     update_best,
     validate_best_model_settings,
 )
-from trainer_runtime.errors import ConfigurationError
 
 
 @pytest.mark.parametrize(

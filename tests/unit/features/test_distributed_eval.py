@@ -39,11 +39,11 @@ def _worker(rank: int, port: int, out: str, results: dict) -> None:  # type: ign
     )
     import torch
 
-    from trainer_runtime import distributed
+    from trainer_runtime.distributed import collectives
 
     torch.set_num_threads(1)
     pred = _predict(Path(out) / f"rank{rank}")
-    assert distributed.is_distributed()
+    assert collectives.is_distributed()
     results[rank] = (
         pred.predictions,
         pred.label_ids,

@@ -4,9 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainer_runtime.best import update_best
-from trainer_runtime.early_stopping import EarlyStoppingCallback
 from trainer_runtime.errors import ConfigurationError
+from trainer_runtime.features.best import update_best
+from trainer_runtime.features.early_stopping import EarlyStoppingCallback
 from trainer_runtime.state import TrainerControl, TrainerState
 
 

@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 from trainer_runtime.errors import ConfigurationError
-from trainer_runtime.eval_args import FeatureArguments
+from trainer_runtime.features.arguments import FeatureArguments
 from trainer_runtime.training_args import TrainingArguments
 
 Args = TrainingArguments  # FeatureArguments is one of its bases

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from tests.unit.features.tiny_lm import VOCAB, TinyCausalLM, make_batches
-from trainer_runtime.best import metric_key
-from trainer_runtime.evaluation import (
+from trainer_runtime.features.best import metric_key
+from trainer_runtime.features.evaluation import (
     EvalPrediction,
     PredictionAccumulator,
     evaluate_datasets,

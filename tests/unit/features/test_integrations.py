@@ -8,7 +8,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trainer_runtime.errors import ConfigurationError
-from trainer_runtime.integrations import (
+from trainer_runtime.features.trackers import (
     IMPLEMENTED_INTEGRATIONS,
     TensorBoardCallback,
     default_tensorboard_dir,
@@ -58,7 +58,7 @@ def test_missing_integration_is_skipped_with_a_clear_message(caplog):
     missing = [n for n in ("wandb", "mlflow", "trackio") if not is_integration_available(n)]
     if not missing:
         pytest.skip("every tracker package is installed here")
-    with caplog.at_level(logging.WARNING, logger="trainer_runtime.integrations"):
+    with caplog.at_level(logging.WARNING, logger="trainer_runtime.features.trackers"):
         callbacks = reporting_callbacks(["tensorboard", missing[0]])
     assert [type(c).__name__ for c in callbacks] == ["TensorBoardCallback"]
     assert f"report_to includes {missing[0]!r}" in caplog.text

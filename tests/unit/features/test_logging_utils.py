@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainer_runtime.errors import ConfigurationError
-from trainer_runtime.logging_utils import (
+from trainer_runtime.features.logging_utils import (
     TrainLossTracker,
     apply_log_level,
     count_input_tokens,
@@ -195,9 +195,9 @@ def test_save_metrics_split_and_combined(tmp_path):
         "eval_loss": 2.0,
     }
     assert save_metrics("eval", {"x": 1}, out, is_world_process_zero=False) is None
-    # any fsspec URL works (through trainer_runtime.storage)
+    # any fsspec URL works (through trainer_runtime.checkpoint.storage)
     save_metrics("eval", {"eval_loss": 2.0}, "memory://g-features/run")
-    from trainer_runtime.storage import Storage
+    from trainer_runtime.checkpoint.storage import Storage
 
     assert Storage("memory://g-features/run").read_json("eval_results.json") == {"eval_loss": 2.0}
 

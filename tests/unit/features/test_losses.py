@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from tests.unit.features.tiny_lm import TinyCausalLM, TinyClassifier, make_batches
 from trainer_runtime.errors import ConfigurationError
-from trainer_runtime.losses import (
+from trainer_runtime.features.losses import (
     LabelSmoother,
     compute_loss,
     count_items_in_batch,

@@ -7,7 +7,7 @@ import torch
 
 from tests.unit.features.tiny_lm import TinyCausalLM, TinyClassifier, make_batches
 from trainer_runtime.errors import ConfigurationError
-from trainer_runtime.precision import (
+from trainer_runtime.features.precision import (
     autocast_context,
     empty_device_cache,
     enable_activation_checkpointing,

@@ -7,7 +7,11 @@ from types import SimpleNamespace
 import pytest
 
 from trainer_runtime.callbacks import PrinterCallback
-from trainer_runtime.progress import ProgressCallback, progress_callback, resolve_disable_tqdm
+from trainer_runtime.features.progress import (
+    ProgressCallback,
+    progress_callback,
+    resolve_disable_tqdm,
+)
 from trainer_runtime.state import TrainerControl, TrainerState
 
 

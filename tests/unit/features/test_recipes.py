@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from tests.unit.features.tiny_lm import PAD, VOCAB, TinyCausalLM
 from trainer_runtime import Trainer, TrainerCallback, TrainingArguments
-from trainer_runtime.checkpoints import SENTINEL_NAME, CheckpointStore
-from trainer_runtime.collators import PaddingCollator
+from trainer_runtime.checkpoint.layout import SENTINEL_NAME, CheckpointStore
+from trainer_runtime.data.collators import PaddingCollator
 from trainer_runtime.protocol import (
     ENV_ATTEMPT,
     ENV_OUTPUT_DIR,

@@ -8,12 +8,12 @@ import sys
 import pytest
 
 MODULES = [
-    "trainer_runtime.best",
-    "trainer_runtime.logging_utils",
-    "trainer_runtime.eval_args",
-    "trainer_runtime.integrations",
-    "trainer_runtime.early_stopping",
-    "trainer_runtime.progress",
+    "trainer_runtime.features.best",
+    "trainer_runtime.features.logging_utils",
+    "trainer_runtime.features.arguments",
+    "trainer_runtime.features.trackers",
+    "trainer_runtime.features.early_stopping",
+    "trainer_runtime.features.progress",
 ]
 
 

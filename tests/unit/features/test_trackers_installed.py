@@ -23,7 +23,7 @@ def _drive(cb, args) -> None:
 
 def test_wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     wandb = pytest.importorskip("wandb")
-    from trainer_runtime.integrations import WandbCallback
+    from trainer_runtime.features.trackers import WandbCallback
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
@@ -44,7 +44,7 @@ def test_wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 def test_mlflow_file_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     mlflow = pytest.importorskip("mlflow")
-    from trainer_runtime.integrations import MLflowCallback
+    from trainer_runtime.features.trackers import MLflowCallback
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # no database needed for the test

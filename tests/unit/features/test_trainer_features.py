@@ -17,12 +17,13 @@ import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.unit.features.tiny_lm import VOCAB, TinyCausalLM, make_batches
-from trainer_runtime.checkpoint_io import CheckpointReader
-from trainer_runtime.checkpoints import CheckpointStore
-from trainer_runtime.early_stopping import EarlyStoppingCallback
+from trainer_runtime.checkpoint.io import CheckpointReader
+from trainer_runtime.checkpoint.layout import CheckpointStore
+from trainer_runtime.checkpoint.model_state import MODEL_NAME
 from trainer_runtime.errors import ConfigurationError
-from trainer_runtime.evaluation import EvalPrediction
-from trainer_runtime.trainer import MODEL_NAME, Trainer
+from trainer_runtime.features.early_stopping import EarlyStoppingCallback
+from trainer_runtime.features.evaluation import EvalPrediction
+from trainer_runtime.trainer import Trainer
 from trainer_runtime.training_args import TrainingArguments
 
 # The core classes carry the features (FeatureArguments and TrainerFeaturesMixin bases).
@@ -321,8 +322,8 @@ def test_log_level_passive_by_default_and_applied_when_set(tmp_path: Path):
 
 
 def test_core_classes_carry_the_features():
-    from trainer_runtime.eval_args import FeatureArguments
-    from trainer_runtime.trainer_features import TrainerFeaturesMixin
+    from trainer_runtime.features.arguments import FeatureArguments
+    from trainer_runtime.features.trainer_features import TrainerFeaturesMixin
 
     assert issubclass(Trainer, TrainerFeaturesMixin)
     assert issubclass(TrainingArguments, FeatureArguments)

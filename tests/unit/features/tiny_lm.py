@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainer_runtime.losses import shifted_causal_lm_loss
+from trainer_runtime.features.losses import shifted_causal_lm_loss
 
 VOCAB = 11
 PAD = 0

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer_runtime.checkpoint_io import CheckpointWriter
+from trainer_runtime.checkpoint.io import CheckpointWriter
 from trainer_runtime.cli import human_size
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.unit.data.test_trainer_wiring import Sequences, TinyLM
-from trainer_runtime.collators import PaddingCollator
-from trainer_runtime.length_sampling import LengthGroupedBatchSampler
+from trainer_runtime.data.collators import PaddingCollator
+from trainer_runtime.data.length_sampling import LengthGroupedBatchSampler
 from trainer_runtime.protocol import ENV_ATTEMPT, ENV_OUTPUT_DIR, ENV_RESUME_FROM
 from trainer_runtime.trainer import Trainer
 from trainer_runtime.training_args import TrainingArguments

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trainer_runtime.callbacks import TrainerCallback
-from trainer_runtime.checkpoints import CheckpointStore
+from trainer_runtime.checkpoint.layout import CheckpointStore
 from trainer_runtime.protocol import (
     ENV_ATTEMPT,
     ENV_OUTPUT_DIR,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainer_runtime.errors import ConfigurationError
-from trainer_runtime.optim import (
+from trainer_runtime.features.optim import (
     create_optimizer,
     create_scheduler,
     lr_lambda,

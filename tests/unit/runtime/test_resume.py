@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from trainer_runtime.checkpoints import SENTINEL_NAME
+from trainer_runtime.checkpoint.layout import SENTINEL_NAME
 from trainer_runtime.errors import ResumeError
 from trainer_runtime.protocol import ENV_ATTEMPT, ENV_OUTPUT_DIR, ENV_RESUME_FROM
 from trainer_runtime.trainer import Trainer
@@ -277,7 +277,7 @@ def test_save_model_writes_loadable_weights(tmp_path: Path) -> None:
 
 
 def test_tied_weights_round_trip(tmp_path: Path) -> None:
-    from trainer_runtime.trainer import load_model_state, model_state_tensors
+    from trainer_runtime.checkpoint.model_state import load_model_state, model_state_tensors
 
     class Tied(torch.nn.Module):
         def __init__(self) -> None:

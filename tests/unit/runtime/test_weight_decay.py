@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer_runtime.optim import create_optimizer, decay_parameter_names
+from trainer_runtime.features.optim import create_optimizer, decay_parameter_names
 from trainer_runtime.training_args import TrainingArguments
 
 

@@ -1,0 +1,28 @@
+"""Checkpoints: the fsspec storage seam, the layout and completeness rule, rotation, the writer and
+reader (sentinel, fsync, manifest last), per-node copies, resharding of the data position and RNG
+state. ``storage`` and ``layout`` are torch-free (the operator imports them)."""
+
+from __future__ import annotations
+
+from trainer_runtime._lazy import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "Storage": "storage",
+        "CheckpointInfo": "layout",
+        "CheckpointStore": "layout",
+        "is_complete": "layout",
+        "rotation_victims": "layout",
+        "CheckpointWriter": "io",
+        "CheckpointReader": "io",
+        "optimizer_state_to_tensors": "io",
+        "optimizer_state_from_tensors": "io",
+        "rotate_checkpoints": "io",
+        "capture_rng_state": "rng",
+        "restore_rng_state": "rng",
+        "load_model_state": "model_state",
+        "model_state_tensors": "model_state",
+        "MODEL_NAME": "model_state",
+    },
+)

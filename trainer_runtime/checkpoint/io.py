@@ -1,0 +1,707 @@
+"""Writing and reading checkpoints: safetensors files, the per-rank records, the manifest commit.
+
+Write protocol (every rank calls the same methods in the same order)::
+
+    w = CheckpointWriter(output_dir, step, rank=r, world_size=n, barrier=barrier)
+    w.begin()                      # coordinator: dir + sentinel (fsynced); then barrier
+    w.write_tensors("model.safetensors", tensors)   # each rank writes its own files (fsynced)
+    w.write_json("trainer_state.json", state)
+    info = w.commit()              # each rank records its files; barrier; coordinator merges,
+                                   # writes manifest.json atomically, removes the sentinel; barrier
+
+``barrier`` is a callable that returns when every rank reached it (e.g.
+``torch.distributed.barrier`` or ``accelerator.wait_for_everyone``); with ``world_size == 1`` it is
+never needed.
+
+One copy per node (``each_node=True``, the ``save_on_each_node`` argument): for nodes without
+shared storage. The main process of every node (``local_rank == 0``) is the coordinator of its
+node's copy: it creates that copy's sentinel, writes the shared files (model, optimizer, ...; the
+replicas are identical under DDP) and, at commit, the per-rank files of *every* rank, which reach it
+through ``gather`` (an all-gather of Python objects, e.g. ``torch.distributed.all_gather_object``),
+so each node's copy is self-contained and can resume any rank. Files written by the other ranks of
+a node (or with ``per_rank=True``) are these per-rank files. The ranks agree (all-gather of each
+rank's outcome) after the sentinels are created, and again after every node wrote all its files:
+no node writes its manifest unless every node is ready to; a failure on any node raises on every
+rank. A node's copy is valid only with its own manifest.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import socket
+import struct
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from safetensors.torch import load as _st_load
+from safetensors.torch import save as _st_save
+
+from trainer_runtime.checkpoint.layout import (
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    PARTIAL_PREFIX,
+    SENTINEL_NAME,
+    CheckpointInfo,
+    CheckpointStore,
+    attempt_from_env,
+    checkpoint_name,
+    fence_check,
+    inspect_checkpoint,
+    rotation_victims,
+)
+from trainer_runtime.checkpoint.storage import Storage
+from trainer_runtime.errors import CheckpointError, ConfigurationError, ResumeError, StorageError
+
+__all__ = [
+    "OPTIMIZER_META_KEY",
+    "CheckpointReader",
+    "CheckpointWriter",
+    "optimizer_state_from_tensors",
+    "optimizer_state_to_tensors",
+    "rotate_checkpoints",
+]
+
+# safetensors metadata key holding the non-tensor part of an optimizer state_dict
+OPTIMIZER_META_KEY = "preemptible.optimizer_meta"
+_OPTIMIZER_META_FORMAT = "preemptible-optimizer/1"
+_RESERVED_MANIFEST_KEYS = frozenset(
+    {"format", "step", "world_size", "attempt", "save_seconds", "created_at", "files", "node_copy"}
+)
+
+Barrier = Callable[[], Any]
+# every rank passes its object and gets the list of all ranks' objects, in rank order
+Gather = Callable[[Any], list[Any]]
+
+
+def _utc_now() -> str:
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _node_order(node: str) -> tuple[int, int, str]:
+    return (0, int(node), "") if node.isdigit() else (1, 0, node)
+
+
+def _partial_name(rank: int) -> str:
+    return f"{PARTIAL_PREFIX}{rank:05d}.json"
+
+
+def _check_filename(filename: str) -> str:
+    name = filename.strip()
+    parts = name.split("/")
+    if (
+        not name
+        or name.startswith("/")
+        or any(p in ("", ".", "..") for p in parts)
+        or name in (SENTINEL_NAME, MANIFEST_NAME)
+        or parts[-1].startswith(PARTIAL_PREFIX)
+    ):
+        raise ConfigurationError(
+            f"checkpoint filename {filename!r} is invalid: use a relative path without '..' "
+            f"that is not {SENTINEL_NAME!r}, {MANIFEST_NAME!r} or a {PARTIAL_PREFIX!r} record"
+        )
+    return name
+
+
+class CheckpointWriter:
+    """Writes ``<output_dir>/checkpoint-<step>`` from one rank; see the module docstring.
+
+    ``attempt`` defaults to $PREEMPTIBLE_ATTEMPT. A writer never overwrites or writes next to a
+    checkpoint of a newer attempt (CheckpointError): that process is a stale attempt.
+    """
+
+    def __init__(
+        self,
+        output_dir: str,
+        step: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        attempt: int | None = None,
+        barrier: Barrier | None = None,
+        storage_options: dict[str, Any] | None = None,
+        each_node: bool = False,
+        local_rank: int = 0,
+        node: str | None = None,
+        gather: Gather | None = None,
+    ) -> None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigurationError(f"step={step!r} is invalid: use the global step, an int >= 0")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigurationError(f"world_size={world_size!r} is invalid: use an int >= 1")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ConfigurationError(
+                f"rank={rank!r} is invalid: use 0 <= rank < world_size ({world_size})"
+            )
+        if world_size > 1 and barrier is None:
+            raise ConfigurationError(
+                f"barrier is required with world_size={world_size}: "
+                "pass e.g. torch.distributed.barrier"
+            )
+        # With one rank there is one node and one copy: the ordinary protocol.
+        self.each_node = bool(each_node) and world_size > 1
+        if self.each_node and gather is None:
+            raise ConfigurationError(
+                f"gather is required with each_node=True and world_size={world_size}: pass an "
+                "all-gather of objects, e.g. trainer_runtime.checkpoint.per_node.gather_objects"
+            )
+        if not isinstance(local_rank, int) or local_rank < 0:
+            raise ConfigurationError(f"local_rank={local_rank!r} is invalid: use an int >= 0")
+        self.local_rank = local_rank
+        self.node = str(node) if node is not None else str(rank)
+        self._gather = gather
+        self._nodes: list[str] = [self.node]
+        # per-rank files held until commit (each_node): every node's copy gets every rank's
+        self._rank_files: dict[str, bytes] = {}
+        self.output_dir = output_dir
+        self.step = step
+        self.rank = rank
+        self.world_size = world_size
+        self.attempt = attempt_from_env(attempt)
+        self._barrier = barrier
+        self.root = Storage(output_dir, storage_options)
+        self.name = checkpoint_name(step)
+        self.path = self.root.join(self.name)
+        self._files: dict[str, dict[str, Any]] = {}
+        self._started: float | None = None
+        self._token: str | None = None
+        self._committed = False
+
+    @property
+    def is_coordinator(self) -> bool:
+        """The rank that creates the sentinel and writes the manifest (and the shared files):
+        rank 0, or the main process of every node with ``each_node``."""
+        return self.local_rank == 0 if self.each_node else self.rank == 0
+
+    def _wait(self) -> None:
+        if self.world_size > 1 and self._barrier is not None:
+            self._barrier()
+
+    def _rel(self, filename: str) -> str:
+        return f"{self.name}/{filename}"
+
+    # -- begin -----------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Coordinator: fence, create the dir + sentinel (fsynced); then all ranks barrier."""
+        if self._started is not None:
+            raise CheckpointError(f"begin() called twice for {self.path}")
+        self._started = time.monotonic()
+        if self.each_node:
+            self._begin_each_node()
+            return
+        error: BaseException | None = None
+        if self.is_coordinator:
+            try:
+                self._begin_coordinator()
+            except BaseException as exc:  # the other ranks must not hang in the barrier
+                error = exc
+        self._wait()
+        if error is not None:
+            raise error
+        if not self.is_coordinator and not self.root.exists(self._rel(SENTINEL_NAME)):
+            raise CheckpointError(
+                f"rank {self.rank}: the coordinator did not start checkpoint {self.path} "
+                f"(no {SENTINEL_NAME}); see rank 0's error"
+            )
+
+    def _begin_coordinator(self) -> None:
+        store = CheckpointStore(self.output_dir, self.root.storage_options)
+        fence_check(store.list(), self.attempt, f"write {self.path}")
+        existed = self.root.exists(self.name)
+        self.root.makedirs(self.name)
+        self._token = uuid.uuid4().hex
+        sentinel = {
+            "attempt": self.attempt,
+            "step": self.step,
+            "world_size": self.world_size,
+            "started_at": _utc_now(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "token": self._token,
+        }
+        if self.each_node:
+            sentinel["node"] = self.node
+        # The sentinel goes first: from here on the directory reads as incomplete.
+        self.root.write_json(self._rel(SENTINEL_NAME), sentinel)
+        self.root.fsync_dir(self.name)
+        self.root.fsync_dir("")
+        if existed:
+            # A rewrite of the same step (e.g. a resumed attempt saving where the previous one
+            # stopped): drop everything the earlier writer left, now that the sentinel protects it.
+            for rel in self.root.walk_files(self.name):
+                if rel != SENTINEL_NAME:
+                    self.root.remove(self._rel(rel))
+            self.root.fsync_dir(self.name)
+
+    # -- writes ----------------------------------------------------------------------------------
+    def _require_open(self) -> None:
+        if self._started is None:
+            raise CheckpointError(f"call begin() before writing files to {self.path}")
+        if self._committed:
+            raise CheckpointError(f"{self.path} is already committed")
+
+    def write_bytes(self, filename: str, data: bytes, *, per_rank: bool = False) -> None:
+        """Write a file of this rank (flushed and fsynced; size and sha256 recorded).
+
+        ``per_rank``: a file only this rank has (its RNG state). With ``each_node`` such files,
+        and every file of a rank that is not its node's main process, are held until
+        :meth:`commit`, which gives them to every node's coordinator to write.
+        """
+        self._require_open()
+        name = _check_filename(filename)
+        if name in self._files or name in self._rank_files:
+            raise CheckpointError(f"{name} written twice to {self.path}")
+        if self.each_node and (per_rank or not self.is_coordinator):
+            self._rank_files[name] = bytes(data)
+            return
+        self._write_file(name, data)
+
+    def _write_file(self, name: str, data: bytes) -> None:
+        size, sha = self.root.write_bytes(self._rel(name), data)
+        self._files[name] = {"path": name, "size": size, "sha256": sha}
+
+    def write_tensors(
+        self,
+        filename: str,
+        tensors: Mapping[str, torch.Tensor],
+        metadata: Mapping[str, str] | None = None,
+        *,
+        per_rank: bool = False,
+    ) -> None:
+        """Write tensors as one safetensors file (``per_rank``: see :meth:`write_bytes`)."""
+        prepared = {k: t.detach().contiguous() for k, t in tensors.items()}
+        try:
+            data = _st_save(prepared, metadata=dict(metadata) if metadata else None)
+        except Exception as exc:
+            raise CheckpointError(
+                f"cannot serialise tensors for {self._rel(filename)}: {exc}"
+            ) from exc
+        self.write_bytes(filename, data, per_rank=per_rank)
+
+    def write_json(self, filename: str, obj: Any, *, per_rank: bool = False) -> None:
+        data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")
+        self.write_bytes(filename, data, per_rank=per_rank)
+
+    def write_optimizer_state(self, filename: str, state_dict: Mapping[str, Any]) -> None:
+        """An optimizer state_dict as one safetensors file (non-tensor parts in its metadata)."""
+        tensors, meta = optimizer_state_to_tensors(state_dict)
+        self.write_tensors(filename, tensors, metadata={OPTIMIZER_META_KEY: meta})
+
+    @property
+    def files(self) -> list[dict[str, Any]]:
+        """The files this rank wrote so far: path, size, sha256."""
+        return [dict(v) for v in self._files.values()]
+
+    # -- commit ----------------------------------------------------------------------------------
+    def commit(self, extra_manifest: Mapping[str, Any] | None = None) -> CheckpointInfo:
+        """Record this rank's files; barrier; coordinator writes the manifest, removes the sentinel.
+
+        Returns the committed checkpoint's info on every rank; raises CheckpointError (on every
+        rank) when it could not be committed. The previous checkpoints are left untouched.
+        """
+        self._require_open()
+        extra = dict(extra_manifest or {})
+        clash = _RESERVED_MANIFEST_KEYS & set(extra)
+        if clash:
+            raise ConfigurationError(
+                f"extra_manifest keys {sorted(clash)} are reserved by the manifest: rename them"
+            )
+        if self.each_node:
+            return self._commit_each_node(extra)
+        error: BaseException | None = None
+        if self.world_size > 1 and not self.is_coordinator:  # the coordinator has its own in memory
+            try:
+                record = {"rank": self.rank, "attempt": self.attempt, "files": self.files}
+                self.root.write_json(self._rel(_partial_name(self.rank)), record)
+            except BaseException as exc:
+                error = exc
+        self._wait()
+        info: CheckpointInfo | None = None
+        if self.is_coordinator:
+            try:
+                if error is None:
+                    info = self._commit_coordinator(extra)
+            except BaseException as exc:
+                error = exc
+        self._wait()
+        self._committed = True
+        if error is not None:
+            raise error
+        if info is None:
+            info = inspect_checkpoint(self.root, self.name)
+            if not info.complete:
+                raise CheckpointError(
+                    f"rank {self.rank}: checkpoint {self.path} was not committed ({info.reason}); "
+                    "see rank 0's error"
+                )
+        return info
+
+    def _commit_coordinator(self, extra: dict[str, Any]) -> CheckpointInfo:
+        return self._publish_manifest(self._prepare_manifest(extra, self._merge_records()))
+
+    def _merge_records(self) -> dict[str, dict[str, Any]]:
+        merged: dict[str, dict[str, Any]] = {}
+        owners: dict[str, int] = {}
+        for rank in range(self.world_size):
+            if rank == 0:
+                files = self.files
+            else:
+                rel = self._rel(_partial_name(rank))
+                try:
+                    record = self.root.read_json(rel)
+                except StorageError as exc:
+                    raise CheckpointError(
+                        f"rank {rank} did not record its files for {self.path}: {exc}"
+                    ) from exc
+                if record.get("attempt") != self.attempt:
+                    raise CheckpointError(
+                        f"rank {rank} recorded attempt {record.get('attempt')} for {self.path}, "
+                        f"the coordinator runs attempt {self.attempt}"
+                    )
+                files = record.get("files", [])
+            for entry in files:
+                if entry["path"] in merged:
+                    raise CheckpointError(
+                        f"file {entry['path']} of {self.path} written by ranks "
+                        f"{owners[entry['path']]} and {rank}: give each rank its own file names"
+                    )
+                merged[entry["path"]] = {k: entry[k] for k in ("path", "size", "sha256")}
+                owners[entry["path"]] = rank
+        return merged
+
+    def _prepare_manifest(
+        self, extra: dict[str, Any], merged: dict[str, dict[str, Any]]
+    ) -> dict[str, Any]:
+        """Check the files on storage against the records and that the sentinel is still ours;
+        the manifest to write."""
+        present = self.root.walk_files(self.name)
+        for entry in merged.values():
+            if present.get(entry["path"]) != entry["size"]:
+                raise CheckpointError(
+                    f"file {entry['path']} of {self.path} is {present.get(entry['path'])} bytes on "
+                    f"storage, the writer recorded {entry['size']}"
+                )
+        self._check_still_ours()
+        if not self.each_node:
+            for rank in range(1, self.world_size):
+                self.root.remove(self._rel(_partial_name(rank)))
+        assert self._started is not None
+        save_seconds = time.monotonic() - self._started
+        manifest = {
+            **extra,
+            "format": MANIFEST_FORMAT,
+            "step": self.step,
+            "world_size": self.world_size,
+            "attempt": self.attempt,
+            "save_seconds": round(save_seconds, 6),
+            "created_at": _utc_now(),
+            "files": sorted(merged.values(), key=lambda e: e["path"]),
+        }
+        if self.each_node:
+            manifest["node_copy"] = {
+                "node": self.node,
+                "nodes": list(self._nodes),
+                "writer_rank": self.rank,
+            }
+        return manifest
+
+    def _publish_manifest(self, manifest: dict[str, Any]) -> CheckpointInfo:
+        self.root.fsync_dir(self.name)
+        # The commit point, then the sentinel goes (last); a crash in between leaves an incomplete
+        # checkpoint, never a complete-looking partial one.
+        self.root.atomic_write_json(self._rel(MANIFEST_NAME), manifest)
+        self.root.remove(self._rel(SENTINEL_NAME))
+        self.root.fsync_dir(self.name)
+        info = inspect_checkpoint(self.root, self.name)
+        if not info.complete:
+            raise CheckpointError(
+                f"checkpoint {self.path} is not complete after commit: {info.reason}"
+            )
+        return info
+
+    # -- one copy per node ---------------------------------------------------------------------
+    def _agree(self, phase: str, error: BaseException | None) -> list[Any]:
+        """All-gather every rank's outcome of ``phase``; raise on every rank if any failed."""
+        assert self._gather is not None
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        outcomes = self._gather((self.node, self.rank, mine))
+        failed = [(node, rank, msg) for node, rank, msg in outcomes if msg is not None]
+        if error is not None:
+            raise error
+        if failed:
+            where = "; ".join(f"node {node} (rank {rank}): {msg}" for node, rank, msg in failed)
+            raise CheckpointError(f"checkpoint {self.name}: {phase} failed on {where}")
+        return outcomes
+
+    def _begin_each_node(self) -> None:
+        error: BaseException | None = None
+        if self.is_coordinator:
+            try:
+                self._begin_coordinator()
+            except BaseException as exc:  # the other ranks must not hang in the gather
+                error = exc
+        outcomes = self._agree("begin", error)
+        self._nodes = sorted({str(node) for node, _, _ in outcomes}, key=_node_order)
+        # Every node's sentinel exists now: a node whose sentinel was replaced by another node's
+        # shares its storage with it (nothing has been written yet).
+        if self.is_coordinator:
+            try:
+                self._check_not_shared()
+            except BaseException as exc:
+                error = exc
+        self._agree("begin", error)
+
+    def _commit_each_node(self, extra: dict[str, Any]) -> CheckpointInfo:
+        # Every rank's per-rank files reach every node's coordinator.
+        assert self._gather is not None
+        gathered = self._gather((self.rank, sorted(self._rank_files.items())))
+        manifest: dict[str, Any] | None = None
+        error: BaseException | None = None
+        if self.is_coordinator:
+            try:
+                owners: dict[str, int] = {}
+                for rank, files in gathered:
+                    for name, data in files:
+                        if name in owners or name in self._files:
+                            raise CheckpointError(
+                                f"file {name} of {self.path} written by ranks "
+                                f"{owners.get(name, self.rank)} and {rank}: give each rank its "
+                                "own file names"
+                            )
+                        owners[name] = rank
+                        self._write_file(name, data)
+                manifest = self._prepare_manifest(extra, {e["path"]: e for e in self.files})
+            except BaseException as exc:
+                error = exc
+        # No node commits unless every node wrote all of its files.
+        self._agree("write", error)
+        info: CheckpointInfo | None = None
+        if self.is_coordinator:
+            assert manifest is not None
+            try:
+                info = self._publish_manifest(manifest)
+            except BaseException as exc:
+                error = exc
+        self._committed = True
+        self._agree("commit", error)
+        if info is None:
+            info = inspect_checkpoint(self.root, self.name)
+            if not info.complete:
+                raise CheckpointError(
+                    f"rank {self.rank}: the copy of node {self.node} at {self.path} was not "
+                    f"committed ({info.reason})"
+                )
+        return info
+
+    def _check_not_shared(self) -> None:
+        """each_node, right after every node created its sentinel: ours must still be there."""
+        try:
+            sentinel = self.root.read_json(self._rel(SENTINEL_NAME))
+        except StorageError:
+            sentinel = None  # unreadable: two writers wrote it at once
+        if isinstance(sentinel, dict) and sentinel.get("token") == self._token:
+            return
+        other = sentinel.get("node") if isinstance(sentinel, dict) else None
+        by = f"node {other}" if other is not None else "another writer"
+        raise CheckpointError(
+            f"save_on_each_node=True, but the sentinel node {self.node} created in {self.path} "
+            f"was replaced by {by}: output_dir is storage the nodes share, where their copies "
+            "would overwrite each other; use save_on_each_node=False with shared storage (one "
+            "copy, committed by rank 0), or give each node its own disk"
+        )
+
+    def _check_still_ours(self) -> None:
+        try:
+            sentinel = self.root.read_json(self._rel(SENTINEL_NAME))
+        except StorageError as exc:
+            raise CheckpointError(
+                f"the sentinel of {self.path} vanished during the save: another writer took over"
+            ) from exc
+        if not isinstance(sentinel, dict) or sentinel.get("token") != self._token:
+            raise CheckpointError(
+                f"{self.path} was taken over by another writer (attempt "
+                f"{sentinel.get('attempt') if isinstance(sentinel, dict) else '?'}) during the save"
+            )
+
+
+class CheckpointReader:
+    """Reads a complete checkpoint; opening an incomplete one raises ResumeError with the reason."""
+
+    def __init__(
+        self, path: str, storage_options: dict[str, Any] | None = None, *, verify: bool = True
+    ) -> None:
+        self.path = path
+        self.storage = Storage(path, storage_options)
+        self.verify = verify
+        try:
+            info = inspect_checkpoint(self.storage, "")
+        except StorageError as exc:
+            raise ResumeError(f"cannot resume from {path}: {exc}") from exc
+        if not info.complete:
+            raise ResumeError(f"cannot resume from {path}: checkpoint incomplete: {info.reason}")
+        self.info = info
+        listed = (info.manifest or {}).get("files", [])
+        self._sha = {e["path"]: e.get("sha256") for e in listed}
+
+    @property
+    def step(self) -> int:
+        return self.info.step
+
+    def exists(self, filename: str) -> bool:
+        return self.storage.exists(filename)
+
+    def load_bytes(self, filename: str) -> bytes:
+        """A file's bytes; with ``verify`` its sha256 is checked against the manifest."""
+        try:
+            data = self.storage.read_bytes(filename)
+        except StorageError as exc:
+            raise ResumeError(f"cannot read {filename} of {self.path}: {exc}") from exc
+        expected = self._sha.get(filename)
+        if self.verify and expected:
+            import hashlib
+
+            actual = hashlib.sha256(data).hexdigest()
+            if actual != expected:
+                raise ResumeError(
+                    f"{filename} of {self.path} is corrupt: sha256 {actual} != {expected} "
+                    "(listed in manifest.json); resume from an earlier checkpoint"
+                )
+        return data
+
+    def load_tensors(self, filename: str) -> dict[str, torch.Tensor]:
+        return dict(_st_load(self.load_bytes(filename)))
+
+    def load_metadata(self, filename: str) -> dict[str, str]:
+        """The ``__metadata__`` of a safetensors file."""
+        return _safetensors_metadata(self.load_bytes(filename))
+
+    def load_json(self, filename: str) -> Any:
+        try:
+            return json.loads(self.load_bytes(filename))
+        except ValueError as exc:
+            raise ResumeError(f"{filename} of {self.path} is not valid JSON: {exc}") from exc
+
+    def load_optimizer_state(self, filename: str) -> dict[str, Any]:
+        """The optimizer state_dict written by :meth:`CheckpointWriter.write_optimizer_state`."""
+        data = self.load_bytes(filename)
+        meta = _safetensors_metadata(data).get(OPTIMIZER_META_KEY)
+        if meta is None:
+            raise ResumeError(f"{filename} of {self.path} has no {OPTIMIZER_META_KEY} metadata")
+        return optimizer_state_from_tensors(dict(_st_load(data)), meta)
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    return dict(header.get("__metadata__") or {})
+
+
+# -- optimizer state <-> safetensors ------------------------------------------------------------
+def _encode(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        tensors[key] = value.detach().contiguous()
+        return {"__tensor__": key}
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, f"{key}.{i}", tensors) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [_encode(v, f"{key}.{i}", tensors) for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        if all(isinstance(k, str) and not k.startswith("__") for k in value):
+            return {k: _encode(v, f"{key}.{k}", tensors) for k, v in value.items()}
+        # non-string keys (parameter ids) keep their type
+        return {
+            "__items__": [
+                [_encode(k, f"{key}.k{i}", tensors), _encode(v, f"{key}.{k}", tensors)]
+                for i, (k, v) in enumerate(value.items())
+            ]
+        }
+    raise CheckpointError(
+        f"optimizer state value at {key!r} has type {type(value).__name__}, which cannot be "
+        "stored; "
+        "use tensors, numbers, strings, None, lists, tuples or dicts"
+    )
+
+
+def _decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, tensors) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"__tensor__"}:
+            return tensors[value["__tensor__"]]
+        if set(value) == {"__tuple__"}:
+            return tuple(_decode(v, tensors) for v in value["__tuple__"])
+        if set(value) == {"__items__"}:
+            return {_decode(k, tensors): _decode(v, tensors) for k, v in value["__items__"]}
+        return {k: _decode(v, tensors) for k, v in value.items()}
+    return value
+
+
+def optimizer_state_to_tensors(
+    state_dict: Mapping[str, Any],
+) -> tuple[dict[str, torch.Tensor], str]:
+    """Split a torch optimizer state_dict into tensors (for safetensors) and a JSON string.
+
+    The JSON keeps the structure (``state`` keyed by int parameter ids, ``param_groups`` with
+    tuples such as ``betas``) so :func:`optimizer_state_from_tensors` rebuilds it exactly.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    encoded = _encode(dict(state_dict), "optimizer", tensors)
+    # key order is part of the round trip (param_groups, state dicts): do not sort
+    meta = json.dumps({"format": _OPTIMIZER_META_FORMAT, "state_dict": encoded})
+    return tensors, meta
+
+
+def optimizer_state_from_tensors(tensors: Mapping[str, torch.Tensor], meta: str) -> dict[str, Any]:
+    """Inverse of :func:`optimizer_state_to_tensors`."""
+    try:
+        doc = json.loads(meta)
+    except ValueError as exc:
+        raise ResumeError(f"optimizer metadata is not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict) or doc.get("format") != _OPTIMIZER_META_FORMAT:
+        raise ResumeError(
+            f"optimizer metadata format {doc.get('format') if isinstance(doc, dict) else doc!r} "
+            f"is not {_OPTIMIZER_META_FORMAT!r}"
+        )
+    try:
+        return _decode(doc["state_dict"], tensors)
+    except KeyError as exc:
+        raise ResumeError(f"optimizer tensor {exc} is missing from the safetensors file") from exc
+
+
+# -- rotation ---------------------------------------------------------------------------------
+def rotate_checkpoints(
+    output_dir: str,
+    save_total_limit: int | None,
+    protect: Iterable[str] = (),
+    storage_options: dict[str, Any] | None = None,
+    *,
+    attempt: int | None = None,
+) -> list[str]:
+    """Remove the checkpoints :func:`rotation_victims` selects; returns the removed paths.
+
+    Call it only after the new checkpoint is committed. Refuses (CheckpointError) when a checkpoint
+    of an attempt newer than ``attempt`` (default $PREEMPTIBLE_ATTEMPT) exists. Each victim first
+    gets a sentinel, so a removal interrupted half-way never leaves a complete-looking checkpoint.
+    """
+    store = CheckpointStore(output_dir, storage_options)
+    checkpoints = store.list()
+    victims = rotation_victims(checkpoints, save_total_limit, frozenset(protect))
+    if not victims:
+        return []
+    fence_check(checkpoints, attempt_from_env(attempt), "rotate checkpoints")
+    removed: list[str] = []
+    for victim in victims:
+        if victim.complete:
+            store.storage.write_json(
+                f"{victim.name}/{SENTINEL_NAME}", {"removing": True, "attempt": victim.attempt}
+            )
+        store.storage.rm_tree(victim.name)
+        removed.append(victim.path)
+    store.storage.fsync_dir("")
+    return removed

@@ -1,0 +1,22 @@
+"""The data pipeline: resumable and length-aware samplers, padding collator, column removal,
+batch dispatch, NEFTune and the data arguments of ``TrainingArguments``."""
+
+from __future__ import annotations
+
+from trainer_runtime._lazy import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "default_data_collator": "defaults",
+        "ResumableBatchSampler": "samplers",
+        "LengthGroupedBatchSampler": "length_sampling",
+        "BatchRebalanceBatchSampler": "length_sampling",
+        "PaddingCollator": "collators",
+        "RemoveColumnsCollator": "columns",
+        "enable_neftune": "neftune",
+        "activate_neftune": "neftune",
+        "deactivate_neftune": "neftune",
+        "DataArguments": "arguments",
+    },
+)

@@ -1,0 +1,223 @@
+"""Precision and speed options: bf16/fp16 autocast, full-precision-reduced evaluation, TF32,
+activation checkpointing, torch.compile, periodic cache emptying, full determinism.
+
+Options that need hardware this process does not have fail with a clear error at setup instead of
+silently doing nothing: fp16 needs a CUDA device (CPU autocast is bf16 here), bf16 on CUDA needs
+a GPU that supports it, tf32=True needs an Ampere-or-newer NVIDIA GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from typing import Any
+
+import torch
+
+from trainer_runtime.errors import ConfigurationError
+from trainer_runtime.features.arguments import COMPILE_MODES
+
+__all__ = [
+    "COMPILE_MODES",
+    "autocast_context",
+    "device_type_of",
+    "empty_device_cache",
+    "enable_activation_checkpointing",
+    "eval_dtype",
+    "maybe_compile",
+    "resolve_activation_checkpointing",
+    "set_tf32",
+    "should_empty_cache",
+    "validate_precision",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def device_type_of(device: torch.device | str) -> str:
+    return torch.device(device).type
+
+
+def validate_precision(*, bf16: bool, fp16: bool, device: torch.device | str) -> None:
+    """Fail early, naming the option, when the device cannot run the requested precision."""
+    dtype = device_type_of(device)
+    if bf16 and fp16:
+        raise ConfigurationError("bf16=True and fp16=True are exclusive: pick one")
+    if fp16 and dtype != "cuda":
+        raise ConfigurationError(
+            f"fp16=True needs a CUDA device (loss scaling with float16 autocast), but training "
+            f"runs on {dtype!r}: use bf16=True on CPU, or run on a GPU"
+        )
+    if bf16 and dtype == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigurationError(
+            "bf16=True but this GPU does not support bfloat16 (needs Ampere or newer): use "
+            "fp16=True instead"
+        )
+    if bf16 and dtype not in ("cpu", "cuda", "xpu", "mps"):
+        raise ConfigurationError(f"bf16=True is not supported on device type {dtype!r}")
+
+
+def autocast_context(
+    *, bf16: bool, fp16: bool, device: torch.device | str
+) -> contextlib.AbstractContextManager[Any]:
+    """Autocast for the forward pass (training and evaluation): bfloat16 or float16, or nothing."""
+    if not (bf16 or fp16):
+        return contextlib.nullcontext()
+    validate_precision(bf16=bf16, fp16=fp16, device=device)
+    dtype = torch.bfloat16 if bf16 else torch.float16
+    return torch.autocast(device_type=device_type_of(device), dtype=dtype)
+
+
+def eval_dtype(*, bf16_full_eval: bool, fp16_full_eval: bool) -> torch.dtype | None:
+    """The dtype the model is cast to for evaluation (``*_full_eval``), or None."""
+    if bf16_full_eval and fp16_full_eval:
+        raise ConfigurationError("bf16_full_eval=True and fp16_full_eval=True are exclusive")
+    if bf16_full_eval:
+        return torch.bfloat16
+    if fp16_full_eval:
+        return torch.float16
+    return None
+
+
+def set_tf32(tf32: bool | None) -> None:
+    """Apply ``tf32``: None leaves PyTorch's default; True needs Ampere+ CUDA; False disables it."""
+    if tf32 is None:
+        return
+    if tf32:
+        if not torch.cuda.is_available():
+            raise ConfigurationError(
+                "tf32=True needs an NVIDIA GPU of the Ampere generation or newer, and no CUDA "
+                "device is available: remove tf32 (or set it to False)"
+            )
+        major, _ = torch.cuda.get_device_capability()
+        if major < 8:
+            raise ConfigurationError(
+                f"tf32=True needs compute capability >= 8.0 (Ampere), this GPU has {major}.x: "
+                "remove tf32"
+            )
+    torch.backends.cuda.matmul.allow_tf32 = bool(tf32)
+    torch.backends.cudnn.allow_tf32 = bool(tf32)
+
+
+def resolve_activation_checkpointing(
+    activation_checkpointing: bool | None,
+    activation_checkpointing_kwargs: dict[str, Any] | None,
+    gradient_checkpointing: bool | None,
+    gradient_checkpointing_kwargs: dict[str, Any] | None,
+) -> tuple[bool, dict[str, Any] | None]:
+    """Merge the deprecated ``gradient_checkpointing*`` aliases into ``activation_checkpointing*``.
+
+    The alias emits a FutureWarning; contradictory values are an error.
+    """
+    if gradient_checkpointing is not None or gradient_checkpointing_kwargs is not None:
+        warnings.warn(
+            "gradient_checkpointing / gradient_checkpointing_kwargs are deprecated aliases: use "
+            "activation_checkpointing / activation_checkpointing_kwargs",
+            FutureWarning,
+            stacklevel=3,
+        )
+    if (
+        activation_checkpointing is not None
+        and gradient_checkpointing is not None
+        and activation_checkpointing != gradient_checkpointing
+    ):
+        raise ConfigurationError(
+            f"activation_checkpointing={activation_checkpointing!r} contradicts its deprecated "
+            f"alias gradient_checkpointing={gradient_checkpointing!r}: set only "
+            "activation_checkpointing"
+        )
+    if (
+        activation_checkpointing_kwargs is not None
+        and gradient_checkpointing_kwargs is not None
+        and activation_checkpointing_kwargs != gradient_checkpointing_kwargs
+    ):
+        raise ConfigurationError(
+            "activation_checkpointing_kwargs contradicts its deprecated alias "
+            "gradient_checkpointing_kwargs: set only activation_checkpointing_kwargs"
+        )
+    enabled = bool(
+        activation_checkpointing if activation_checkpointing is not None else gradient_checkpointing
+    )
+    kwargs = (
+        activation_checkpointing_kwargs
+        if activation_checkpointing_kwargs is not None
+        else gradient_checkpointing_kwargs
+    )
+    return enabled, kwargs
+
+
+def enable_activation_checkpointing(
+    model: torch.nn.Module, kwargs: dict[str, Any] | None = None
+) -> str:
+    """Turn on activation checkpointing through the model's own method; returns its name.
+
+    Models expose ``activation_checkpointing_enable`` or (Hugging Face)
+    ``gradient_checkpointing_enable``; they receive ``gradient_checkpointing_kwargs``. A model
+    without either cannot be checkpointed generically: that is an error, not a silent no-op.
+    """
+    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        method = getattr(model, name, None)
+        if callable(method):
+            method(gradient_checkpointing_kwargs=dict(kwargs or {}))
+            config = getattr(model, "config", None)
+            if config is not None and getattr(config, "use_cache", False):
+                # A KV cache is useless when activations are recomputed.
+                config.use_cache = False
+            return name
+    raise ConfigurationError(
+        f"activation_checkpointing=True but {type(model).__name__} has no "
+        "activation_checkpointing_enable() or gradient_checkpointing_enable() method: add one "
+        "(wrap blocks in torch.utils.checkpoint.checkpoint) or disable activation_checkpointing"
+    )
+
+
+def maybe_compile(
+    model: torch.nn.Module,
+    *,
+    torch_compile: bool,
+    backend: str | None = None,
+    mode: str | None = None,
+) -> torch.nn.Module:
+    """``torch.compile`` the model when asked; a backend or mode alone turns compiling on."""
+    if not (torch_compile or backend or mode):
+        return model
+    if mode is not None and mode not in COMPILE_MODES:
+        raise ConfigurationError(
+            f"torch_compile_mode={mode!r} is not a torch.compile mode: use one of "
+            f"{', '.join(COMPILE_MODES)}"
+        )
+    if backend is not None:
+        import torch._dynamo as dynamo
+
+        known = set(dynamo.list_backends(exclude_tags=()))
+        if backend not in known:
+            raise ConfigurationError(
+                f"torch_compile_backend={backend!r} is not available in this PyTorch: use one of "
+                f"{', '.join(sorted(known))}"
+            )
+    kwargs: dict[str, Any] = {}
+    if backend is not None:
+        kwargs["backend"] = backend
+    if mode is not None:
+        kwargs["mode"] = mode
+    return torch.compile(model, **kwargs)  # type: ignore[return-value]
+
+
+def should_empty_cache(global_step: int, torch_empty_cache_steps: int | None) -> bool:
+    return bool(torch_empty_cache_steps) and global_step % int(torch_empty_cache_steps or 1) == 0
+
+
+def empty_device_cache(device: torch.device | str) -> bool:
+    """Release cached allocator blocks of the device; returns False where there is no cache."""
+    dtype = device_type_of(device)
+    if dtype == "cuda" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        return True
+    if dtype == "xpu" and hasattr(torch, "xpu") and torch.xpu.is_available():
+        torch.xpu.empty_cache()
+        return True
+    if dtype == "mps" and torch.backends.mps.is_available():
+        torch.mps.empty_cache()
+        return True
+    return False
