@@ -65,10 +65,9 @@ def _trainer_worker(rank: int, port: int, out: str, results: dict) -> None:  # t
     torch.set_num_threads(1)
     from pathlib import Path
 
+    from tests.unit.runtime.test_resume import make_trainer
     from trainer_runtime.callbacks import TrainerCallback
     from trainer_runtime.signals import SigtermLatch
-
-    from tests.unit.runtime.test_resume import make_trainer
 
     def params(trainer) -> dict:  # type: ignore[no-untyped-def,type-arg]
         return {k: v.clone() for k, v in trainer.model.state_dict().items()}
