@@ -322,10 +322,15 @@ def test_log_level_passive_by_default_and_applied_when_set(tmp_path: Path):
 
 
 def test_core_classes_carry_the_features():
+    import dataclasses
+
     from trainer_runtime.features.arguments import FeatureArguments
     from trainer_runtime.features.trainer_features import TrainerFeaturesMixin
+    from trainer_runtime.training_args import TrainingArgumentsSchema
 
     assert issubclass(Trainer, TrainerFeaturesMixin)
-    assert issubclass(TrainingArguments, FeatureArguments)
-    assert TrainingArguments.model_fields["save_strategy"].default == "steps"
+    # TrainingArguments is a dataclass generated from the schema, which carries the field group.
+    assert issubclass(TrainingArgumentsSchema, FeatureArguments)
+    fields = {f.name: f for f in dataclasses.fields(TrainingArguments)}
+    assert fields["save_strategy"].default == "steps"
     TrainingArguments(output_dir="out", report_to="tensorboard")  # the core accepts trackers
