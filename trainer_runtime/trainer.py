@@ -95,7 +95,7 @@ from trainer_runtime.signals import SigtermLatch
 from trainer_runtime.state import PREEMPTIBLE_KEY, TrainerControl, TrainerState
 from trainer_runtime.timings import SaveTimer, StepTimer
 from trainer_runtime.trainer_utils import TrainOutput, set_seed
-from trainer_runtime.training_args import TrainingArguments
+from trainer_runtime.training_args import TrainingArguments, check_runtime_support
 
 __all__ = ["Trainer"]
 
@@ -160,6 +160,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         if model is None:
             raise ConfigurationError("Trainer requires a model: pass model=<torch.nn.Module>")
         self.args = args if args is not None else TrainingArguments()
+        check_runtime_support(self.args)  # transformers fields this runtime cannot honour
         set_seed(self.args.seed, deterministic=self.args.full_determinism)
         # ddp_* arguments: process-group backend/timeout and the DDP wrapper's options.
         cuda = not self.args.use_cpu and torch.cuda.is_available()
@@ -168,6 +169,8 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         )
         collectives.destroy_at_exit()
         self.model = model.to(self.accelerator.device)
+        if getattr(self.model, "config", None) is not None and not isinstance(model.config, dict):
+            self.model.config.use_cache = self.args.use_cache  # as transformers' Trainer does
         # fsdp: sharded here (so evaluate/predict work before train too); never DDP-wrapped.
         self._init_fsdp(user_optimizer=optimizers[0] is not None, cuda=cuda)
         self.model_wrapped: nn.Module = self.model

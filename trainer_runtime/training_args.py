@@ -203,7 +203,8 @@ class TrainingArgumentsSchema(FeatureArguments, DataArguments, DdpArguments, Fsd
         description="Extra optimizer arguments as 'key=value,key=value' (e.g. 'momentum=0.9' for "
         "sgd).",
     )
-    optim_target_modules: None | str | list[str] = Field(
+    # HfArgumentParser reads the union in this order (str second), as transformers writes it.
+    optim_target_modules: None | str | list[str] = Field(  # noqa: RUF036
         None,
         description="Modules (names, a regex or 'all-linear') the GaLore/APOLLO optimizers "
         "project.",
@@ -359,7 +360,7 @@ class TrainingArgumentsSchema(FeatureArguments, DataArguments, DdpArguments, Fsd
     trackio_bucket_id: str | None = Field(
         None, description="Trackio: storage bucket of the logged data."
     )
-    trackio_static_space_id: str | None | Literal[False] = Field(
+    trackio_static_space_id: str | None | Literal[False] = Field(  # noqa: RUF036
         None, description="Trackio: static Space linked from the model card (False: none)."
     )
     eval_use_gather_object: bool = Field(
@@ -384,7 +385,9 @@ class TrainingArgumentsSchema(FeatureArguments, DataArguments, DdpArguments, Fsd
     )
 
     # -- validators --------------------------------------------------------------------------------
-    @field_validator("optim", "lr_scheduler_type", "hub_strategy", "logging_strategy", mode="before")
+    @field_validator(
+        "optim", "lr_scheduler_type", "hub_strategy", "logging_strategy", mode="before"
+    )
     @classmethod
     def _enum_value(cls, value: Any) -> Any:
         # transformers' str enums (OptimizerNames, SchedulerType, ...) are accepted by value.
@@ -412,8 +415,6 @@ class TrainingArgumentsSchema(FeatureArguments, DataArguments, DdpArguments, Fsd
     @field_validator("lr_scheduler_kwargs", mode="before")
     @classmethod
     def _parse_kwargs(cls, value: Any) -> Any:
-        if value is None:
-            return {}
         if isinstance(value, str):
             try:
                 value = json.loads(value) if value.strip() else {}
@@ -583,7 +584,8 @@ class _TrainingArgumentsMethods:
 
     @property
     def eval_batch_size(self) -> int:
-        """Evaluation batch size of this process (per_device_eval_batch_size, see train_batch_size)."""
+        """Evaluation batch size of this process: per_device_eval_batch_size (see
+        train_batch_size)."""
         return self.per_device_eval_batch_size  # type: ignore[attr-defined]
 
     @property
@@ -677,7 +679,9 @@ class _TrainingArgumentsMethods:
             kwargs["backend"] = self.ddp_backend  # type: ignore[attr-defined]
         state = PartialState(**kwargs)
         first = state.local_main_process_first() if local else state.main_process_first()
-        logger.debug("%d: %s first (%s)", self.process_index, "local main" if local else "main", desc)
+        logger.debug(
+            "%d: %s first (%s)", self.process_index, "local main" if local else "main", desc
+        )
         with first:
             yield
 

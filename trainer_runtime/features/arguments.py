@@ -264,38 +264,43 @@ class FeatureArguments(BaseModel):
         return self
 
     def _resolve_checkpointing_alias(self) -> None:
-        alias, alias_kwargs = self.gradient_checkpointing, self.gradient_checkpointing_kwargs
-        if alias is None and alias_kwargs is None:
-            return
-        import warnings
+        """Fold the deprecated gradient_checkpointing* aliases into activation_checkpointing*.
 
-        warnings.warn(
-            "gradient_checkpointing / gradient_checkpointing_kwargs are deprecated aliases: use "
-            "activation_checkpointing / activation_checkpointing_kwargs",
-            FutureWarning,
-            stacklevel=2,
+        As in transformers, the alias counts only where it differs from the new name, and once
+        resolved the alias mirrors the new name (scripts that read it keep working; re-validation
+        then sees no alias to warn about). Unset means False. Unlike transformers, an alias that
+        contradicts an explicit new value is an error instead of being ignored.
+        """
+        pairs = (
+            ("gradient_checkpointing", "activation_checkpointing"),
+            ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
         )
-        if alias is not None and self.activation_checkpointing not in (None, alias):
-            raise ValueError(
-                f"activation_checkpointing={self.activation_checkpointing!r} contradicts its "
-                f"deprecated alias gradient_checkpointing={alias!r}: set only "
-                "activation_checkpointing"
+        given = [
+            (old, new)
+            for old, new in pairs
+            if getattr(self, old) is not None and getattr(self, old) != getattr(self, new)
+        ]
+        if given:
+            import warnings
+
+            warnings.warn(
+                "gradient_checkpointing / gradient_checkpointing_kwargs are deprecated aliases: "
+                "use activation_checkpointing / activation_checkpointing_kwargs",
+                FutureWarning,
+                stacklevel=2,
             )
-        if alias_kwargs is not None and self.activation_checkpointing_kwargs not in (
-            None,
-            alias_kwargs,
-        ):
-            raise ValueError(
-                "activation_checkpointing_kwargs contradicts its deprecated alias "
-                "gradient_checkpointing_kwargs: set only activation_checkpointing_kwargs"
-            )
-        if alias is not None:
-            _set(self, "activation_checkpointing", alias)
-        if alias_kwargs is not None:
-            _set(self, "activation_checkpointing_kwargs", alias_kwargs)
-        # The alias has been folded in; clear it so re-validation (assignment) does not warn again.
-        _set(self, "gradient_checkpointing", None)
-        _set(self, "gradient_checkpointing_kwargs", None)
+        for old, new in given:
+            if getattr(self, new) is not None:
+                shown = "" if old.endswith("kwargs") else f"={getattr(self, new)!r}"
+                alias = "" if old.endswith("kwargs") else f"={getattr(self, old)!r}"
+                raise ValueError(
+                    f"{new}{shown} contradicts its deprecated alias {old}{alias}: set only {new}"
+                )
+            _set(self, new, getattr(self, old))
+        if self.activation_checkpointing is None:
+            _set(self, "activation_checkpointing", False)
+        for old, new in pairs:
+            _set(self, old, getattr(self, new))
 
     # -- derived values --------------------------------------------------------------------------
     @property
