@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -345,7 +346,19 @@ def test_members_match_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
     ):
         assert getattr(ours, name) == getattr(theirs, name), name
     assert ours.parallel_mode.value == theirs.parallel_mode.value
-    assert ours.get_process_log_level() == theirs.get_process_log_level()
+    # "passive" keeps the current level: of transformers' logger there, of ours here.
+    runtime_logger = logging.getLogger("trainer_runtime")
+    before = (runtime_logger.level, transformers.logging.get_verbosity())
+    try:
+        for level in (logging.INFO, logging.WARNING):
+            runtime_logger.setLevel(level)
+            transformers.logging.set_verbosity(level)
+            assert ours.get_process_log_level() == theirs.get_process_log_level() == level
+    finally:
+        runtime_logger.setLevel(before[0])
+        transformers.logging.set_verbosity(before[1])
+    ours.log_level = theirs.log_level = "error"
+    assert ours.get_process_log_level() == theirs.get_process_log_level() == logging.ERROR
     with ours.main_process_first(desc="map"):
         pass
     sanitized = ours.to_sanitized_dict()
@@ -645,3 +658,11 @@ def test_trainer_refuses_unsupported_features_at_construction(tmp_path: Path) ->
     with pytest.raises(ConfigurationError, match="Liger"):
         Trainer(model=TinyModel(), args=args)
     check_runtime_support(TrainingArguments(output_dir="out"))  # defaults pass
+
+
+def test_every_field_is_documented() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "trainer.md").read_text()
+    missing = [
+        f.name for f in dataclasses.fields(TrainingArguments) if f"| `{f.name}` |" not in doc
+    ]
+    assert not missing, f"fields missing from the arguments table of docs/trainer.md: {missing}"
