@@ -13,14 +13,20 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trainer_runtime.checkpoint.layout import TRAINER_STATE_NAME, CheckpointInfo, CheckpointStore
+from trainer_runtime.checkpoint.layout import (
+    RUNTIME_STATE_NAME,
+    TRAINER_STATE_NAME,
+    CheckpointInfo,
+    CheckpointStore,
+)
 from trainer_runtime.errors import TrainerRuntimeError
 from trainer_runtime.grace import GracePolicy, recommend_grace
 from trainer_runtime.protocol import SaveTimings, StepTimings
 
 __all__ = ["SUBCOMMANDS", "build_parser", "human_size", "main"]
 
-# key of trainer_state.json holding the runtime's measurements (see interfaces)
+# key of trainer_state.json that held the runtime's measurements before they moved to their own
+# file (preemptible_state.json); still read from older checkpoints
 STATE_KEY = "preemptible"
 
 
@@ -147,17 +153,33 @@ def _add_inspect(sub: Any) -> None:
 
 
 # -- grace ------------------------------------------------------------------------------------
-def _timings(info: CheckpointInfo, store: CheckpointStore) -> dict[str, Any]:
+def _runtime_record(info: CheckpointInfo, store: CheckpointStore) -> dict[str, Any]:
+    """The runtime's record of a checkpoint: preemptible_state.json, or (checkpoints of earlier
+    versions) the ``preemptible`` key of trainer_state.json."""
+    own = f"{info.name}/{RUNTIME_STATE_NAME}"
+    if store.storage.exists(own):
+        block = store.storage.read_json(own)
+        if not isinstance(block, dict):
+            raise CliError(f"{info.path}/{RUNTIME_STATE_NAME} is not a JSON object")
+        return block
     rel = f"{info.name}/{TRAINER_STATE_NAME}"
     if not store.storage.exists(rel):
-        raise CliError(f"{info.path} has no {TRAINER_STATE_NAME}: no timings recorded")
+        raise CliError(
+            f"{info.path} has no {TRAINER_STATE_NAME} (nor {RUNTIME_STATE_NAME}): no timings "
+            "recorded"
+        )
     state = store.storage.read_json(rel)
     block = state.get(STATE_KEY) if isinstance(state, dict) else None
     if not isinstance(block, dict):
         raise CliError(
-            f"{info.path}/{TRAINER_STATE_NAME} has no {STATE_KEY!r} timings (written by a trainer "
-            "without the preemptible runtime?)"
+            f"{info.path} has no {RUNTIME_STATE_NAME} and its {TRAINER_STATE_NAME} has no "
+            f"{STATE_KEY!r} timings (written by a trainer without the preemptible runtime?)"
         )
+    return block
+
+
+def _timings(info: CheckpointInfo, store: CheckpointStore) -> dict[str, Any]:
+    block = _runtime_record(info, store)
     step = StepTimings.model_validate(block.get("step_seconds") or {})
     save = SaveTimings.model_validate(block.get("save_seconds") or {})
     exits = [float(x) for x in (block.get("sigterm_to_exit_seconds") or []) if x is not None]

@@ -497,16 +497,15 @@ class TrainerFeaturesMixin:
 
     def _load_best_model_at_end(self) -> bool:
         """Load the best checkpoint's weights (load_best_model_at_end); False when none."""
+        from trainer_runtime.checkpoint.hf_format import load_model_files
         from trainer_runtime.checkpoint.io import CheckpointReader
-        from trainer_runtime.checkpoint.model_state import MODEL_NAME, load_model_state
 
         path = self.state.best_model_checkpoint
         if not self.args.load_best_model_at_end or not path:
             return False
         reader = CheckpointReader(path)
-        load_model_state(
-            self.model, reader.load_tensors(MODEL_NAME), reader.load_metadata(MODEL_NAME)
-        )
+        # model.safetensors, or a PEFT model's adapter
+        load_model_files(self.model, reader.load_bytes, reader.exists, path)
         logger.info(
             "loaded the best model from %s (%s=%s)",
             path,
