@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 WORDS = tuple(
-    (
+    (  # noqa: SIM905 - one readable line of words
         "the a one two three red green blue cat dog bird runs jumps sleeps eats fast slow big "
         "small happy sad old new house tree river sky sun moon day night good bad"
     ).split()

@@ -307,7 +307,9 @@ def load_hf_rng_state(state: dict[str, Any]) -> None:
 
 
 # -- ours -> transformers ---------------------------------------------------------------------
-def export_transformers_state(path: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+def export_transformers_state(
+    path: str, storage_options: dict[str, Any] | None = None
+) -> list[str]:
     """Write transformers.Trainer's ``optimizer.pt``, ``scheduler.pt`` and ``rng_state*.pth``
     into our complete checkpoint ``path``, converted from our safetensors/JSON files, so that
     ``transformers.Trainer.train(resume_from_checkpoint=path)`` also restores the optimizer,

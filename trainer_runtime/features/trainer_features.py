@@ -450,7 +450,8 @@ class TrainerFeaturesMixin:
             and self.state.best_global_step == self.state.global_step
         ):
             self.state.best_model_checkpoint = self._checkpoint_path(self.state.global_step)
-        for callback in self.callback_handler.callbacks:
+        # The control's flags too, as transformers saves them (TrainerControl entry).
+        for callback in [*self.callback_handler.callbacks, self.control]:
             state_fn = getattr(callback, "state", None)
             if callable(state_fn):
                 self.state.stateful_callbacks[type(callback).__name__] = state_fn()
