@@ -239,7 +239,7 @@ def _add_grace(sub: Any) -> None:
         help="recommend terminationGracePeriodSeconds from measured step and save times",
         description="Compute ceil(kill_wait + (1+headroom)*(step_max+save_max)) + exit_margin, "
         "clamped to [min, max], from the timings in the newest complete checkpoint's "
-        "trainer_state.json; earlier SIGTERM-to-exit times are a lower bound.",
+        "preemptible_state.json; earlier SIGTERM-to-exit times are a lower bound.",
     )
     d = GracePolicy()
     p.add_argument("output_dir", help="output dir: a path or fsspec URL")
@@ -261,6 +261,31 @@ def _add_grace(sub: Any) -> None:
     p.set_defaults(func=_cmd_grace)
 
 
+# -- to-transformers --------------------------------------------------------------------------
+def _cmd_to_transformers(args: argparse.Namespace) -> int:
+    # torch only here: the other subcommands stay torch-free
+    from trainer_runtime.checkpoint.hf_format import export_transformers_state
+
+    written = export_transformers_state(args.checkpoint, _storage_options(args))
+    if not written:
+        raise CliError(f"{args.checkpoint} has no optimizer, scheduler or RNG state to export")
+    print(f"wrote {', '.join(written)} into {args.checkpoint}")
+    return 0
+
+
+def _add_to_transformers(sub: Any) -> None:
+    p = sub.add_parser(
+        "to-transformers",
+        help="add transformers.Trainer's optimizer.pt, scheduler.pt, rng_state*.pth to one",
+        description="Convert CHECKPOINT's optimizer, scheduler and RNG state (complete checkpoint "
+        "of this runtime) into the files transformers.Trainer reads on resume, written next to "
+        "ours; the manifest is unchanged.",
+    )
+    p.add_argument("checkpoint", help="a checkpoint-<step> directory: a path or fsspec URL")
+    p.add_argument("--storage-options", help="fsspec storage options as a JSON object")
+    p.set_defaults(func=_cmd_to_transformers)
+
+
 def _add_launch(sub: Any) -> None:
     from trainer_runtime.distributed.launch import add_launch_parser
 
@@ -270,6 +295,7 @@ def _add_launch(sub: Any) -> None:
 SUBCOMMANDS: dict[str, Callable[[Any], None]] = {
     "inspect": _add_inspect,
     "grace": _add_grace,
+    "to-transformers": _add_to_transformers,
     "launch": _add_launch,
 }
 

@@ -917,7 +917,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
     def _preemptible_record(self, jit: bool) -> dict[str, Any]:
         sigterm = list(self.sigterm_to_exit)
         if jit and self.sigterm_latch is not None and self.sigterm_latch.elapsed() is not None:
-            # Measured when trainer_state.json is written, the last file before the commit.
+            # Measured when preemptible_state.json is written, the last file before the commit.
             sigterm.append(round(self.sigterm_latch.elapsed() or 0.0, 6))
         kind = "iterable" if self.train_sampler is None else "map"
         position = {**self._position.to_dict(kind), **self._data_layout()}
@@ -1096,7 +1096,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         self.step_timer.load(record.get("step_seconds"))
         self.save_timer.load(record.get("save_seconds"))
         if info.save_seconds is not None:
-            # trainer_state.json is written before its own save is timed; the manifest knows.
+            # our record is written before its own save is timed; the manifest knows.
             self.save_timer.record(info.save_seconds)
         self.sigterm_to_exit = [float(x) for x in record.get("sigterm_to_exit_seconds") or []]
 

@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,10 +68,21 @@ def test_transformers_resumes_ours_weights_and_step(tmp_path: Path, tok, ours_ru
     assert losses(theirs, since=3)[4] == pytest.approx(losses(ours)[4], rel=1e-6)
 
 
-def test_transformers_resumes_ours_exactly_after_export(tmp_path: Path, tok, ours_run) -> None:
+@pytest.mark.parametrize("via_cli", [False, True], ids=["python", "cli"])
+def test_transformers_resumes_ours_exactly_after_export(
+    tmp_path: Path, tok, ours_run, via_cli: bool
+) -> None:
     ours, ckpt = ours_run
-    written = export_transformers_state(str(ckpt))
-    assert sorted(written) == ["optimizer.pt", "rng_state.pth", "scheduler.pt"]
+    if via_cli:
+        proc = subprocess.run(
+            [sys.executable, "-m", "trainer_runtime.cli", "to-transformers", str(ckpt)],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("wrote optimizer.pt, scheduler.pt, rng_state.pth")
+    else:
+        written = export_transformers_state(str(ckpt))
+        assert sorted(written) == ["optimizer.pt", "rng_state.pth", "scheduler.pt"]
     # still complete by our rule (the exported files are not in the manifest)
     assert CheckpointStore(str(ckpt.parent)).inspect(ckpt.name).complete
     theirs = _trainer(THEIRS, tok, tmp_path / "theirs")
