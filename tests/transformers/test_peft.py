@@ -110,3 +110,40 @@ def test_bytes_written_follow_the_trainable_size(tmp_path: Path, tok) -> None:
     # the whole checkpoint (adapter, its optimizer state, tokenizer, states) stays far below
     # the full fine-tuning checkpoint
     assert dir_bytes(lora_ckpt) * 3 < dir_bytes(full_ckpt)
+
+
+def test_jit_checkpoint_holds_the_adapter_only(tmp_path: Path, tok, monkeypatch) -> None:
+    """A SIGTERM mid-run: the JIT checkpoint is written by the same code, adapter only, and a
+    resume from it finishes the run like an uninterrupted one."""
+    import os
+    import signal
+
+    from trainer_runtime import TrainerCallback
+    from trainer_runtime.protocol import ENV_KILL_WAIT_SECONDS
+
+    monkeypatch.setenv(ENV_KILL_WAIT_SECONDS, "0")
+
+    class Preempt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer = make_trainer(
+        OURS, _lora(tok), tmp_path / "run", tok, causal_data(tok), collator_for("gpt2", tok),
+        enable_jit_checkpoint=True, save_steps=100,
+    )  # fmt: skip
+    trainer.add_callback(Preempt())
+    trainer.train()
+    assert trainer.preempted
+    ckpt = Path(trainer.last_checkpoint.path)
+    listed = listed_files(ckpt)
+    assert "adapter_model.safetensors" in listed and "model.safetensors" not in listed
+    full = _train(OURS, tok, tmp_path / "full", save_steps=100)
+    step = trainer.state.global_step
+    resumed = make_trainer(
+        OURS, _lora(tok), tmp_path / "run", tok, causal_data(tok), collator_for("gpt2", tok),
+        save_steps=100,
+    )  # fmt: skip
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    want = losses(full)
+    assert losses(resumed, since=step) == {s: want[s] for s in range(step + 1, 7)}
