@@ -13,14 +13,20 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trainer_runtime.checkpoint.layout import TRAINER_STATE_NAME, CheckpointInfo, CheckpointStore
+from trainer_runtime.checkpoint.layout import (
+    RUNTIME_STATE_NAME,
+    TRAINER_STATE_NAME,
+    CheckpointInfo,
+    CheckpointStore,
+)
 from trainer_runtime.errors import TrainerRuntimeError
 from trainer_runtime.grace import GracePolicy, recommend_grace
 from trainer_runtime.protocol import SaveTimings, StepTimings
 
 __all__ = ["SUBCOMMANDS", "build_parser", "human_size", "main"]
 
-# key of trainer_state.json holding the runtime's measurements (see interfaces)
+# key of trainer_state.json that held the runtime's measurements before they moved to their own
+# file (preemptible_state.json); still read from older checkpoints
 STATE_KEY = "preemptible"
 
 
@@ -147,17 +153,33 @@ def _add_inspect(sub: Any) -> None:
 
 
 # -- grace ------------------------------------------------------------------------------------
-def _timings(info: CheckpointInfo, store: CheckpointStore) -> dict[str, Any]:
+def _runtime_record(info: CheckpointInfo, store: CheckpointStore) -> dict[str, Any]:
+    """The runtime's record of a checkpoint: preemptible_state.json, or (checkpoints of earlier
+    versions) the ``preemptible`` key of trainer_state.json."""
+    own = f"{info.name}/{RUNTIME_STATE_NAME}"
+    if store.storage.exists(own):
+        block = store.storage.read_json(own)
+        if not isinstance(block, dict):
+            raise CliError(f"{info.path}/{RUNTIME_STATE_NAME} is not a JSON object")
+        return block
     rel = f"{info.name}/{TRAINER_STATE_NAME}"
     if not store.storage.exists(rel):
-        raise CliError(f"{info.path} has no {TRAINER_STATE_NAME}: no timings recorded")
+        raise CliError(
+            f"{info.path} has no {TRAINER_STATE_NAME} (nor {RUNTIME_STATE_NAME}): no timings "
+            "recorded"
+        )
     state = store.storage.read_json(rel)
     block = state.get(STATE_KEY) if isinstance(state, dict) else None
     if not isinstance(block, dict):
         raise CliError(
-            f"{info.path}/{TRAINER_STATE_NAME} has no {STATE_KEY!r} timings (written by a trainer "
-            "without the preemptible runtime?)"
+            f"{info.path} has no {RUNTIME_STATE_NAME} and its {TRAINER_STATE_NAME} has no "
+            f"{STATE_KEY!r} timings (written by a trainer without the preemptible runtime?)"
         )
+    return block
+
+
+def _timings(info: CheckpointInfo, store: CheckpointStore) -> dict[str, Any]:
+    block = _runtime_record(info, store)
     step = StepTimings.model_validate(block.get("step_seconds") or {})
     save = SaveTimings.model_validate(block.get("save_seconds") or {})
     exits = [float(x) for x in (block.get("sigterm_to_exit_seconds") or []) if x is not None]
@@ -217,7 +239,7 @@ def _add_grace(sub: Any) -> None:
         help="recommend terminationGracePeriodSeconds from measured step and save times",
         description="Compute ceil(kill_wait + (1+headroom)*(step_max+save_max)) + exit_margin, "
         "clamped to [min, max], from the timings in the newest complete checkpoint's "
-        "trainer_state.json; earlier SIGTERM-to-exit times are a lower bound.",
+        "preemptible_state.json; earlier SIGTERM-to-exit times are a lower bound.",
     )
     d = GracePolicy()
     p.add_argument("output_dir", help="output dir: a path or fsspec URL")
@@ -239,6 +261,31 @@ def _add_grace(sub: Any) -> None:
     p.set_defaults(func=_cmd_grace)
 
 
+# -- to-transformers --------------------------------------------------------------------------
+def _cmd_to_transformers(args: argparse.Namespace) -> int:
+    # torch only here: the other subcommands stay torch-free
+    from trainer_runtime.checkpoint.hf_format import export_transformers_state
+
+    written = export_transformers_state(args.checkpoint, _storage_options(args))
+    if not written:
+        raise CliError(f"{args.checkpoint} has no optimizer, scheduler or RNG state to export")
+    print(f"wrote {', '.join(written)} into {args.checkpoint}")
+    return 0
+
+
+def _add_to_transformers(sub: Any) -> None:
+    p = sub.add_parser(
+        "to-transformers",
+        help="add transformers.Trainer's optimizer.pt, scheduler.pt, rng_state*.pth to one",
+        description="Convert CHECKPOINT's optimizer, scheduler and RNG state (complete checkpoint "
+        "of this runtime) into the files transformers.Trainer reads on resume, written next to "
+        "ours; the manifest is unchanged.",
+    )
+    p.add_argument("checkpoint", help="a checkpoint-<step> directory: a path or fsspec URL")
+    p.add_argument("--storage-options", help="fsspec storage options as a JSON object")
+    p.set_defaults(func=_cmd_to_transformers)
+
+
 def _add_launch(sub: Any) -> None:
     from trainer_runtime.distributed.launch import add_launch_parser
 
@@ -248,6 +295,7 @@ def _add_launch(sub: Any) -> None:
 SUBCOMMANDS: dict[str, Callable[[Any], None]] = {
     "inspect": _add_inspect,
     "grace": _add_grace,
+    "to-transformers": _add_to_transformers,
     "launch": _add_launch,
 }
 

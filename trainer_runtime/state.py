@@ -71,6 +71,12 @@ class TrainerControl:
     should_evaluate: bool = False
     should_log: bool = False
 
+    def state(self) -> dict[str, Any]:
+        """Saved under ``stateful_callbacks["TrainerControl"]`` in trainer_state.json, in
+        transformers' ExportableState layout (its Trainer expects that entry when it saves a
+        run resumed from our checkpoint)."""
+        return {"args": dataclasses.asdict(self), "attributes": {}}
+
     def _new_training(self) -> None:
         self.should_training_stop = False
 

@@ -30,20 +30,29 @@ from trainer_runtime.callbacks import (
     TrainerCallback,
 )
 from trainer_runtime.checkpoint import per_node
+from trainer_runtime.checkpoint.hf_format import (
+    HF_OPTIMIZER_NAME,
+    HF_SCHEDULER_NAME,
+    has_model_files,
+    hf_rng_file_name,
+    load_hf_rng_state,
+    load_model_files,
+    model_files,
+    side_files,
+    torch_load,
+)
 from trainer_runtime.checkpoint.io import CheckpointReader
 from trainer_runtime.checkpoint.layout import (
+    RUNTIME_STATE_NAME,
     TRAINER_STATE_NAME,
     CheckpointInfo,
     CheckpointStore,
     attempt_from_env,
 )
 from trainer_runtime.checkpoint.model_state import (
-    MODEL_NAME,
     OPTIMIZER_NAME,
     SCHEDULER_NAME,
     TRAINING_ARGS_NAME,
-    load_model_state,
-    model_state_tensors,
     rng_file_name,
 )
 from trainer_runtime.checkpoint.resharding import DataShape, reshard_position
@@ -911,7 +920,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
     def _preemptible_record(self, jit: bool) -> dict[str, Any]:
         sigterm = list(self.sigterm_to_exit)
         if jit and self.sigterm_latch is not None and self.sigterm_latch.elapsed() is not None:
-            # Measured when trainer_state.json is written, the last file before the commit.
+            # Measured when preemptible_state.json is written, the last file before the commit.
             sigterm.append(round(self.sigterm_latch.elapsed() or 0.0, 6))
         kind = "iterable" if self.train_sampler is None else "map"
         position = {**self._position.to_dict(kind), **self._data_layout()}
@@ -962,9 +971,16 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         main = writer.is_coordinator
         # fsdp: model and optimizer go into every rank's shards (manifest entry "sharding").
         sharding = self._write_model_shards(writer) if self._fsdp is not None else {}
-        if main and self._fsdp is None:
-            tensors, meta = model_state_tensors(self.model)
-            writer.write_tensors(MODEL_NAME, tensors, meta)
+        if main:
+            # The model as transformers saves it (a PreTrainedModel opens with from_pretrained, a
+            # PEFT model's checkpoint holds the adapter only) and the processing class's files.
+            processing = self._processing_class_to_save()
+            if self._fsdp is None:
+                files = model_files(self.model, processing)
+            else:
+                files = side_files(self.model, processing)
+            for name, data in files:
+                writer.write_bytes(name, data)
         if not self.args.save_only_model:
             assert self.optimizer is not None and self.lr_scheduler is not None
             if main:
@@ -985,9 +1001,12 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         self._before_checkpoint_write()
         if main:
             writer.write_json(TRAINING_ARGS_NAME, self.args.to_dict())
+            # trainer_state.json holds transformers' TrainerState fields only (its Trainer loads
+            # the file with TrainerState(**json)); our record is a file of its own.
             state = self.state.to_dict()
-            state[PREEMPTIBLE_KEY] = self._preemptible_record(jit)
+            state.pop(PREEMPTIBLE_KEY, None)
             writer.write_json(TRAINER_STATE_NAME, state)
+            writer.write_json(RUNTIME_STATE_NAME, self._preemptible_record(jit))
         info = writer.commit(sharding)
         seconds = info.save_seconds if info.save_seconds is not None else None
         self.save_timer.record(seconds if seconds is not None else time.perf_counter() - started)
@@ -1001,10 +1020,18 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         self._publish_metrics()
         return info
 
+    def _processing_class_to_save(self) -> Any:
+        """The processing class, else the data collator's tokenizer (as transformers saves)."""
+        if self.processing_class is not None:
+            return self.processing_class
+        return getattr(self.data_collator, "tokenizer", None)
+
     def save_model(self, output_dir: str | None = None) -> str | None:
-        """Write the weights (model.safetensors) and training_args.json to ``output_dir``
-        (default: args.output_dir). Not a checkpoint: nothing to resume from. Returns the
-        directory on the main process, None elsewhere."""
+        """Write the model as transformers' ``save_model`` does (``from_pretrained`` opens a
+        PreTrainedModel's or PEFT adapter's directory; other modules: model.safetensors), the
+        processing class's files and training_args.json to ``output_dir`` (default:
+        args.output_dir). Not a checkpoint: nothing to resume from. Returns the directory on the
+        main process, None elsewhere."""
         target = output_dir or str(self.args.output_dir)
         # fsdp: every rank takes part in gathering the full weights; the main process writes them.
         gathered = self._gathered_model_tensors()
@@ -1015,13 +1042,14 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         ):
             collectives.barrier()
             return None
-        from safetensors.torch import save as st_save
-
         storage = Storage(target)
         storage.makedirs("")
-        tensors, meta = (gathered, {}) if gathered is not None else model_state_tensors(self.model)
-        storage.write_bytes(MODEL_NAME, st_save(tensors, metadata=meta or None))
+        for name, data in model_files(
+            self.model, self._processing_class_to_save(), gathered=gathered
+        ):
+            storage.write_bytes(name, data)
         storage.write_json(TRAINING_ARGS_NAME, self.args.to_dict())
+        storage.fsync_dir("")
         collectives.barrier()
         return target
 
@@ -1042,17 +1070,20 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
 
         # fsdp: model (and optimizer) from every rank's shards; False: optimizer not in them.
         sharded_optimizer = self._load_model_shards(info) if self._fsdp is not None else None
-        if sharded_optimizer is None and not has(MODEL_NAME):
+        if sharded_optimizer is None and not has_model_files(self.model, has):
             raise ResumeError(
-                f"cannot resume from {info.path}: it has no {MODEL_NAME} (sharded or pickled "
-                "weights are not supported without fsdp)"
+                f"cannot resume from {info.path}: it holds no weights this model can load "
+                "(model.safetensors, its shards, or a PEFT adapter; pickled weights are not read)"
             )
         if sharded_optimizer is None:
-            load_model_state(
-                self.model, reader.load_tensors(MODEL_NAME), reader.load_metadata(MODEL_NAME)
-            )
+            load_model_files(self.model, reader.load_bytes, has, info.path)
         state = reader.load_json(TRAINER_STATE_NAME)
-        record = dict(state.get(PREEMPTIBLE_KEY) or {})
+        # Our record; checkpoints of earlier versions kept it in trainer_state.json; a
+        # transformers.Trainer checkpoint has none.
+        if has(RUNTIME_STATE_NAME):
+            record = dict(reader.load_json(RUNTIME_STATE_NAME) or {})
+        else:
+            record = dict(state.get(PREEMPTIBLE_KEY) or {})
         restored = TrainerState.from_dict(state)
         # Keep this run's plan (max_steps may have been raised), take the progress from the file.
         self.state.global_step = restored.global_step
@@ -1068,7 +1099,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         self.step_timer.load(record.get("step_seconds"))
         self.save_timer.load(record.get("save_seconds"))
         if info.save_seconds is not None:
-            # trainer_state.json is written before its own save is timed; the manifest knows.
+            # our record is written before its own save is timed; the manifest knows.
             self.save_timer.record(info.save_seconds)
         self.sigterm_to_exit = [float(x) for x in record.get("sigterm_to_exit_seconds") or []]
 
@@ -1080,6 +1111,15 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
             if sharded_optimizer is None:
                 self.optimizer.load_state_dict(reader.load_optimizer_state(OPTIMIZER_NAME))
             self.lr_scheduler.load_state_dict(reader.load_json(SCHEDULER_NAME))
+        elif sharded_optimizer is None and has(HF_OPTIMIZER_NAME) and has(HF_SCHEDULER_NAME):
+            # A transformers.Trainer checkpoint (or one of ours exported for it).
+            where = f"{info.path}/{HF_OPTIMIZER_NAME}"
+            self.optimizer.load_state_dict(torch_load(reader.load_bytes(HF_OPTIMIZER_NAME), where))
+            where = f"{info.path}/{HF_SCHEDULER_NAME}"
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # torch's "save optimizer too" note
+                scheduler_state = torch_load(reader.load_bytes(HF_SCHEDULER_NAME), where)
+            self.lr_scheduler.load_state_dict(scheduler_state)
         else:
             logger.warning(
                 "%s has no optimizer/scheduler state (saved with save_only_model?): the optimizer "
@@ -1093,15 +1133,19 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
                 warnings.simplefilter("ignore", UserWarning)
                 for _ in range(self.state.global_step):
                     self.lr_scheduler.step()
+        hf_rng_name = hf_rng_file_name(rank, world)
         if has(rng_name):
             restore_rng_state(reader.load_tensors(rng_name), reader.load_metadata(rng_name))
+        elif has(hf_rng_name):
+            where = f"{info.path}/{hf_rng_name}"
+            load_hf_rng_state(torch_load(reader.load_bytes(hf_rng_name), where))
         else:
             logger.warning("%s has no %s: RNG state not restored", info.path, rng_name)
         dataset_state_name = dataset_state_file_name(rank, world)
         if self._is_iterable() and has(dataset_state_name) and not self.args.ignore_data_skip:
             self._dataset_state = reader.load_json(dataset_state_name)
 
-        position = record.get("data_position") or {}
+        position = record.get("data_position") or self._position_from_step()
         layout = self._data_layout()
         # A new number of ranks or batch size is re-sharded exactly or refused (resharding.py).
         saved_shape = DataShape(
@@ -1163,6 +1207,19 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
             self._position.epoch,
             self._position.batch,
         )
+
+    def _position_from_step(self) -> dict[str, Any]:
+        """The data position of a checkpoint without our record (transformers.Trainer's): derived
+        from the global step as transformers does on resume (whole epochs of ceil(batches /
+        gradient_accumulation_steps) steps, then that many micro-batches into the next)."""
+        args, step = self.args, self.state.global_step
+        ga = args.gradient_accumulation_steps
+        per_epoch = math.ceil(self._num_batches / ga) if self._num_batches else self.state.max_steps
+        per_epoch = max(per_epoch, 1)
+        position = {"epoch": step // per_epoch, "batch": (step % per_epoch) * ga}
+        if self._num_batches is not None:
+            position["batch"] = min(position["batch"], self._num_batches)
+        return position
 
     # -- reporting ---------------------------------------------------------------------------------
     def _publish_metrics(self) -> None:

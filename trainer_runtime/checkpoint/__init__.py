@@ -1,6 +1,7 @@
 """Checkpoints: the fsspec storage seam, the layout and completeness rule, rotation, the writer and
 reader (sentinel, fsync, manifest last), per-node copies, resharding of the data position and RNG
-state. ``storage`` and ``layout`` are torch-free (the operator imports them)."""
+state, the model's files in transformers' formats (hf_format). ``storage`` and ``layout`` are
+torch-free (the operator imports them)."""
 
 from __future__ import annotations
 
@@ -24,5 +25,9 @@ __all__, __getattr__, __dir__ = lazy_exports(
         "load_model_state": "model_state",
         "model_state_tensors": "model_state",
         "MODEL_NAME": "model_state",
+        "RUNTIME_STATE_NAME": "layout",
+        "export_transformers_state": "hf_format",
+        "load_model_files": "hf_format",
+        "model_files": "hf_format",
     },
 )

@@ -31,6 +31,7 @@ __all__ = [
     "MANIFEST_FORMAT",
     "MANIFEST_NAME",
     "PARTIAL_PREFIX",
+    "RUNTIME_STATE_NAME",
     "SENTINEL_NAME",
     "TRAINER_STATE_NAME",
     "CheckpointInfo",
@@ -47,6 +48,9 @@ __all__ = [
 SENTINEL_NAME = "checkpoint-is-incomplete.txt"
 MANIFEST_NAME = "manifest.json"
 TRAINER_STATE_NAME = "trainer_state.json"
+# This runtime's own record of a checkpoint (timings, attempt, data position). It is a file of its
+# own, not a key of trainer_state.json, so that transformers' TrainerState still loads that file.
+RUNTIME_STATE_NAME = "preemptible_state.json"
 CHECKPOINT_PREFIX = "checkpoint-"
 MANIFEST_FORMAT = "preemptible-checkpoint/1"
 # per-rank record of the files a rank wrote, merged by the coordinator into the manifest

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["capture_rng_state", "restore_rng_state"]
+__all__ = ["capture_rng_state", "restore_rng_state", "rng_state_for_transformers"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,3 +69,27 @@ def restore_rng_state(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
                     torch.cuda.set_rng_state(state, i)
         else:
             logger.warning("checkpoint has CUDA RNG states but CUDA is not available: skipped")
+
+
+def rng_state_for_transformers(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None, *, distributed: bool
+) -> dict[str, Any]:
+    """The state of :func:`capture_rng_state` as transformers.Trainer's ``rng_state.pth`` dict
+    (``python``, ``numpy``, ``cpu`` and ``cuda``: one state, or a list per device when
+    ``distributed``), built without touching this process's generators."""
+    meta: dict[str, Any] = json.loads((metadata or {}).get("rng", "{}"))
+    out: dict[str, Any] = {}
+    if "python" in tensors and "python" in meta:
+        internal = tuple(int(x) for x in tensors["python"].tolist())
+        out["python"] = (meta["python"]["version"], internal, meta["python"]["gauss_next"])
+    if "numpy" in tensors and "numpy" in meta:
+        m = meta["numpy"]
+        keys = tensors["numpy"].numpy().astype(np.uint32)
+        out["numpy"] = (m["kind"], keys, m["pos"], m["has_gauss"], m["cached"])
+    if "torch" in tensors:
+        out["cpu"] = tensors["torch"].to(torch.uint8)
+    cuda = sorted((k for k in tensors if k.startswith("cuda.")), key=lambda k: int(k.split(".")[1]))
+    if cuda:
+        states = [tensors[k].to(torch.uint8) for k in cuda]
+        out["cuda"] = states if distributed else states[0]
+    return out

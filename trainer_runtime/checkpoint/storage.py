@@ -214,7 +214,10 @@ class Storage:
         Local: temp file, fsync, rename over the target, fsync the directory. Object stores: one
         upload of the final name (an object becomes visible only once complete).
         """
-        data = _json_bytes(obj)
+        return self.atomic_write_bytes(rel, _json_bytes(obj))
+
+    def atomic_write_bytes(self, rel: str, data: bytes) -> tuple[int, str]:
+        """:meth:`atomic_write_json` for any bytes."""
         if not self.is_local:
             return self.write_bytes(rel, data)
         head, _, name = rel.strip("/").rpartition("/")

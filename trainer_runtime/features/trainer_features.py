@@ -450,7 +450,8 @@ class TrainerFeaturesMixin:
             and self.state.best_global_step == self.state.global_step
         ):
             self.state.best_model_checkpoint = self._checkpoint_path(self.state.global_step)
-        for callback in self.callback_handler.callbacks:
+        # The control's flags too, as transformers saves them (TrainerControl entry).
+        for callback in [*self.callback_handler.callbacks, self.control]:
             state_fn = getattr(callback, "state", None)
             if callable(state_fn):
                 self.state.stateful_callbacks[type(callback).__name__] = state_fn()
@@ -497,16 +498,15 @@ class TrainerFeaturesMixin:
 
     def _load_best_model_at_end(self) -> bool:
         """Load the best checkpoint's weights (load_best_model_at_end); False when none."""
+        from trainer_runtime.checkpoint.hf_format import load_model_files
         from trainer_runtime.checkpoint.io import CheckpointReader
-        from trainer_runtime.checkpoint.model_state import MODEL_NAME, load_model_state
 
         path = self.state.best_model_checkpoint
         if not self.args.load_best_model_at_end or not path:
             return False
         reader = CheckpointReader(path)
-        load_model_state(
-            self.model, reader.load_tensors(MODEL_NAME), reader.load_metadata(MODEL_NAME)
-        )
+        # model.safetensors, or a PEFT model's adapter
+        load_model_files(self.model, reader.load_bytes, reader.exists, path)
         logger.info(
             "loaded the best model from %s (%s=%s)",
             path,

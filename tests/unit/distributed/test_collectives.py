@@ -113,6 +113,7 @@ def test_two_rank_training_jit_stop_and_bit_identical_resume(tmp_path) -> None: 
         "manifest.json",
         "model.safetensors",
         "optimizer.safetensors",
+        "preemptible_state.json",
         "rng_state_0.safetensors",
         "rng_state_1.safetensors",
         "scheduler.json",

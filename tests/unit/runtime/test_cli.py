@@ -197,3 +197,19 @@ def test_console_script_is_installed(run_dir: Path) -> None:
 )
 def test_human_size(n: int, text: str) -> None:
     assert human_size(n) == text
+
+
+def test_grace_reads_the_runtime_record_file(tmp_path: Path) -> None:
+    # Checkpoints keep the record in preemptible_state.json (trainer_state.json stays loadable by
+    # transformers' TrainerState); the key in trainer_state.json is the older layout.
+    out = tmp_path / "run"
+    record = _state(10, 120.0, 120.0, [])["preemptible"]
+    w = CheckpointWriter(str(out), 10, attempt=2)
+    w.begin()
+    w.write_json("trainer_state.json", {"global_step": 10, "log_history": []})
+    w.write_json("preemptible_state.json", record)
+    w.commit()
+    proc = cli("grace", str(out), "--headroom", "0", "--exit-margin", "0", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["inputs"]["step_max"] == 120.0 and doc["inputs"]["save_max"] >= 120.0

@@ -90,8 +90,8 @@ def test_waits_kill_wait_then_saves_and_returns(tmp_path: Path) -> None:
     assert script.saves == [6]
     info = CheckpointStore(str(tmp_path / "run")).latest_complete()
     assert info is not None and info.step == 6
-    state = json.loads((tmp_path / "run" / "checkpoint-6" / "trainer_state.json").read_text())
-    assert state["preemptible"]["sigterm_to_exit_seconds"] == [3.0]
+    record = json.loads((tmp_path / "run" / "checkpoint-6" / "preemptible_state.json").read_text())
+    assert record["sigterm_to_exit_seconds"] == [3.0]
 
     full = make_trainer(tmp_path / "full", save_steps=100)
     full.train()
@@ -116,9 +116,9 @@ def test_never_stops_inside_gradient_accumulation(tmp_path: Path) -> None:
     assert trainer.state.global_step == 3
     assert script.saves == [3]
     assert script.substeps == 3 * 3
-    record = json.loads((tmp_path / "checkpoint-3" / "trainer_state.json").read_text())
-    assert record["preemptible"]["data_position"]["epoch"] == 1
-    assert record["preemptible"]["data_position"]["batch"] == 4
+    record = json.loads((tmp_path / "checkpoint-3" / "preemptible_state.json").read_text())
+    assert record["data_position"]["epoch"] == 1
+    assert record["data_position"]["batch"] == 4
 
 
 def test_sigterm_during_periodic_save_does_not_save_twice(tmp_path: Path) -> None:

@@ -240,6 +240,7 @@ def test_checkpoint_layout_and_trainer_state(
         "manifest.json",
         "model.safetensors",
         "optimizer.safetensors",
+        "preemptible_state.json",
         "rng_state.safetensors",
         "scheduler.json",
         "trainer_state.json",
@@ -247,7 +248,9 @@ def test_checkpoint_layout_and_trainer_state(
     }
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["global_step"] == 3 and state["max_steps"] == 3
-    record = state["preemptible"]
+    # transformers' TrainerState(**json) must load it: no key of ours in it
+    assert "preemptible" not in state
+    record = json.loads((ckpt / "preemptible_state.json").read_text())
     assert record["attempt"] == 3
     assert record["step_seconds"]["count"] == 3 and record["step_seconds"]["max"] > 0
     assert record["data_position"] == {
