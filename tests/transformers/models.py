@@ -11,12 +11,11 @@ from typing import Any
 
 import torch
 
-WORDS = tuple(
-    (
-        "the a one two three red green blue cat dog bird runs jumps sleeps eats fast slow big small "
-        "happy sad old new house tree river sky sun moon day night good bad"
-    ).split()
+_VOCABULARY = (
+    "the a one two three red green blue cat dog bird runs jumps sleeps eats fast slow big small "
+    "happy sad old new house tree river sky sun moon day night good bad"
 )
+WORDS = tuple(_VOCABULARY.split())
 
 
 def corpus(n: int = 64, seed: int = 0) -> list[str]:

@@ -193,7 +193,9 @@ def close(a: Any, b: Any, *, rel: float = REL_TOL, abs_: float = ABS_TOL) -> boo
     return bool(a == b)
 
 
-def diff_entry(theirs: Mapping[str, Any], ours: Mapping[str, Any], *, rel: float = REL_TOL) -> list[str]:
+def diff_entry(
+    theirs: Mapping[str, Any], ours: Mapping[str, Any], *, rel: float = REL_TOL
+) -> list[str]:
     """Human-readable differences between two log entries / metric dicts (keys and values)."""
     problems: list[str] = []
     only_theirs = sorted(set(theirs) - set(ours))
@@ -278,7 +280,11 @@ def assert_state_dicts_match(
     )
     for name in sorted(theirs):
         torch.testing.assert_close(
-            ours[name], theirs[name], rtol=REL_TOL, atol=1e-6, msg=lambda m, n=name: f"{what} {n}: {m}"
+            ours[name],
+            theirs[name],
+            rtol=REL_TOL,
+            atol=1e-6,
+            msg=lambda m, n=name: f"{what} {n}: {m}",
         )
 
 

@@ -273,7 +273,7 @@ def test_from_pretrained_of_our_checkpoint_and_save_model(tmp_path: Path) -> Non
         sbs.assert_state_dicts_match(reference.state_dict(), loaded.state_dict(), str(directory))
 
 
-# -- (c) seq2seq with the plain Trainer --------------------------------------------------------------
+# -- (c) seq2seq with the plain Trainer -----------------------------------------------------------
 def seq2seq_script(*, ignore_keys: list[str] | None) -> sbs.Script:
     """T5 with the plain Trainer. Evaluations during training compute the loss only
     (prediction_loss_only); evaluate()/predict() afterwards return predictions, dropping
