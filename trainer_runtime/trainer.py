@@ -890,8 +890,11 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
     def _log_training(self) -> None:
         if not self._steps_since_log:
             return
+        # The mean over ranks, as transformers logs it; train_loss takes the same values.
+        loss_sum = collectives.all_reduce_mean(self._loss_since_log)
+        self._loss_total += loss_sum - self._loss_since_log
         # transformers' keys and order: loss, grad_norm, learning_rate (then log() adds epoch).
-        logs: dict[str, float] = {"loss": self._loss_since_log / self._steps_since_log}
+        logs: dict[str, float] = {"loss": loss_sum / self._steps_since_log}
         if self._last_grad_norm is not None:
             logs["grad_norm"] = self._last_grad_norm
         logs["learning_rate"] = (
