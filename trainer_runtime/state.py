@@ -22,7 +22,7 @@ class TrainerState:
     earlier JIT stop), ``attempt`` and ``data_position``.
     """
 
-    epoch: float | None = None
+    epoch: float | None = 0.0  # transformers starts at 0 (evaluate() before train() logs it)
     global_step: int = 0
     max_steps: int = 0
     logging_steps: int = 500

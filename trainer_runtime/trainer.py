@@ -89,6 +89,7 @@ from trainer_runtime.distributed.ddp_args import (
 from trainer_runtime.distributed.trainer_fsdp import FsdpTrainerMixin
 from trainer_runtime.errors import ConfigurationError, ResumeError
 from trainer_runtime.features import losses
+from trainer_runtime.features.logging_utils import normalize_tokens_seen_mode, speed_metrics
 from trainer_runtime.features.optim import create_optimizer, create_scheduler
 from trainer_runtime.features.trainer_features import TrainerFeaturesMixin
 from trainer_runtime.metrics import TrainingMetrics, metrics_from_env
@@ -228,6 +229,15 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         self._loss_total, self._steps_total = 0.0, 0
         self._loss_since_log, self._steps_since_log = 0.0, 0
         self._last_grad_norm: float | None = None
+        # The learning rate the last optimizer step used (read before the scheduler steps).
+        self._last_learning_rate: float | None = None
+        # Floating-point operations since the last store_flos() (added to state.total_flos).
+        self.current_flos = 0.0
+        self._flos_params: int | None = None  # non-embedding parameters, for the FLOs estimate
+        # Start of the current train() call (time.time()) and the progress it started from.
+        self._train_start: float | None = None
+        self._initial_tokens_seen = 0
+        self._initial_global_step = 0
         self._accepts_loss_kwargs: bool | None = None
         # keyword arguments the forward accepts; None: any (**kwargs); computed on first use
         self._forward_keys: frozenset[str] | None = None
@@ -511,7 +521,10 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         self.preempted = False
         self.metrics = self.metrics or metrics_from_env()
         self._publish_metrics()
-        started = time.perf_counter()
+        # time.time(), as speed_metrics measures against it
+        self._train_start = time.time()
+        self._initial_tokens_seen = self.state.num_input_tokens_seen
+        self._initial_global_step = self.state.global_step
         try:
             # NEFTune noise only while training; the hook goes on every exit path.
             with enable_neftune(self.model, self.args.neftune_noise_alpha):
@@ -523,6 +536,9 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
                 while not self.should_stop():
                     self.train_step()
                     self._after_step()
+            # As transformers: the summary goes through log() (on_log, trackers) before the best
+            # model is loaded and on_train_end is called.
+            output = self._train_output(self._train_start)
             if not self.preempted:
                 self._load_best_model_at_end()
             self._event("on_train_end")
@@ -531,7 +547,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
             if self.metrics is not None:
                 self.metrics.close()
                 self.metrics = None
-        return self._train_output(time.perf_counter() - started)
+        return output
 
     def should_stop(self) -> bool:
         """Stop when done, when a callback asks, or (all ranks agreeing) after a SIGTERM."""
@@ -576,17 +592,18 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
                 step_loss += self.training_step(
                     self.model_wrapped, batch, num_items, num_micro_batches=len(batches)
                 )
+            if not isinstance(batch, PaddingBatch):
+                self.current_flos += float(self.floating_point_ops(batch))
             if not last:
                 self._event("on_substep_end")
+        # Clipped (or only measured) before on_pre_optimizer_step, as transformers does.
+        self._last_grad_norm = self._clip_and_measure_grad_norm()
         self._event("on_pre_optimizer_step")
-        if self.args.max_grad_norm > 0:
-            norm = self.accelerator.clip_grad_norm_(
-                self.model.parameters(), self.args.max_grad_norm
-            )
-            self._last_grad_norm = self._grad_norm_value(norm)
         assert self.optimizer is not None and self.lr_scheduler is not None
         self.optimizer.step()
         self._event("on_optimizer_step")
+        # The rate this step used; after scheduler.step() get_last_lr() is the next step's.
+        self._last_learning_rate = self._get_learning_rate()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
@@ -605,6 +622,40 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         self.step_timer.record(time.perf_counter() - started)
         self._update_epoch_float()
         self._event("on_step_end")
+
+    def _clip_and_measure_grad_norm(self) -> float:
+        """The total gradient norm before clipping; clips to max_grad_norm when it is > 0 (a
+        norm is logged either way, as transformers does)."""
+        limit = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
+        norm = self.accelerator.clip_grad_norm_(self.model.parameters(), limit)
+        return self._grad_norm_value(norm)
+
+    def _get_learning_rate(self) -> float:
+        assert self.lr_scheduler is not None
+        return float(self.lr_scheduler.get_last_lr()[0])
+
+    def floating_point_ops(self, inputs: Mapping[str, Any]) -> float:
+        """Forward + backward FLOs of one micro-batch, the estimate transformers uses: the
+        model's own ``floating_point_ops(inputs)`` when it has one, else for a model with
+        ``num_parameters`` (a ``PreTrainedModel``) 6 x tokens of its main input x non-embedding
+        parameters; 0 otherwise. Override for another estimate."""
+        own = getattr(self.model, "floating_point_ops", None)
+        if callable(own):
+            return float(own(inputs))
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        value = inputs.get(main_input)
+        count = getattr(self.model, "num_parameters", None)
+        if not isinstance(value, torch.Tensor) or not callable(count):
+            return 0.0
+        if self._flos_params is None:
+            # Counted once: walking the parameters every micro-batch costs time on large models.
+            self._flos_params = int(count(exclude_embeddings=True))
+        return float(6 * value.numel() * self._flos_params)
+
+    def store_flos(self) -> None:
+        """Add the FLOs since the last call (summed over ranks) to state.total_flos."""
+        flos, self.current_flos = self.current_flos, 0.0
+        self.state.total_flos += float(collectives.all_reduce_sum(int(flos)))
 
     def training_step(
         self,
@@ -825,9 +876,15 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
             self.state.epoch = float(self._position.epoch)
 
     def _after_step(self) -> None:
-        """Log and save as the callbacks decided; close the epoch when its data is used up."""
+        """Log and save as the callbacks decided; close the epoch when its data is used up, when
+        a callback ends it, or when training stops (max_steps or a callback): transformers
+        calls on_epoch_end in all three cases."""
         self._log_and_save()
-        if self._epoch_exhausted() or self.control.should_epoch_stop:
+        if (
+            self._epoch_exhausted()
+            or self.control.should_epoch_stop
+            or self.control.should_training_stop
+        ):
             self._end_epoch()
 
     def _log_and_save(self) -> None:
@@ -845,36 +902,60 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
     def _log_training(self) -> None:
         if not self._steps_since_log:
             return
-        assert self.lr_scheduler is not None
-        logs: dict[str, float] = {
-            "loss": self._loss_since_log / self._steps_since_log,
-            "learning_rate": float(self.lr_scheduler.get_last_lr()[0]),
-            "epoch": float(self.state.epoch or 0.0),
-        }
+        # The mean over ranks, as transformers logs it; train_loss takes the same values.
+        loss_sum = collectives.all_reduce_mean(self._loss_since_log)
+        self._loss_total += loss_sum - self._loss_since_log
+        # transformers' keys and order: loss, grad_norm, learning_rate (then log() adds epoch).
+        logs: dict[str, float] = {"loss": loss_sum / self._steps_since_log}
         if self._last_grad_norm is not None:
             logs["grad_norm"] = self._last_grad_norm
-        if self.args.include_num_input_tokens_seen != "no":
-            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
+        logs["learning_rate"] = (
+            self._last_learning_rate
+            if self._last_learning_rate is not None
+            else self._get_learning_rate()
+        )
         self._loss_since_log, self._steps_since_log = 0.0, 0
-        self.log(logs)
+        self.store_flos()
+        self.log(logs, start_time=self._train_start)
 
-    def log(self, logs: dict[str, float]) -> None:
-        """Append ``logs`` (plus the step) to state.log_history and call on_log."""
-        if self.state.epoch is not None and "epoch" not in logs:
-            logs = {**logs, "epoch": float(self.state.epoch)}
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add ``epoch`` (and, with include_num_input_tokens_seen, the token count and, given
+        the train start ``start_time``, the token rate) to ``logs``, append them with the step
+        to state.log_history and call on_log. ``logs`` is updated in place, as transformers
+        does (so evaluate()'s and train()'s metrics carry the epoch too)."""
+        if self.state.epoch is not None:
+            logs["epoch"] = float(self.state.epoch)
+        if normalize_tokens_seen_mode(self.args.include_num_input_tokens_seen) != "no":
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
+            if start_time is not None:
+                seen = self.state.num_input_tokens_seen - self._initial_tokens_seen
+                logs.update(speed_metrics("train", start_time, num_tokens=seen))
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self._event("on_log", logs=logs)
 
-    def _train_output(self, runtime: float) -> TrainOutput:
+    def _num_train_samples(self, steps: int) -> float:
+        """Samples this train() call processed, as transformers reports them: the planned
+        samples of the whole schedule times the share of the steps run now."""
+        args = self.args
+        world = collectives.world_size()
+        if args.max_steps > 0 or self.train_sampler is None:
+            total_batch = per_rank_batch_size(args, world) * args.gradient_accumulation_steps
+            planned = float(self.state.max_steps * total_batch * world)
+        else:
+            planned = len(self.train_dataset) * args.num_train_epochs  # type: ignore[arg-type]
+        return planned * steps / max(self.state.max_steps, 1)
+
+    def _train_output(self, start_time: float) -> TrainOutput:
+        """The end-of-training summary, logged through log() (log_history, on_log, trackers)."""
         steps = self._steps_total
         train_loss = self._loss_total / steps if steps else 0.0
-        metrics = {
-            "train_runtime": round(runtime, 4),
-            "train_steps_per_second": round(steps / runtime, 3) if runtime > 0 else 0.0,
-            "train_loss": train_loss,
-            "epoch": float(self.state.epoch or 0.0),
-        }
-        self.state.log_history.append({**metrics, "step": self.state.global_step})
+        metrics = speed_metrics(
+            "train", start_time, num_samples=self._num_train_samples(steps), num_steps=steps
+        )
+        self.store_flos()
+        metrics["total_flos"] = self.state.total_flos
+        metrics["train_loss"] = train_loss
+        self.log(metrics)
         self._loss_total, self._steps_total = 0.0, 0
         self._loss_since_log, self._steps_since_log = 0.0, 0
         return TrainOutput(self.state.global_step, train_loss, metrics)

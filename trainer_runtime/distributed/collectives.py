@@ -61,6 +61,15 @@ def all_reduce_sum(value: int) -> int:
     return int(t.item())
 
 
+def all_reduce_mean(value: float) -> float:
+    """Mean of a float over ranks (the logged training loss, as transformers gathers it)."""
+    if not is_distributed():
+        return float(value)
+    t = torch.tensor([float(value)], dtype=torch.float64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t.item()) / dist.get_world_size()
+
+
 def barrier() -> None:
     if is_distributed():
         dist.barrier()

@@ -62,7 +62,7 @@ from trainer_runtime.features.logging_utils import (
     save_metrics,
     speed_metrics,
 )
-from trainer_runtime.features.losses import LabelSmoother
+from trainer_runtime.features.losses import LabelSmoother, count_items_in_batch, is_causal_lm
 from trainer_runtime.features.precision import (
     autocast_context,
     empty_device_cache,
@@ -99,6 +99,15 @@ class EvaluationFlowCallback(TrainerCallback):
     ) -> Any:
         strategy = getattr(args, "eval_strategy", "no")
         if should_evaluate_at_step(strategy, state.global_step, state.eval_steps, args.eval_delay):
+            control.should_evaluate = True
+        elif (
+            strategy == "steps"
+            and state.max_steps > 0
+            and state.global_step >= state.max_steps
+            and state.global_step >= args.eval_delay
+        ):
+            # The last step is evaluated too when it is not a multiple of eval_steps, so the
+            # final model always has eval metrics (as transformers does).
             control.should_evaluate = True
         return control
 
@@ -280,7 +289,14 @@ class TrainerFeaturesMixin:
         ignore_keys: list[str] | None = None,
     ) -> tuple[Any, Any, Any]:
         def loss_fn(m: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, Any]:
-            return self.compute_loss(m, dict(batch), return_outputs=True)
+            # The batch's label count goes to the loss as in training (transformers does the
+            # same), so an evaluation loss is normalised like the training loss of that batch.
+            num_items = count_items_in_batch(
+                [batch], shift_labels=is_causal_lm(self.model), label_name=self.label_names[0]
+            )
+            return self.compute_loss(
+                m, dict(batch), return_outputs=True, num_items_in_batch=num_items
+            )
 
         return prediction_step(
             model,

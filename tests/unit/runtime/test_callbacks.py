@@ -68,8 +68,13 @@ def test_event_order_of_a_run(tmp_path: Path) -> None:
         "on_log",
         "on_save",
         "on_epoch_end",
+        # the end-of-training summary goes through on_log before on_train_end (as transformers)
+        "on_log",
         "on_train_end",
     ]
+    assert {"train_runtime", "train_loss", "total_flos", "train_samples_per_second"} <= set(
+        rec.logs[-1]
+    )
     assert (
         rec.logs[0]["loss"] > 0 and "learning_rate" in rec.logs[0] and rec.logs[0]["epoch"] == 1.0
     )
@@ -112,3 +117,62 @@ def test_callback_can_stop_training(tmp_path: Path) -> None:
     out = trainer.train()
     assert out.global_step == 2
     assert not list(tmp_path.iterdir())  # save_strategy="no": nothing written
+
+
+def test_logged_learning_rate_is_the_rate_of_the_step(tmp_path: Path) -> None:
+    """transformers logs the rate the optimizer step used (read before scheduler.step()), not
+    the next step's: with a linear schedule and no warmup step 1 logs the full rate."""
+    from .tiny import ClassificationData
+
+    trainer = make_trainer(
+        tmp_path,
+        ClassificationData(n=16),
+        gradient_accumulation_steps=1,
+        max_steps=4,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        learning_rate=0.1,
+        save_strategy="no",
+        max_grad_norm=0.0,
+    )
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    assert [e["learning_rate"] for e in logs] == pytest.approx([0.1, 0.075, 0.05, 0.025])
+    # max_grad_norm=0 clips nothing but the norm is still logged (as transformers)
+    assert all(e["grad_norm"] > 0 for e in logs)
+    assert list(logs[0])[:3] == ["loss", "grad_norm", "learning_rate"]
+
+
+def test_callback_stop_mid_epoch_still_ends_the_epoch(tmp_path: Path) -> None:
+    """A callback that stops training mid-epoch: on_epoch_end runs (so epoch strategies save),
+    then the summary goes through on_log, then on_train_end."""
+    from .tiny import ClassificationData
+
+    class StopAt(Recorder):
+        def on_step_end(self, args: Any, state: TrainerState, control: Any, **kw: Any) -> Any:
+            self.events.append(("on_step_end", state.global_step))
+            if state.global_step == 1:
+                control.should_training_stop = True
+            return control
+
+    rec = StopAt()
+    trainer = make_trainer(
+        tmp_path, ClassificationData(n=32), num_train_epochs=2, save_strategy="epoch"
+    )
+    trainer.add_callback(rec)
+    trainer.train()
+    names = [e for e, _ in rec.events]
+    # the epoch strategy's save happens at that epoch end
+    assert names[-4:] == ["on_epoch_end", "on_save", "on_log", "on_train_end"]
+    assert names.count("on_epoch_end") == 1
+    assert (tmp_path / "checkpoint-1").is_dir()
+    summary = rec.logs[-1]
+    assert set(summary) >= {
+        "train_runtime",
+        "train_samples_per_second",
+        "train_steps_per_second",
+        "total_flos",
+        "train_loss",
+        "epoch",
+    }
+    assert trainer.state.log_history[-1]["step"] == 1
