@@ -11,10 +11,11 @@ from typing import Any
 
 import torch
 
-WORDS = tuple(
+_VOCABULARY = (
     "the a one two three red green blue cat dog bird runs jumps sleeps eats fast slow big small "
     "happy sad old new house tree river sky sun moon day night good bad"
-).split()
+)
+WORDS = tuple(_VOCABULARY.split())
 
 
 def corpus(n: int = 64, seed: int = 0) -> list[str]:
