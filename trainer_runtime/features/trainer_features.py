@@ -16,8 +16,8 @@
 
 It relies on these Trainer attributes: ``args``, ``model``, ``model_wrapped``, ``accelerator``,
 ``state``, ``control``, ``callback_handler``, ``data_collator``, ``eval_dataset``,
-``compute_metrics``, ``compute_loss``, ``label_names``, ``log``, ``_event``, ``_prepare_inputs``,
-``last_checkpoint``.
+``compute_metrics``, ``compute_loss``, ``compute_loss_func``, ``label_names``, ``log``,
+``_event``, ``_prepare_inputs``, ``_model_accepts_loss_kwargs``, ``last_checkpoint``.
 """
 
 from __future__ import annotations
@@ -144,6 +144,7 @@ class TrainerFeaturesMixin:
     _prepare_inputs: Callable[[Any], Any]
     compute_loss: Callable[..., Any]
     compute_loss_func: Callable[..., Any] | None
+    _model_accepts_loss_kwargs: Callable[[], bool]
 
     preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None
     label_smoother: LabelSmoother | None = None
@@ -190,7 +191,9 @@ class TrainerFeaturesMixin:
         """As transformers: ``model.config.use_cache = args.use_cache`` (False unless asked), so
         training builds no KV cache and evaluation outputs carry none."""
         config = getattr(self.model, "config", None)
-        if config is not None:
+        # A plain dict "config" of a custom model is not a transformers config: leave it alone.
+        if config is not None and not isinstance(config, Mapping):
+            # getattr: TrainingArguments may predate the field (transformers' default is False).
             config.use_cache = bool(getattr(self.args, "use_cache", False))
 
     def _check_eval_setup(self) -> None:
@@ -328,9 +331,7 @@ class TrainerFeaturesMixin:
         shifted for causal LMs, so the model's summed loss is divided by the same count as in
         training. With ``average_tokens_across_devices`` over several ranks it is left out (each
         rank's loss is then its own mean; see docs/trainer.md, differences from transformers)."""
-        uses_count = self.compute_loss_func is not None or losses.model_accepts_loss_kwargs(
-            self.model
-        )
+        uses_count = self.compute_loss_func is not None or self._model_accepts_loss_kwargs()
         if not uses_count or not isinstance(batch, Mapping):
             return None
         if self.args.average_tokens_across_devices and collectives.is_distributed():
