@@ -67,6 +67,7 @@ _EXPORTS: dict[str, str] = {
     "LengthGroupedBatchSampler": "data.length_sampling",
     "BatchRebalanceBatchSampler": "data.length_sampling",
     "PaddingCollator": "data.collators",
+    "DataCollatorWithPadding": "data.collators",
     "RemoveColumnsCollator": "data.columns",
     "enable_neftune": "data.neftune",
     "activate_neftune": "data.neftune",

@@ -68,7 +68,7 @@ from trainer_runtime.data.arguments import (
     set_dataset_epoch,
     skip_batches,
 )
-from trainer_runtime.data.defaults import default_data_collator
+from trainer_runtime.data.defaults import default_collator_for
 from trainer_runtime.data.dispatch import (
     GlobalBatchSampler,
     PaddingBatch,
@@ -179,12 +179,13 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         )
         collectives.destroy_at_exit()
         self.model = model.to(self.accelerator.device)
-        if getattr(self.model, "config", None) is not None and not isinstance(model.config, dict):
-            self.model.config.use_cache = self.args.use_cache  # as transformers' Trainer does
         # fsdp: sharded here (so evaluate/predict work before train too); never DDP-wrapped.
         self._init_fsdp(user_optimizer=optimizers[0] is not None, cuda=cuda)
         self.model_wrapped: nn.Module = self.model
-        self.data_collator = data_collator or default_data_collator
+        # None: transformers' default (pads with processing_class when it is a tokenizer).
+        self.data_collator = (
+            data_collator if data_collator is not None else default_collator_for(processing_class)
+        )
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.processing_class = processing_class
@@ -401,7 +402,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
             # stays: the length samplers read it).
             self._drop_unused_columns(self.train_dataset, keep=[self.args.length_column_name]),
             self.args,
-            collate_fn=self.data_collator,
+            collate_fn=self._collator_for(self.train_dataset),
             seed=self._data_seed(),
             batch_size=per_rank_batch_size(self.args, collectives.world_size()),
             gradient_accumulation_steps=self.args.gradient_accumulation_steps,
@@ -430,7 +431,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
             return DataLoader(
                 TaggedDataset(loader.dataset),
                 batch_sampler=GlobalBatchSampler(self.train_sampler),
-                collate_fn=SplitCollate(self.data_collator, world),
+                collate_fn=SplitCollate(self._collator_for(self.train_dataset), world),
                 generator=generator,
                 **options,
             )
@@ -440,7 +441,10 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
             batch_size=batch_size * world,
             drop_last=bool(self.args.dataloader_drop_last),
             collate_fn=SplitStream(
-                self.data_collator, world, batch_size, even_batches=even_batches(self.args)
+                self._collator_for(self.train_dataset),
+                world,
+                batch_size,
+                even_batches=even_batches(self.args),
             ),
             generator=generator,
             **options,

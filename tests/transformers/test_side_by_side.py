@@ -20,17 +20,6 @@ from tests.transformers import side_by_side as sbs
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
-DYNAMIC_CACHE = (
-    "known problem (evaluation of generative models): with use_cache=True the model returns a "
-    "DynamicCache/EncoderDecoderCache output ('cache'), which our evaluation loop tries to "
-    "concatenate instead of dropping it (transformers drops config.keys_to_ignore_at_inference, "
-    "by default ['cache'])"
-)
-FROM_PRETRAINED = (
-    "known problem (checkpoint files for from_pretrained): our checkpoints and save_model() "
-    "output have no config.json, so from_pretrained cannot open them"
-)
-
 
 def _load_weights(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
@@ -123,7 +112,6 @@ def test_causal_lm_side_by_side(builder: str, tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.xfail(strict=True, reason=DYNAMIC_CACHE)
 def test_causal_lm_with_cache_side_by_side(tmp_path: Path) -> None:
     theirs, ours = sbs.run_both(causal_lm_script("gpt2", use_cache=True), tmp_path)
     sbs.assert_metrics_match(theirs.results["eval"], ours.results["eval"], "evaluate()")
@@ -260,7 +248,6 @@ def test_classification_side_by_side(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.xfail(strict=True, reason=FROM_PRETRAINED)
 def test_from_pretrained_of_our_checkpoint_and_save_model(tmp_path: Path) -> None:
     from transformers import BertForSequenceClassification
 
@@ -335,7 +322,6 @@ def test_seq2seq_side_by_side(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.xfail(strict=True, reason=DYNAMIC_CACHE)
 def test_seq2seq_predict_drops_cache_side_by_side(tmp_path: Path) -> None:
     theirs, ours = sbs.run_both(seq2seq_script(ignore_keys=None), tmp_path)
     sbs.assert_arrays_match(

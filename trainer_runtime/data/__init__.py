@@ -9,6 +9,8 @@ __all__, __getattr__, __dir__ = lazy_exports(
     __name__,
     {
         "default_data_collator": "defaults",
+        "default_collator_for": "defaults",
+        "DataCollatorWithPadding": "collators",
         "ResumableBatchSampler": "samplers",
         "LengthGroupedBatchSampler": "length_sampling",
         "BatchRebalanceBatchSampler": "length_sampling",

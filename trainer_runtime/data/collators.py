@@ -3,6 +3,10 @@
 :class:`PaddingCollator` pads every sequence field of a list of mapping examples to the longest one
 in the batch (optionally rounded up to a multiple), builds an ``attention_mask`` when the examples
 have none, and stacks scalar fields. It needs no tokenizer: pad values are given per field.
+
+:class:`DataCollatorWithPadding` is transformers' collator of the same name, written for any object
+with a ``pad`` method (a tokenizer or a feature extractor): the Trainer's default collator when
+``processing_class`` is one.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 
 from trainer_runtime.errors import ConfigurationError
 
-__all__ = ["LABEL_PAD_TOKEN_ID", "PaddingCollator"]
+__all__ = ["LABEL_PAD_TOKEN_ID", "DataCollatorWithPadding", "PaddingCollator"]
 
 # Positions with this label are ignored by torch's cross-entropy (its default ignore_index).
 LABEL_PAD_TOKEN_ID = -100
@@ -160,3 +164,56 @@ class PaddingCollator:
             else:
                 mask[row, target - n :] = 1
         return mask
+
+
+@dataclass
+class DataCollatorWithPadding:
+    """Pad a list of examples with ``tokenizer.pad`` (its pad token, padding side and
+    ``model_input_names``), as transformers' ``DataCollatorWithPadding``.
+
+    ``padding``/``max_length``/``pad_to_multiple_of``/``return_tensors`` go to ``pad`` unchanged;
+    ``label`` and ``label_ids`` become ``labels``. Labels are stacked, not padded: for sequence
+    labels use a collator that pads them with -100 (e.g. :class:`PaddingCollator`).
+    """
+
+    tokenizer: Any
+    padding: bool | str = True
+    max_length: int | None = None
+    pad_to_multiple_of: int | None = None
+    return_tensors: str = "pt"
+
+    def __post_init__(self) -> None:
+        if not callable(getattr(self.tokenizer, "pad", None)):
+            raise ConfigurationError(
+                f"DataCollatorWithPadding needs a tokenizer or feature extractor with a pad() "
+                f"method, got {type(self.tokenizer).__name__}: pass data_collator= instead"
+            )
+
+    def _pad(self, features: list[Any]) -> Any:
+        kwargs = {
+            "padding": self.padding,
+            "max_length": self.max_length,
+            "pad_to_multiple_of": self.pad_to_multiple_of,
+            "return_tensors": self.return_tensors,
+        }
+        warnings_state = getattr(self.tokenizer, "deprecation_warnings", None)
+        if not isinstance(warnings_state, dict):
+            return self.tokenizer.pad(features, **kwargs)
+        # A fast tokenizer warns that pad() is slower than __call__; the examples are already
+        # token ids, so the warning would only be noise (transformers silences it the same way).
+        key = "Asking-to-pad-a-fast-tokenizer"
+        before = warnings_state.get(key, False)
+        warnings_state[key] = True
+        try:
+            return self.tokenizer.pad(features, **kwargs)
+        finally:
+            warnings_state[key] = before
+
+    def __call__(self, features: list[Any]) -> dict[str, Any]:
+        if not features:
+            raise ConfigurationError("DataCollatorWithPadding got an empty batch")
+        batch = dict(self._pad(list(features)))
+        for key in ("label", "label_ids"):
+            if key in batch:
+                batch["labels"] = batch.pop(key)
+        return batch

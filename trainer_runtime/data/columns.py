@@ -2,8 +2,12 @@
 
 A ``datasets.Dataset`` (when the ``datasets`` package is installed) loses those columns up front
 (:func:`remove_unused_columns`); any other dataset of mapping examples gets the fields dropped per
-batch by :class:`RemoveColumnsCollator`, which wraps the real collator. A ``forward`` that takes
-``**kwargs`` accepts everything, so nothing is removed.
+batch by :class:`RemoveColumnsCollator`, which wraps the real collator.
+
+As in transformers, the accepted fields are ``forward``'s named parameters plus the label columns:
+a ``**kwargs`` parameter does not make every field acceptable (every transformers 5.x ``forward``
+takes ``**kwargs``, and a raw ``text`` column must still go). A PEFT model is inspected through its
+base model, whose ``forward`` names the real inputs.
 """
 
 from __future__ import annotations
@@ -29,8 +33,22 @@ logger = logging.getLogger(__name__)
 DEFAULT_LABEL_COLUMNS = ("label", "label_ids")
 
 
+def _is_peft_model(model: Any) -> bool:
+    # Checked by module name: peft is optional and need not be imported to recognise its models.
+    return any(cls.__module__.split(".")[0] == "peft" for cls in type(model).__mro__)
+
+
+def _peft_base(model: Any) -> Any:
+    """The transformers model under a PEFT wrapper (``PeftMixedModel`` has no get_base_model)."""
+    get_base_model = getattr(model, "get_base_model", None)
+    if callable(get_base_model):
+        return get_base_model()
+    return model.base_model.model
+
+
 def _forward_of(model: Any) -> Callable[..., Any]:
-    # DDP / DataParallel keep the user's model under .module, torch.compile under ._orig_mod.
+    # DDP / DataParallel keep the user's model under .module, torch.compile under ._orig_mod; a
+    # PEFT model's forward takes (*args, **kwargs) and hands them to its base model's.
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
     inner = model
@@ -39,6 +57,8 @@ def _forward_of(model: Any) -> Callable[..., Any]:
             inner = inner.module
         elif getattr(inner, "_orig_mod", None) is not None:
             inner = inner._orig_mod
+        elif _is_peft_model(inner):
+            inner = _peft_base(inner)
         else:
             break
     forward = getattr(inner, "forward", None)
@@ -51,20 +71,20 @@ def _forward_of(model: Any) -> Callable[..., Any]:
     return forward
 
 
-def signature_columns(model: Any, label_names: Iterable[str] | None = None) -> list[str] | None:
-    """Fields the model accepts: ``forward``'s parameter names plus label columns.
+def signature_columns(model: Any, label_names: Iterable[str] | None = None) -> list[str]:
+    """Fields the model accepts: ``forward``'s named parameters plus the label columns
+    (``label``, ``label_ids`` and ``label_names``; collators rename the first two ``labels``).
 
-    ``None`` when ``forward`` takes ``**kwargs`` (every field is accepted).
+    ``*args`` / ``**kwargs`` add nothing: as in transformers, only named inputs are kept.
     """
     params = inspect.signature(_forward_of(model)).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
     names = [
         p.name
         for p in params
         if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     ]
-    extra = [*DEFAULT_LABEL_COLUMNS, *(label_names or ())]
+    # Without label_names: the Trainer's default, ``labels``.
+    extra = [*DEFAULT_LABEL_COLUMNS, *(("labels",) if label_names is None else label_names)]
     return list(dict.fromkeys([*names, *extra]))
 
 
@@ -101,8 +121,6 @@ def remove_unused_columns(
     if not is_hf_dataset(dataset):
         return dataset
     accepted = signature_columns(model, label_names)
-    if accepted is None:
-        return dataset
     wanted = set(accepted) | set(keep)
     present = list(dataset.column_names)
     unused = [c for c in present if c not in wanted]
@@ -136,15 +154,14 @@ class RemoveColumnsCollator:
         if columns is None:
             if model is None:
                 raise ConfigurationError("RemoveColumnsCollator needs model= or columns=")
-            accepted = signature_columns(model, label_names)
-            self.columns: frozenset[str] | None = None if accepted is None else frozenset(accepted)
+            self.columns = frozenset(signature_columns(model, label_names))
         else:
             self.columns = frozenset(columns)
         self.collator = collator
         self._reported: set[str] = set()
 
     def _filter(self, example: Any) -> Any:
-        if self.columns is None or not isinstance(example, Mapping):
+        if not isinstance(example, Mapping):
             return example
         kept = {k: v for k, v in example.items() if k in self.columns}
         if not kept and example:

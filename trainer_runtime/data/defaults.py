@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["default_data_collator"]
+__all__ = ["default_collator_for", "default_data_collator"]
 
 
 def _stack(key: str, values: list[Any]) -> Any:
@@ -60,3 +60,40 @@ def default_data_collator(features: list[Any]) -> dict[str, Any]:
         out_key = "labels" if key in ("label", "label_ids") and "labels" not in first else key
         batch[out_key] = _stack(key, values)
     return batch
+
+
+def _is_padding_processor(processing_class: Any) -> bool:
+    """Is ``processing_class`` a tokenizer or a sequence feature extractor (transformers' test)?
+
+    Without transformers loaded, no transformers object can exist, so any object with a ``pad``
+    method counts (a tokenizer-like object of another library)."""
+    import sys
+
+    if "transformers" in sys.modules:
+        import transformers
+
+        kinds = tuple(
+            cls
+            for cls in (
+                getattr(transformers, "PreTrainedTokenizerBase", None),
+                getattr(transformers, "SequenceFeatureExtractor", None),
+            )
+            if cls is not None
+        )
+        if isinstance(processing_class, kinds):
+            return True
+        # Other transformers classes (processors, image processors) get default_data_collator.
+        if type(processing_class).__module__.split(".")[0] == "transformers":
+            return False
+    return callable(getattr(processing_class, "pad", None))
+
+
+def default_collator_for(processing_class: Any = None) -> Callable[[list[Any]], Any]:
+    """The Trainer's collator when none is given: as transformers, a
+    :class:`~trainer_runtime.data.collators.DataCollatorWithPadding` over ``processing_class`` when
+    it is a tokenizer or feature extractor (it pads), else :func:`default_data_collator`."""
+    if processing_class is not None and _is_padding_processor(processing_class):
+        from trainer_runtime.data.collators import DataCollatorWithPadding
+
+        return DataCollatorWithPadding(processing_class)
+    return default_data_collator

@@ -41,8 +41,10 @@ __all__ = [
     "PredictionAccumulator",
     "UnevenEvalBatchSampler",
     "UnevenGather",
+    "default_ignore_keys",
     "evaluate_datasets",
     "evaluation_loop",
+    "is_kv_cache",
     "nested_concat",
     "nested_numpify",
     "prediction_step",
@@ -218,6 +220,25 @@ class PredictionAccumulator:
 # -- one batch -----------------------------------------------------------------------------------
 
 
+def is_kv_cache(value: Any) -> bool:
+    """True for a transformers ``Cache`` (``DynamicCache``, ``EncoderDecoderCache``, ...): an
+    object holding past keys/values, not a prediction (it cannot be concatenated over batches)."""
+    return any(
+        cls.__name__ == "Cache" and cls.__module__.startswith("transformers")
+        for cls in type(value).__mro__
+    )
+
+
+def default_ignore_keys(model: Any) -> list[str]:
+    """Output keys left out of predictions when ``ignore_keys`` is None, as transformers does:
+    ``model.config.keys_to_ignore_at_inference``, else ``["cache"]`` for a model with a config
+    (the KV cache of transformers 5.x outputs), else nothing."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    return list(getattr(config, "keys_to_ignore_at_inference", None) or ["cache"])
+
+
 def _strip_outputs(outputs: Any, ignore_keys: Sequence[str], has_loss: bool) -> Any:
     if isinstance(outputs, Mapping):
         skip = {*ignore_keys, "loss"}
@@ -226,6 +247,9 @@ def _strip_outputs(outputs: Any, ignore_keys: Sequence[str], has_loss: bool) -> 
         logits = tuple(outputs[1:] if has_loss else outputs)
     else:
         logits = (outputs,)
+    # A KV cache under any name (``past_key_values`` of older models, a tuple output with
+    # use_cache=True) is never a prediction.
+    logits = tuple(v for v in logits if not is_kv_cache(v))
     if len(logits) == 0:
         return None
     return logits[0] if len(logits) == 1 else logits

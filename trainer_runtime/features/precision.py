@@ -9,6 +9,7 @@ a GPU that supports it, tf32=True needs an Ampere-or-newer NVIDIA GPU.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import warnings
 from typing import Any
@@ -147,23 +148,76 @@ def resolve_activation_checkpointing(
     return enabled, kwargs
 
 
+# Options of transformers' ``activation_checkpointing_enable`` itself; every other key of
+# ``activation_checkpointing_kwargs`` goes on to ``torch.utils.checkpoint.checkpoint``.
+_CHECKPOINTING_METHOD_OPTIONS = ("every_n_layers", "offload")
+_CHECKPOINTING_METHODS = (
+    ("activation_checkpointing_enable", "activation_checkpointing_kwargs"),
+    ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs"),
+)
+
+
+def _parameters(method: Any) -> tuple[set[str], bool]:
+    """Named keyword parameters of ``method`` and whether it takes ``**kwargs``."""
+    try:
+        params = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return set(), True
+    names = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    return names, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _checkpointing_call(
+    model: torch.nn.Module, name: str, preferred: str, method: Any, options: dict[str, Any]
+) -> dict[str, Any]:
+    """The keyword arguments for ``method``: the options it names, then the checkpoint kwargs
+    under the name it takes (``activation_checkpointing_kwargs`` for transformers 5.x models,
+    ``gradient_checkpointing_kwargs`` for older or custom methods)."""
+    names, var_kw = _parameters(method)
+    call: dict[str, Any] = {}
+    for option in _CHECKPOINTING_METHOD_OPTIONS:
+        if option not in options:
+            continue
+        if option not in names and not var_kw:
+            raise ConfigurationError(
+                f"activation_checkpointing_kwargs[{option!r}] is an option of transformers' "
+                f"activation_checkpointing_enable, but {type(model).__name__}.{name}() does not "
+                f"take {option!r}: remove it from activation_checkpointing_kwargs"
+            )
+        call[option] = options.pop(option)
+    kwargs_name = next(
+        (n for n in (preferred, *(k for _, k in _CHECKPOINTING_METHODS)) if n in names),
+        preferred if var_kw else None,
+    )
+    if kwargs_name is not None:
+        # transformers passes None for "no kwargs" (the model then picks use_reentrant=False).
+        call[kwargs_name] = options or None
+    elif options:
+        raise ConfigurationError(
+            f"activation_checkpointing_kwargs={options!r} but {type(model).__name__}.{name}() "
+            "takes no checkpoint keyword arguments: remove activation_checkpointing_kwargs"
+        )
+    return call
+
+
 def enable_activation_checkpointing(
     model: torch.nn.Module, kwargs: dict[str, Any] | None = None
 ) -> str:
     """Turn on activation checkpointing through the model's own method; returns its name.
 
-    Models expose ``activation_checkpointing_enable`` or (Hugging Face)
-    ``gradient_checkpointing_enable``; they receive ``gradient_checkpointing_kwargs``. A model
-    without either cannot be checkpointed generically: that is an error, not a silent no-op.
+    As transformers' Trainer: ``activation_checkpointing_enable`` is preferred (every
+    ``PreTrainedModel`` of transformers 5.x has it), ``gradient_checkpointing_enable`` is the
+    fallback. ``every_n_layers`` / ``offload`` in ``kwargs`` are the method's own options; the rest
+    is handed over as ``activation_checkpointing_kwargs`` (or ``gradient_checkpointing_kwargs``,
+    whichever the method takes). A model with neither method cannot be checkpointed generically:
+    that is an error, not a silent no-op. ``use_cache`` is not touched here: the Trainer sets
+    ``model.config.use_cache`` from ``TrainingArguments.use_cache``, and transformers models drop
+    their cache themselves while training with checkpointing.
     """
-    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+    for name, preferred in _CHECKPOINTING_METHODS:
         method = getattr(model, name, None)
         if callable(method):
-            method(gradient_checkpointing_kwargs=dict(kwargs or {}))
-            config = getattr(model, "config", None)
-            if config is not None and getattr(config, "use_cache", False):
-                # A KV cache is useless when activations are recomputed.
-                config.use_cache = False
+            method(**_checkpointing_call(model, name, preferred, method, dict(kwargs or {})))
             return name
     raise ConfigurationError(
         f"activation_checkpointing=True but {type(model).__name__} has no "

@@ -16,8 +16,8 @@
 
 It relies on these Trainer attributes: ``args``, ``model``, ``model_wrapped``, ``accelerator``,
 ``state``, ``control``, ``callback_handler``, ``data_collator``, ``eval_dataset``,
-``compute_metrics``, ``compute_loss``, ``label_names``, ``log``, ``_event``, ``_prepare_inputs``,
-``last_checkpoint``.
+``compute_metrics``, ``compute_loss``, ``compute_loss_func``, ``label_names``, ``log``,
+``_event``, ``_prepare_inputs``, ``_model_accepts_loss_kwargs``, ``last_checkpoint``.
 """
 
 from __future__ import annotations
@@ -26,17 +26,22 @@ import inspect
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Sized
+from collections.abc import Callable, Iterable, Mapping, Sized
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from trainer_runtime.callbacks import TrainerCallback
-from trainer_runtime.data.columns import remove_unused_columns
+from trainer_runtime.data.columns import (
+    RemoveColumnsCollator,
+    is_hf_dataset,
+    remove_unused_columns,
+)
 from trainer_runtime.distributed import collectives
 from trainer_runtime.distributed.ddp_args import even_batches
 from trainer_runtime.errors import ConfigurationError
+from trainer_runtime.features import losses
 from trainer_runtime.features.best import (
     best_rotation_victims,
     metric_key,
@@ -46,6 +51,7 @@ from trainer_runtime.features.evaluation import (
     EvalLoopOutput,
     UnevenEvalBatchSampler,
     UnevenGather,
+    default_ignore_keys,
     evaluation_loop,
     prediction_step,
     should_evaluate_at_epoch_end,
@@ -62,7 +68,7 @@ from trainer_runtime.features.logging_utils import (
     save_metrics,
     speed_metrics,
 )
-from trainer_runtime.features.losses import LabelSmoother, count_items_in_batch, is_causal_lm
+from trainer_runtime.features.losses import LabelSmoother
 from trainer_runtime.features.precision import (
     autocast_context,
     empty_device_cache,
@@ -146,6 +152,8 @@ class TrainerFeaturesMixin:
     _event: Callable[..., None]
     _prepare_inputs: Callable[[Any], Any]
     compute_loss: Callable[..., Any]
+    compute_loss_func: Callable[..., Any] | None
+    _model_accepts_loss_kwargs: Callable[[], bool]
 
     preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None
     label_smoother: LabelSmoother | None = None
@@ -165,6 +173,7 @@ class TrainerFeaturesMixin:
         )
         if enabled:
             enable_activation_checkpointing(self.model, ckpt_kwargs)
+        self._apply_use_cache()
         self.label_smoother = (
             LabelSmoother(args.label_smoothing_factor) if args.label_smoothing_factor else None
         )
@@ -186,6 +195,14 @@ class TrainerFeaturesMixin:
         if not any(isinstance(cb, progress) for cb in self.callback_handler.callbacks):
             self.callback_handler.add_callback(progress)
         self.callback_handler.add_callback(EvaluationFlowCallback())
+
+    def _apply_use_cache(self) -> None:
+        """As transformers: ``model.config.use_cache = args.use_cache`` (False unless asked), so
+        training builds no KV cache and evaluation outputs carry none."""
+        config = getattr(self.model, "config", None)
+        # A plain dict "config" of a custom model is not a transformers config: leave it alone.
+        if config is not None and not isinstance(config, Mapping):
+            config.use_cache = bool(self.args.use_cache)
 
     def _check_eval_setup(self) -> None:
         args = self.args
@@ -232,6 +249,14 @@ class TrainerFeaturesMixin:
             dataset, self.model, label_names=self.label_names, keep=keep or ()
         )
 
+    def _collator_for(self, dataset: Any) -> Callable[[list[Any]], Any]:
+        """The collator for ``dataset``: as transformers, a dataset that is not a
+        ``datasets.Dataset`` (whose columns are removed up front) has each example's fields that
+        forward() does not take dropped before collation, when ``remove_unused_columns`` is set."""
+        if not self.args.remove_unused_columns or is_hf_dataset(dataset):
+            return self.data_collator
+        return RemoveColumnsCollator(self.data_collator, self.model, label_names=self.label_names)
+
     def _eval_loader(self, dataset: Dataset[Any]) -> DataLoader[Any]:
         if (
             collectives.is_distributed()
@@ -248,14 +273,14 @@ class TrainerFeaturesMixin:
                     rank=collectives.rank(),
                     drop_last=self.args.dataloader_drop_last,
                 ),
-                collate_fn=self.data_collator,
+                collate_fn=self._collator_for(dataset),
                 num_workers=self.args.dataloader_num_workers,
             )
         loader = DataLoader(
             self._drop_unused_columns(dataset),
             batch_size=self.args.per_device_eval_batch_size,
             shuffle=False,
-            collate_fn=self.data_collator,
+            collate_fn=self._collator_for(dataset),
             num_workers=self.args.dataloader_num_workers,
             drop_last=self.args.dataloader_drop_last,
         )
@@ -289,15 +314,15 @@ class TrainerFeaturesMixin:
         ignore_keys: list[str] | None = None,
     ) -> tuple[Any, Any, Any]:
         def loss_fn(m: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, Any]:
-            # The batch's label count goes to the loss as in training (transformers does the
-            # same), so an evaluation loss is normalised like the training loss of that batch.
-            num_items = count_items_in_batch(
-                [batch], shift_labels=is_causal_lm(self.model), label_name=self.label_names[0]
-            )
+            num_items = self._eval_num_items(batch)
+            if num_items is None or not _accepts(self.compute_loss, "num_items_in_batch"):
+                return self.compute_loss(m, dict(batch), return_outputs=True)
             return self.compute_loss(
                 m, dict(batch), return_outputs=True, num_items_in_batch=num_items
             )
 
+        if ignore_keys is None:
+            ignore_keys = default_ignore_keys(self.model)
         return prediction_step(
             model,
             inputs,
@@ -306,6 +331,21 @@ class TrainerFeaturesMixin:
             ignore_keys=ignore_keys,
             loss_fn=loss_fn,
             autocast=self.autocast_smart_context_manager(),
+        )
+
+    def _eval_num_items(self, batch: Any) -> int | None:
+        """``num_items_in_batch`` for one evaluation batch, as transformers 5.x passes it to a
+        model that takes loss kwargs (or to ``compute_loss_func``): the batch's label tokens,
+        shifted for causal LMs, so the model's summed loss is divided by the same count as in
+        training. With ``average_tokens_across_devices`` over several ranks it is left out (each
+        rank's loss is then its own mean; see docs/trainer.md, differences from transformers)."""
+        uses_count = self.compute_loss_func is not None or self._model_accepts_loss_kwargs()
+        if not uses_count or not isinstance(batch, Mapping):
+            return None
+        if self.args.average_tokens_across_devices and collectives.is_distributed():
+            return None
+        return losses.count_items_in_batch(
+            [batch], shift_labels=losses.is_causal_lm(self.model), label_name=self.label_names[0]
         )
 
     def _fire(self, event: str, **kwargs: Any) -> None:

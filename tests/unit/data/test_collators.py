@@ -82,3 +82,52 @@ def test_pads_what_a_length_sampler_batches() -> None:
 def test_errors(features: list[Any], kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigurationError, match=match):
         PaddingCollator(**kwargs)(features)
+
+
+class _Tokenizer:
+    """A tokenizer stand-in: pad() right-pads input_ids with 0 and stacks the rest."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, Any] = {}
+
+    def pad(self, features: list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
+        self.seen = kwargs
+        longest = max(len(f["input_ids"]) for f in features)
+        out = {
+            "input_ids": torch.tensor(
+                [f["input_ids"] + [0] * (longest - len(f["input_ids"])) for f in features]
+            )
+        }
+        for key in features[0]:
+            if key != "input_ids":
+                out[key] = torch.tensor([f[key] for f in features])
+        return out
+
+
+def test_data_collator_with_padding_pads_through_the_tokenizer_and_renames_labels() -> None:
+    from trainer_runtime.data.collators import DataCollatorWithPadding
+
+    tok = _Tokenizer()
+    batch = DataCollatorWithPadding(tok, pad_to_multiple_of=8)(
+        [{"input_ids": [1, 2], "label": 1}, {"input_ids": [3], "label": 0}]
+    )
+    assert batch["input_ids"].tolist() == [[1, 2], [3, 0]]
+    assert batch["labels"].tolist() == [1, 0] and "label" not in batch
+    assert tok.seen == {
+        "padding": True,
+        "max_length": None,
+        "pad_to_multiple_of": 8,
+        "return_tensors": "pt",
+    }
+    with pytest.raises(ConfigurationError, match="pad"):
+        DataCollatorWithPadding(object())
+
+
+def test_default_collator_follows_processing_class() -> None:
+    from trainer_runtime.data.collators import DataCollatorWithPadding
+    from trainer_runtime.data.defaults import default_collator_for, default_data_collator
+
+    assert default_collator_for(None) is default_data_collator
+    assert default_collator_for(object()) is default_data_collator
+    chosen = default_collator_for(_Tokenizer())
+    assert isinstance(chosen, DataCollatorWithPadding)

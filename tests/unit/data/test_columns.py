@@ -40,7 +40,8 @@ class KwargsModel(nn.Module):
             ["start_positions"],
             ["input_ids", "labels", "label", "label_ids", "start_positions"],
         ),
-        (KwargsModel(), None, None),
+        # **kwargs adds nothing (transformers 5.x forwards all take it): only named inputs.
+        (KwargsModel(), None, ["input_ids", "label", "label_ids", "labels"]),
         (torch.nn.DataParallel(Model()), None, ["input_ids", "labels", "label", "label_ids"]),
     ],
 )
@@ -60,9 +61,32 @@ def test_collator_wrapper_drops_unused_fields() -> None:
     Model()(batch["input_ids"], labels=batch["labels"])  # the batch fits forward()
 
 
-def test_collator_wrapper_keeps_everything_for_kwargs_models() -> None:
+def test_collator_wrapper_drops_fields_a_kwargs_forward_does_not_name() -> None:
     collate = RemoveColumnsCollator(PaddingCollator(), KwargsModel())
-    assert "text" in collate([{"input_ids": [1], "text": "x"}])
+    batch = collate([{"input_ids": [1], "text": "x", "label": 1}])
+    assert set(batch) == {"input_ids", "labels", "attention_mask"}
+
+
+class PeftModelStandIn(nn.Module):
+    """What peft's wrapper looks like to column removal: forward(*args, **kwargs), the real
+    model behind get_base_model()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Model()
+
+    def get_base_model(self) -> nn.Module:
+        return self.inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(*args, **kwargs)
+
+
+PeftModelStandIn.__module__ = "peft.peft_model"
+
+
+def test_peft_models_are_inspected_through_their_base_model() -> None:
+    assert signature_columns(PeftModelStandIn()) == ["input_ids", "labels", "label", "label_ids"]
 
 
 def test_collator_wrapper_refuses_to_drop_everything() -> None:
@@ -86,6 +110,6 @@ def test_hf_dataset_columns_are_removed() -> None:
     assert out.column_names == ["input_ids", "label"]
     kept = remove_unused_columns(ds, Model(), keep=["length"])
     assert kept.column_names == ["input_ids", "length", "label"]
-    assert remove_unused_columns(ds, KwargsModel()) is ds
+    assert remove_unused_columns(ds, KwargsModel()).column_names == ["input_ids", "label"]
     with pytest.raises(ConfigurationError, match="would remove every field"):
         remove_unused_columns(ds.select_columns(["text"]), Model())

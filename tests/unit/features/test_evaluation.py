@@ -14,6 +14,7 @@ from trainer_runtime.features.best import metric_key
 from trainer_runtime.features.evaluation import (
     EvalPrediction,
     PredictionAccumulator,
+    default_ignore_keys,
     evaluate_datasets,
     evaluation_loop,
     nested_concat,
@@ -323,3 +324,29 @@ def test_should_evaluate_at_step(strategy, step, every, delay, expected):
 )
 def test_should_evaluate_at_epoch_end(strategy, epoch, delay, expected):
     assert should_evaluate_at_epoch_end(strategy, epoch, delay) is expected
+
+
+def test_default_ignore_keys_follow_the_model_config() -> None:
+    class Config:
+        pass
+
+    model = nn.Linear(2, 2)
+    assert default_ignore_keys(model) == []
+    model.config = Config()  # type: ignore[assignment]
+    assert default_ignore_keys(model) == ["cache"]  # transformers' default
+    model.config.keys_to_ignore_at_inference = ["mems"]  # type: ignore[attr-defined]
+    assert default_ignore_keys(model) == ["mems"]
+
+
+def test_kv_cache_outputs_are_not_predictions() -> None:
+    cache_utils = pytest.importorskip("transformers.cache_utils")
+
+    class CachingModel(nn.Module):
+        def forward(self, input_ids: torch.Tensor) -> dict[str, Any]:
+            logits = input_ids.float().unsqueeze(-1)
+            # A cache under a name no ignore list holds (older models: past_key_values).
+            return {"logits": logits, "past_key_values": cache_utils.DynamicCache()}
+
+    batch = {"input_ids": torch.tensor([[1, 2], [3, 4]])}
+    _, logits, _ = prediction_step(CachingModel(), batch, prediction_loss_only=False)
+    assert isinstance(logits, torch.Tensor) and logits.shape == (2, 2, 1)

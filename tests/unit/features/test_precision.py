@@ -145,3 +145,71 @@ def test_empty_device_cache():
     assert empty_device_cache("cpu") is False
     if HAS_CUDA:
         assert empty_device_cache("cuda") is True
+
+
+class _Recorder(torch.nn.Module):
+    """Records the keyword arguments its checkpointing method received."""
+
+    calls: list[tuple[str, dict[str, object]]]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = []
+
+
+class _TransformersStyle(_Recorder):
+    # transformers 5.x PreTrainedModel.activation_checkpointing_enable
+    def activation_checkpointing_enable(
+        self,
+        activation_checkpointing_kwargs: dict[str, object] | None = None,
+        every_n_layers: int = 1,
+        offload: bool = False,
+    ) -> None:
+        self.calls.append(
+            (
+                "activation_checkpointing_enable",
+                {
+                    "activation_checkpointing_kwargs": activation_checkpointing_kwargs,
+                    "every_n_layers": every_n_layers,
+                    "offload": offload,
+                },
+            )
+        )
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: object = None) -> None:
+        raise AssertionError("the deprecated method must not be called when the new one exists")
+
+
+class _OwnStyle(_Recorder):
+    # A plain module with its own method taking the older keyword.
+    def activation_checkpointing_enable(self, gradient_checkpointing_kwargs: object = None) -> None:
+        self.calls.append(("own", {"gradient_checkpointing_kwargs": gradient_checkpointing_kwargs}))
+
+
+def test_transformers_models_get_activation_checkpointing_kwargs_and_options():
+    model = _TransformersStyle()
+    name = enable_activation_checkpointing(
+        model, {"use_reentrant": False, "every_n_layers": 2, "offload": True}
+    )
+    assert name == "activation_checkpointing_enable"
+    assert model.calls == [
+        (
+            "activation_checkpointing_enable",
+            {
+                "activation_checkpointing_kwargs": {"use_reentrant": False},
+                "every_n_layers": 2,
+                "offload": True,
+            },
+        )
+    ]
+    model = _TransformersStyle()
+    enable_activation_checkpointing(model, None)
+    assert model.calls[0][1]["activation_checkpointing_kwargs"] is None  # as transformers
+
+
+def test_plain_modules_keep_their_own_keyword():
+    model = _OwnStyle()
+    enable_activation_checkpointing(model, {"use_reentrant": True})
+    assert model.calls == [("own", {"gradient_checkpointing_kwargs": {"use_reentrant": True}})]
+    with pytest.raises(ConfigurationError, match="every_n_layers"):
+        enable_activation_checkpointing(_OwnStyle(), {"every_n_layers": 2})
