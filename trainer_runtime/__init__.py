@@ -61,6 +61,7 @@ _EXPORTS: dict[str, str] = {
     "LabelSmoother": "features.losses",
     "TrainOutput": "trainer_utils",
     "set_seed": "trainer_utils",
+    "get_last_checkpoint": "trainer_utils",
     "default_data_collator": "data.defaults",
     "SigtermLatch": "signals",
     # data pipeline: length-based samplers, padding, NEFTune, column removal, dataloader args

@@ -9,6 +9,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from trainer_runtime.checkpoint.layout import CheckpointStore
+
 # One EvalPrediction for the whole package: the evaluation loop's (iterates over present fields).
 from trainer_runtime.features.evaluation import EvalPrediction
 
@@ -17,6 +19,7 @@ __all__ = [
     "PredictionOutput",
     "TrainOutput",
     "enable_full_determinism",
+    "get_last_checkpoint",
     "set_seed",
 ]
 
@@ -33,6 +36,24 @@ class TrainOutput(NamedTuple):
     global_step: int
     training_loss: float
     metrics: dict[str, float]
+
+
+def get_last_checkpoint(folder: str | os.PathLike[str]) -> str | None:
+    """The newest *complete* ``checkpoint-<step>`` directory under ``folder``, or None.
+
+    transformers' function of this name returns the highest-numbered directory even when its save
+    was cut short (a preempted save leaves one behind); this one applies the completeness rule of
+    ``checkpoint.layout`` and skips such directories, so that the examples' "resume from the last
+    checkpoint" block never resumes from a partial write. ``folder`` may be an fsspec URL.
+    """
+    text = os.fspath(folder)
+    store = CheckpointStore(text)
+    if not store.storage.isdir(""):
+        raise FileNotFoundError(f"get_last_checkpoint: {text!r} is not a directory")
+    info = store.latest_complete()
+    if info is None:
+        return None
+    return info.path if "://" in text else os.path.join(text, info.name)
 
 
 def set_seed(seed: int, deterministic: bool = False) -> None:

@@ -145,3 +145,34 @@ def seq2seq_dataset(tok: Any, n: int = 32, seed: int = 0) -> Any:
         return enc
 
     return ds.map(encode, batched=True, remove_columns=["text", "target"])
+
+
+def _bert_config(tok: Any, **extra: Any) -> Any:
+    from transformers import BertConfig
+
+    return BertConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        classifier_dropout=0.0, vocab_size=len(tok), pad_token_id=tok.pad_token_id, **extra,
+    )  # fmt: skip
+
+
+def bert_masked_lm(tok: Any, seed: int = 0) -> Any:
+    from transformers import BertForMaskedLM
+
+    torch.manual_seed(seed)
+    return BertForMaskedLM(_bert_config(tok))
+
+
+def bert_token_classifier(tok: Any, num_labels: int = 3, seed: int = 0) -> Any:
+    from transformers import BertForTokenClassification
+
+    torch.manual_seed(seed)
+    return BertForTokenClassification(_bert_config(tok, num_labels=num_labels))
+
+
+def bert_question_answering(tok: Any, seed: int = 0) -> Any:
+    from transformers import BertForQuestionAnswering
+
+    torch.manual_seed(seed)
+    return BertForQuestionAnswering(_bert_config(tok))
