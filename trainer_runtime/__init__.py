@@ -61,6 +61,10 @@ _EXPORTS: dict[str, str] = {
     "LabelSmoother": "features.losses",
     "TrainOutput": "trainer_utils",
     "set_seed": "trainer_utils",
+    "BestRun": "trainer_utils",
+    "HPSearchBackend": "trainer_utils",
+    "default_compute_objective": "trainer_utils",
+    "default_hp_space_optuna": "trainer_utils",
     "default_data_collator": "data.defaults",
     "SigtermLatch": "signals",
     # data pipeline: length-based samplers, padding, NEFTune, column removal, dataloader args
