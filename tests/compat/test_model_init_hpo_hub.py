@@ -224,6 +224,36 @@ def test_hyperparameter_search_objective_from_evaluation_during_training(tmp_pat
     assert len(evals) == HPO_ARGS["max_steps"]  # reported during training, no extra evaluate()
 
 
+def test_hyperparameter_search_prunes_like_transformers(tmp_path: Path) -> None:
+    optuna = pytest.importorskip("optuna")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    tok = models.tokenizer()
+
+    class PruneFirstTrial(optuna.pruners.BasePruner):
+        def prune(self, study: Any, trial: Any) -> bool:
+            return trial.number == 0
+
+    def run(which: str) -> Any:
+        out = tmp_path / which
+        trainer = hpo_trainer(which, out, tok, eval_strategy="steps", eval_steps=1)
+        best = trainer.hyperparameter_search(
+            hp_space=hp_space,
+            n_trials=2,
+            sampler=optuna.samplers.RandomSampler(seed=2),
+            pruner=PruneFirstTrial(),
+        )
+        return best
+
+    result = sbs.both(run)
+    theirs, ours = result["transformers"], result["ours"]
+    assert ours.run_id == theirs.run_id == "1"
+    assert ours.objective == pytest.approx(theirs.objective, rel=1e-5)
+    root = tmp_path / "ours" / "ours"
+    # Trial 0 stopped at its first evaluation (step 1), before its save at step 2.
+    assert not (root / "run-0" / "checkpoint-2").exists()
+    assert (root / "run-1" / "checkpoint-2" / "manifest.json").is_file()
+
+
 def test_hyperparameter_search_without_optuna_names_the_package(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
