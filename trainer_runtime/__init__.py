@@ -62,6 +62,10 @@ _EXPORTS: dict[str, str] = {
     "TrainOutput": "trainer_utils",
     "set_seed": "trainer_utils",
     "get_last_checkpoint": "trainer_utils",
+    "BestRun": "trainer_utils",
+    "HPSearchBackend": "trainer_utils",
+    "default_compute_objective": "trainer_utils",
+    "default_hp_space_optuna": "trainer_utils",
     "default_data_collator": "data.defaults",
     "SigtermLatch": "signals",
     # data pipeline: length-based samplers, padding, NEFTune, column removal, dataloader args

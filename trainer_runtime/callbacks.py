@@ -32,6 +32,7 @@ EVENTS = (
     "on_predict",
     "on_save",
     "on_log",
+    "on_push_begin",
 )
 
 
@@ -108,6 +109,11 @@ class TrainerCallback:
         pass
 
     def on_log(self, args: Any, state: TrainerState, control: TrainerControl, **kw: Any) -> Any:
+        pass
+
+    def on_push_begin(
+        self, args: Any, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> Any:
         pass
 
 

@@ -89,7 +89,10 @@ from trainer_runtime.distributed.ddp_args import (
 from trainer_runtime.distributed.trainer_fsdp import FsdpTrainerMixin
 from trainer_runtime.errors import ConfigurationError, ResumeError
 from trainer_runtime.features import losses
+from trainer_runtime.features.hub import HubMixin
+from trainer_runtime.features.hyperparameter_search import HyperparameterSearchMixin
 from trainer_runtime.features.logging_utils import normalize_tokens_seen_mode, speed_metrics
+from trainer_runtime.features.model_init import ModelInitMixin, resolve_model
 from trainer_runtime.features.optim import create_optimizer, create_scheduler
 from trainer_runtime.features.trainer_features import TrainerFeaturesMixin
 from trainer_runtime.metrics import TrainingMetrics, metrics_from_env
@@ -147,7 +150,13 @@ class _DataPosition:
         return {"kind": kind, "epoch": self.epoch, "batch": self.batch}
 
 
-class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
+class Trainer(
+    FsdpTrainerMixin,
+    TrainerFeaturesMixin,
+    ModelInitMixin,
+    HyperparameterSearchMixin,
+    HubMixin,
+):
     """Train a ``torch.nn.Module`` whose forward returns the loss first (a mapping with ``loss`` or
     a tuple), on a map-style or iterable dataset of examples, with resumable checkpoints and
     just-in-time checkpointing on SIGTERM.
@@ -161,17 +170,19 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         train_dataset: Dataset | IterableDataset | None = None,
         eval_dataset: Any = None,
         processing_class: Any = None,
+        model_init: Callable[..., nn.Module] | None = None,
         compute_loss_func: Callable[..., torch.Tensor] | None = None,
         compute_metrics: Callable[..., dict[str, float]] | None = None,
         callbacks: list[TrainerCallback | type[TrainerCallback]] | None = None,
         optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
         preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
     ) -> None:
-        if model is None:
-            raise ConfigurationError("Trainer requires a model: pass model=<torch.nn.Module>")
         self.args = args if args is not None else TrainingArguments()
         check_runtime_support(self.args)  # transformers fields this runtime cannot honour
+        # Seeded before model_init builds the model (features/model_init.py).
         set_seed(self.args.seed, deterministic=self.args.full_determinism)
+        self.model_init = model_init
+        model = resolve_model(model, model_init, optimizers)
         # ddp_* arguments: process-group backend/timeout and the DDP wrapper's options.
         cuda = not self.args.use_cpu and torch.cuda.is_available()
         self.accelerator = Accelerator(
@@ -244,6 +255,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         self._forward_keys: frozenset[str] | None = None
         self._forward_keys_known = False
         self._init_features(preprocess_logits_for_metrics)
+        self._init_hub()  # push_to_hub: check hub_model_id, push on every save (features/hub.py)
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
 
     # -- callbacks ---------------------------------------------------------------------------------
@@ -264,9 +276,15 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         )
 
     # -- public entry point ------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint: bool | str | None = None, **kwargs: Any) -> TrainOutput:
+    def train(
+        self,
+        resume_from_checkpoint: bool | str | None = None,
+        trial: Any = None,
+        **kwargs: Any,
+    ) -> TrainOutput:
         """Train; resume from ``resume_from_checkpoint`` (True: newest complete checkpoint of
-        output_dir; a path; None: $PREEMPTIBLE_RESUME_FROM; False: never).
+        output_dir; a path; None: $PREEMPTIBLE_RESUME_FROM; False: never). With model_init the
+        model is rebuilt first; ``trial``: a hyperparameter-search trial (model_init.py).
 
         Under the operator's environment, a JIT stop ends the process with EXIT_PREEMPTED after
         writing the termination message; as a plain library it returns with
@@ -274,6 +292,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         """
         if kwargs:
             raise ConfigurationError(f"train() got unexpected arguments {sorted(kwargs)}")
+        self._prepare_train(trial)
         operator = under_operator()
         if self.sigterm_latch is None or self._latch_used:
             # A fresh latch per run: a SIGTERM that stopped an earlier train() call is spent.
@@ -1111,7 +1130,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
             return self.processing_class
         return getattr(self.data_collator, "tokenizer", None)
 
-    def save_model(self, output_dir: str | None = None) -> str | None:
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> str | None:
         """Write the model as transformers' ``save_model`` does (``from_pretrained`` opens a
         PreTrainedModel's or PEFT adapter's directory; other modules: model.safetensors), the
         processing class's files and training_args.json to ``output_dir`` (default:
@@ -1126,6 +1145,7 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
             is_local_main_process=self.accelerator.is_local_main_process,
         ):
             collectives.barrier()
+            self._push_after_save_model(_internal_call)
             return None
         storage = Storage(target)
         storage.makedirs("")
@@ -1136,7 +1156,14 @@ class Trainer(FsdpTrainerMixin, TrainerFeaturesMixin):
         storage.write_json(TRAINING_ARGS_NAME, self.args.to_dict())
         storage.fsync_dir("")
         collectives.barrier()
+        self._push_after_save_model(_internal_call)
         return target
+
+    def _push_after_save_model(self, internal: bool) -> None:
+        # As transformers: a user's save_model() with push_to_hub also pushes (every rank
+        # calls it: push_to_hub saves again, collectively). features/hub.py.
+        if self.args.push_to_hub and not internal:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def is_world_process_zero(self) -> bool:
         return self.accelerator.is_main_process

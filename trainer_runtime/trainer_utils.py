@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import random
+from enum import StrEnum
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -15,9 +17,13 @@ from trainer_runtime.checkpoint.layout import CheckpointStore
 from trainer_runtime.features.evaluation import EvalPrediction
 
 __all__ = [
+    "BestRun",
     "EvalPrediction",
+    "HPSearchBackend",
     "PredictionOutput",
     "TrainOutput",
+    "default_compute_objective",
+    "default_hp_space_optuna",
     "enable_full_determinism",
     "get_last_checkpoint",
     "set_seed",
@@ -54,6 +60,51 @@ def get_last_checkpoint(folder: str | os.PathLike[str]) -> str | None:
     if info is None:
         return None
     return info.path if "://" in text else os.path.join(text, info.name)
+
+
+class BestRun(NamedTuple):
+    """The best trial of ``Trainer.hyperparameter_search``: its id (its checkpoints are under
+    ``<output_dir>/run-<run_id>``), its objective (a list for several directions) and the
+    hyperparameters it used."""
+
+    run_id: str
+    objective: float | list[float]
+    hyperparameters: dict[str, Any]
+    run_summary: Any | None = None
+
+
+class HPSearchBackend(StrEnum):
+    """Hyperparameter search backends known to transformers (this runtime runs ``optuna``)."""
+
+    OPTUNA = "optuna"
+    RAY = "ray"
+    WANDB = "wandb"
+
+
+def default_compute_objective(metrics: dict[str, float]) -> float:
+    """The objective of a trial without ``compute_objective``: ``eval_loss`` when evaluation
+    reports nothing else, else the sum of the other metrics (epoch and speed metrics left out)."""
+    rest = copy.deepcopy(metrics)
+    loss = rest.pop("eval_loss", None)
+    rest.pop("epoch", None)
+    for key in [k for k in rest if k.endswith("_runtime") or k.endswith("_per_second")]:
+        rest.pop(key)
+    if not rest:
+        return loss  # type: ignore[return-value]
+    return sum(rest.values())
+
+
+def default_hp_space_optuna(trial: Any) -> dict[str, float]:
+    """The search space used when ``hyperparameter_search`` gets no ``hp_space`` (transformers'
+    default ranges)."""
+    return {
+        "learning_rate": trial.suggest_float("learning_rate", 1e-6, 1e-4, log=True),
+        "num_train_epochs": trial.suggest_int("num_train_epochs", 1, 5),
+        "seed": trial.suggest_int("seed", 1, 40),
+        "per_device_train_batch_size": trial.suggest_categorical(
+            "per_device_train_batch_size", [4, 8, 16, 32, 64]
+        ),
+    }
 
 
 def set_seed(seed: int, deterministic: bool = False) -> None:

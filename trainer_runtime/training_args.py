@@ -271,15 +271,17 @@ class TrainingArgumentsSchema(FeatureArguments, DataArguments, DdpArguments, Fsd
     # -- Hugging Face Hub --------------------------------------------------------------------------
     push_to_hub: bool = Field(
         False,
-        description="Push checkpoints to the Hugging Face Hub. Not supported by this runtime "
-        "(refused when the Trainer starts): save to an fsspec output_dir and upload afterwards.",
+        description="Push the model (and, by hub_strategy, checkpoints) to hub_model_id, which "
+        "must be an fsspec URL here (no Hub is reachable; a Hub repository id is refused).",
     )
     hub_token: str | None = Field(None, description="Hub token (only with push_to_hub).")
     hub_private_repo: bool | None = Field(
         None, description="Create the Hub repository as private (only with push_to_hub)."
     )
     hub_model_id: str | None = Field(
-        None, description="Hub repository to push to (only with push_to_hub)."
+        None,
+        description="Where push_to_hub writes: an fsspec URL (file:///..., s3://...) or an "
+        "absolute path; a Hub repository id is refused (no Hub is reachable).",
     )
     hub_strategy: HubStrategy = Field(
         "every_save",
@@ -1003,12 +1005,14 @@ def check_runtime_support(args: Any) -> None:
             "use_liger_kernel=True: Liger kernels are not applied by this runtime; set it to "
             "False (or patch the model with liger_kernel yourself before passing it)"
         )
-    if getattr(args, "push_to_hub", False):
-        problems.append(
-            "push_to_hub=True: this runtime does not push to the Hugging Face Hub; set it to "
-            "False, write checkpoints to an fsspec output_dir and upload the final model "
-            "afterwards (e.g. huggingface_hub.upload_folder)"
-        )
+    # No Hub is reachable: push_to_hub needs hub_model_id to be an fsspec URL (features/hub.py).
+    from trainer_runtime.features.hub import push_target_problem
+
+    hub_problem = push_target_problem(
+        bool(getattr(args, "push_to_hub", False)), getattr(args, "hub_model_id", None)
+    )
+    if hub_problem:
+        problems.append(hub_problem)
     if getattr(args, "auto_find_batch_size", False):
         problems.append(
             "auto_find_batch_size=True: retrying with smaller batches after out-of-memory errors "

@@ -164,6 +164,17 @@ class Storage:
         with self._op("read", rel):
             return bytes(self.fs.cat_file(self._path(rel)))
 
+    @contextmanager
+    def open_read(self, rel: str) -> Iterator[BinaryIO]:
+        """A binary read handle (for streaming large files instead of reading them whole)."""
+        with self._op("open for reading", rel):
+            handle = self.fs.open(self._path(rel), "rb")
+        try:
+            yield handle
+        finally:
+            with suppress(Exception):
+                handle.close()
+
     def read_json(self, rel: str) -> Any:
         data = self.read_bytes(rel)
         try:
