@@ -427,3 +427,36 @@ def test_helpers_match_transformers(tmp_path: Path) -> None:
     reference = json.loads((tmp_path / "transformers" / "trainer_state.json").read_text())
     assert saved["global_step"] == reference["global_step"] == 4
     assert set(reference) <= set(saved)
+
+
+def test_reduce_lr_on_plateau_resumes_exactly(tmp_path: Path) -> None:
+    args = {
+        "max_steps": 6,
+        "gradient_accumulation_steps": 1,
+        "eval_strategy": "steps",
+        "eval_steps": 1,
+        "save_strategy": "steps",
+        "save_steps": 3,
+        "lr_scheduler_type": "reduce_lr_on_plateau",
+        "lr_scheduler_kwargs": {"patience": 0, "factor": 0.5},
+        "warmup_steps": 0,
+    }
+
+    def with_eval(model: Any) -> dict[str, Any]:
+        return {"eval_dataset": _setup()[1].select(range(8))}
+
+    full = _run("ours", tmp_path, args=args, trainer_kwargs=with_eval)
+    trainer_cls, args_cls = classes("ours")
+    tok, data, collator = _setup()
+    resumed = trainer_cls(
+        model=models.gpt2(tok, seed=1),
+        args=args_cls(output_dir=str(tmp_path / "ours"), **{**ARGS, **args}),
+        data_collator=collator,
+        train_dataset=data,
+        processing_class=tok,
+        **with_eval(None),
+    )
+    resumed.train(resume_from_checkpoint=str(tmp_path / "ours" / "checkpoint-3"))
+    for key in ("loss", "learning_rate"):
+        assert _logged(resumed, key)[3:] == pytest.approx(_logged(full, key)[3:], rel=1e-6)
+    assert min(_logged(full, "learning_rate")[3:]) < ARGS["learning_rate"]
