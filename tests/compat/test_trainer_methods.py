@@ -6,6 +6,7 @@ seed, no dropout) and must log equal losses and learning rates."""
 from __future__ import annotations
 
 import inspect
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -421,8 +422,6 @@ def test_helpers_match_transformers(tmp_path: Path) -> None:
     assert ours.metrics_format({"train_runtime": 1.5}) == {"train_runtime": "0:00:01.50"}
     ours.save_state()
     theirs.save_state()
-    import json
-
     saved = json.loads((tmp_path / "ours" / "trainer_state.json").read_text())
     reference = json.loads((tmp_path / "transformers" / "trainer_state.json").read_text())
     assert saved["global_step"] == reference["global_step"] == 4
@@ -460,3 +459,73 @@ def test_reduce_lr_on_plateau_resumes_exactly(tmp_path: Path) -> None:
     for key in ("loss", "learning_rate"):
         assert _logged(resumed, key)[3:] == pytest.approx(_logged(full, key)[3:], rel=1e-6)
     assert min(_logged(full, "learning_rate")[3:]) < ARGS["learning_rate"]
+
+
+def test_restore_callback_states_from_checkpoint(tmp_path: Path) -> None:
+    """The saved EarlyStoppingCallback counter comes back on resume only when asked, as in
+    transformers."""
+    from trainer_runtime import EarlyStoppingCallback
+
+    args = {
+        "max_steps": 4,
+        "gradient_accumulation_steps": 1,
+        "eval_strategy": "steps",
+        "eval_steps": 1,
+        "save_strategy": "steps",
+        "save_steps": 2,
+        "metric_for_best_model": "loss",
+        "greater_is_better": True,  # the eval loss falls: every evaluation counts as no gain
+    }
+
+    def make(restore: bool) -> Any:
+        trainer_cls, args_cls = classes("ours")
+        tok, data, collator = _setup()
+        return trainer_cls(
+            model=models.gpt2(tok),
+            args=args_cls(
+                output_dir=str(tmp_path / "ours"),
+                restore_callback_states_from_checkpoint=restore,
+                **{**ARGS, **args},
+            ),
+            data_collator=collator,
+            train_dataset=data,
+            eval_dataset=data.select(range(8)),
+            processing_class=tok,
+            callbacks=[EarlyStoppingCallback(early_stopping_patience=10)],
+        )
+
+    def counter(trainer: Any) -> int:
+        (callback,) = [
+            cb for cb in trainer.callback_handler.callbacks if type(cb) is EarlyStoppingCallback
+        ]
+        return int(callback.early_stopping_patience_counter)
+
+    make(False).train()
+    checkpoint = str(tmp_path / "ours" / "checkpoint-2")
+    state = json.loads((tmp_path / "ours" / "checkpoint-2" / "trainer_state.json").read_text())
+    saved = state["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"][
+        "early_stopping_patience_counter"
+    ]
+    assert saved >= 1
+    for restore, expected_at_resume in ((True, saved), (False, 0)):
+        trainer = make(restore)
+        seen: list[int] = []
+        trainer.add_callback(_FirstStepProbe(seen, lambda t=trainer: counter(t)))
+        trainer.train(resume_from_checkpoint=checkpoint)
+        assert seen[0] == expected_at_resume, restore
+
+
+class _FirstStepProbe:
+    """Records ``read()`` at the first step begin of a run (before any new evaluation)."""
+
+    def __init__(self, seen: list[int], read: Callable[[], int]) -> None:
+        self.seen, self.read = seen, read
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+    def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+        if not self.seen:
+            self.seen.append(self.read())
