@@ -14,6 +14,7 @@ import inspect
 import logging
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -93,7 +94,13 @@ from trainer_runtime.features.hub import HubMixin
 from trainer_runtime.features.hyperparameter_search import HyperparameterSearchMixin
 from trainer_runtime.features.logging_utils import normalize_tokens_seen_mode, speed_metrics
 from trainer_runtime.features.model_init import ModelInitMixin, resolve_model
-from trainer_runtime.features.optim import create_optimizer, create_scheduler
+from trainer_runtime.features.optim import (
+    create_optimizer,
+    create_scheduler,
+    decay_parameter_names,
+    is_metric_driven,
+    optimizer_cls_and_kwargs,
+)
 from trainer_runtime.features.trainer_features import TrainerFeaturesMixin
 from trainer_runtime.metrics import TrainingMetrics, metrics_from_env
 from trainer_runtime.protocol import (
@@ -128,6 +135,13 @@ def _to_device(data: Any, device: torch.device) -> Any:
     if isinstance(data, (list, tuple)):
         return type(data)(_to_device(v, device) for v in data)
     return data
+
+
+def _size(dataset: Any) -> str:
+    try:
+        return str(len(dataset))
+    except TypeError:
+        return "unknown"
 
 
 def _without_items(batch: Mapping[str, Any], label_names: list[str]) -> dict[str, Any]:
@@ -175,6 +189,7 @@ class Trainer(
         compute_metrics: Callable[..., dict[str, float]] | None = None,
         callbacks: list[TrainerCallback | type[TrainerCallback]] | None = None,
         optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
+        optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None = None,
         preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
     ) -> None:
         self.args = args if args is not None else TrainingArguments()
@@ -183,12 +198,8 @@ class Trainer(
         set_seed(self.args.seed, deterministic=self.args.full_determinism)
         self.model_init = model_init
         model = resolve_model(model, model_init, optimizers)
-        # ddp_* arguments: process-group backend/timeout and the DDP wrapper's options.
         cuda = not self.args.use_cpu and torch.cuda.is_available()
-        self.accelerator = Accelerator(
-            cpu=self.args.use_cpu, **accelerator_kwargs(self.args, cuda=cuda)
-        )
-        collectives.destroy_at_exit()
+        self.create_accelerator_and_postprocess()
         self.model = model.to(self.accelerator.device)
         # fsdp: sharded here (so evaluate/predict work before train too); never DDP-wrapped.
         self._init_fsdp(user_optimizer=optimizers[0] is not None, cuda=cuda)
@@ -202,7 +213,19 @@ class Trainer(
         self.processing_class = processing_class
         self.compute_loss_func = compute_loss_func
         self.compute_metrics = compute_metrics
+        # optimizers=(opt, sched): used as given; create_optimizer/create_scheduler keep them.
         self.optimizer, self.lr_scheduler = optimizers
+        if optimizer_cls_and_kwargs is not None and optimizers[0] is not None:
+            raise ConfigurationError(
+                "pass either optimizers=(optimizer, scheduler) or optimizer_cls_and_kwargs, "
+                "not both"
+            )
+        self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
+        # gradient accumulation: micro-batches in the optimizer step now running, set by the loop
+        # before it calls training_step() (which scales a mean loss by it).
+        self.current_gradient_accumulation_steps = 1
+        # train(ignore_keys_for_eval=...): passed to evaluate() during that train() call.
+        self._ignore_keys_for_eval: list[str] | None = None
         self.state = TrainerState(
             is_local_process_zero=self.accelerator.is_local_main_process,
             is_world_process_zero=self.accelerator.is_main_process,
@@ -236,7 +259,12 @@ class Trainer(
         self.in_padding_batch = False
         # An iterable dataset's own position, loaded from a checkpoint, applied at the epoch start.
         self._dataset_state: dict[str, Any] | None = None
-        self._num_batches: int | None = None  # micro-batches per epoch (map-style only)
+        self._num_batches: int | None = None  # micro-batches per epoch (when known up front)
+        self._epoch_length_known = False
+        # create_scheduler() built the schedule (rebuilt per train() call, as transformers does).
+        self._created_lr_scheduler = False
+        # reduce_lr_on_plateau / greedy: stepped with the metric after evaluation, not per step.
+        self._metric_schedule = False
         # running loss sums: of this train() call, and since the last log entry
         self._loss_total, self._steps_total = 0.0, 0
         self._loss_since_log, self._steps_since_log = 0.0, 0
@@ -270,6 +298,20 @@ class Trainer(
     def remove_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
         self.callback_handler.remove_callback(callback)
 
+    def create_accelerator_and_postprocess(self) -> None:
+        """Create ``self.accelerator`` (called once by ``__init__``; override to configure it).
+        The ddp_* arguments set the process-group backend/timeout and the DDP wrapper's options."""
+        cuda = not self.args.use_cpu and torch.cuda.is_available()
+        self.accelerator = Accelerator(
+            cpu=self.args.use_cpu, **accelerator_kwargs(self.args, cuda=cuda)
+        )
+        collectives.destroy_at_exit()
+
+    def end(self) -> None:
+        """Finish the trackers and destroy the process group; call it once, at the very end of a
+        script (train/evaluate/predict/save_model communicate between processes)."""
+        self.accelerator.end_training()
+
     def _event(self, name: str, **kwargs: Any) -> None:
         self.control = getattr(self.callback_handler, name)(
             self.args, self.state, self.control, **kwargs
@@ -280,18 +322,22 @@ class Trainer(
         self,
         resume_from_checkpoint: bool | str | None = None,
         trial: Any = None,
-        **kwargs: Any,
+        ignore_keys_for_eval: list[str] | None = None,
     ) -> TrainOutput:
         """Train; resume from ``resume_from_checkpoint`` (True: newest complete checkpoint of
         output_dir; a path; None: $PREEMPTIBLE_RESUME_FROM; False: never). With model_init the
         model is rebuilt first; ``trial``: a hyperparameter-search trial (model_init.py).
 
+        ``ignore_keys_for_eval``: output keys evaluate() ignores during training. ``trial``
+        belongs to hyperparameter search (None otherwise).
+
         Under the operator's environment, a JIT stop ends the process with EXIT_PREEMPTED after
         writing the termination message; as a plain library it returns with
         ``control.should_training_stop`` set and ``trainer.preempted`` True.
         """
-        if kwargs:
-            raise ConfigurationError(f"train() got unexpected arguments {sorted(kwargs)}")
+        # Kept for hyperparameter search (which passes it); plain training passes None.
+        self._trial = trial
+        self._ignore_keys_for_eval = ignore_keys_for_eval
         self._prepare_train(trial)
         operator = under_operator()
         if self.sigterm_latch is None or self._latch_used:
@@ -439,6 +485,39 @@ class Trainer(
             self._dispatch_loader = self._build_dispatch_loader(loader)
         return loader
 
+    def _check_custom_loader(self) -> None:
+        """An overridden get_train_dataloader() may return any DataLoader: its position is then
+        restored by skipping batches (as transformers does), not by our resumable sampler."""
+        loader = self.train_dataloader
+        if self.train_sampler is not None and getattr(loader, "batch_sampler", None) is not (
+            self.train_sampler
+        ):
+            # get_train_dataloader() ran (it set the sampler) but another loader was returned.
+            self.train_sampler = None
+        if self.train_sampler is not None or self._is_iterable():
+            return
+        if loader is None or not hasattr(loader, "__iter__"):
+            raise ConfigurationError(
+                f"get_train_dataloader() must return an iterable DataLoader, got "
+                f"{type(loader).__name__}"
+            )
+        if self._dispatch:
+            raise ConfigurationError(
+                "accelerator_config.dispatch_batches=True needs the DataLoader this Trainer's "
+                "get_train_dataloader() builds; an overridden one must not set it"
+            )
+        logger.info(
+            "get_train_dataloader() returned its own DataLoader: on resume its position is "
+            "restored by skipping the batches already consumed in the epoch"
+        )
+        if collectives.is_distributed():
+            logger.warning(
+                "get_train_dataloader() returned its own DataLoader with %d ranks: each rank "
+                "reads it as given; shard it per rank (e.g. DistributedSampler) to avoid "
+                "duplicates",
+                collectives.world_size(),
+            )
+
     def _build_dispatch_loader(self, loader: DataLoader) -> DataLoader:
         """The main process's loader under dispatch_batches: each item is a list of per-rank
         batches (map-style: every rank's sampler batch; iterable: one global batch, split)."""
@@ -469,27 +548,124 @@ class Trainer(
             **options,
         )
 
+    # -- optimizer and schedule (each overridable, called by train() as transformers does) ---------
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        """The optimizer, then the schedule over ``num_training_steps``. train() calls
+        create_optimizer() and create_scheduler() itself, as transformers' does: override those
+        (or pass ``optimizers=(optimizer, scheduler)``) to change what training uses."""
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps=num_training_steps)
+
+    def _warn_unused_override(self) -> None:
+        if type(self).create_optimizer_and_scheduler is not Trainer.create_optimizer_and_scheduler:
+            logger.warning(
+                "%s overrides create_optimizer_and_scheduler(), which train() does not call (as "
+                "in transformers): override create_optimizer() / create_scheduler() or pass "
+                "optimizers=(optimizer, scheduler)",
+                type(self).__name__,
+            )
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """``self.optimizer`` when set (``optimizers=`` or an earlier call); else the optimizer of
+        ``args.optim`` (or ``optimizer_cls_and_kwargs``) over two groups, weight decay on
+        ``get_decay_parameter_names(model)`` only."""
+        opt_model = self.model if model is None else model
         if self.optimizer is None:
-            self.optimizer = create_optimizer(self.model, self.args)
+            cls_and_kwargs = self.optimizer_cls_and_kwargs
+            if cls_and_kwargs is None:
+                cls_and_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+            self.optimizer = create_optimizer(
+                opt_model,
+                self.args,
+                decay_names=self.get_decay_parameter_names(opt_model),
+                cls_and_kwargs=cls_and_kwargs,
+            )
+        return self.optimizer
+
+    def create_scheduler(
+        self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
+    ) -> Any:
+        """``self.lr_scheduler`` when set; else the schedule of ``args.lr_scheduler_type`` over
+        ``num_training_steps`` for ``optimizer`` (default: ``self.optimizer``). The metric-driven
+        ones (reduce_lr_on_plateau, greedy) are stepped after each evaluation, not per step."""
         if self.lr_scheduler is None:
-            self.lr_scheduler = create_scheduler(self.optimizer, self.args, num_training_steps)
+            optimizer = optimizer if optimizer is not None else self.optimizer
+            if optimizer is None:
+                raise ConfigurationError(
+                    "create_scheduler() needs an optimizer: call create_optimizer() first or "
+                    "pass optimizer=..."
+                )
+            self.lr_scheduler = create_scheduler(
+                optimizer, self.args, num_training_steps, metric_driven=True
+            )
+            # Built here, so rebuilt by the next train() call (its step count may differ).
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(
+        args: TrainingArguments, model: nn.Module | None = None
+    ) -> tuple[Any, Any]:
+        """The optimizer class of ``args.optim`` and its keyword arguments (no parameters)."""
+        return optimizer_cls_and_kwargs(args, model)
+
+    def get_decay_parameter_names(self, model: nn.Module) -> list[str]:
+        """Names of the parameters weight decay applies to: not biases, not norm weights."""
+        return decay_parameter_names(model)
+
+    def get_num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def _require_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise ConfigurationError(
+                "the Trainer has no optimizer yet: call create_optimizer() or train() first"
+            )
+        return self.optimizer
+
+    def get_learning_rates(self) -> list[float]:
+        """The learning rate of each optimizer parameter group."""
+        return [group["lr"] for group in self._require_optimizer().param_groups]
+
+    def get_optimizer_group(self, param: str | nn.Parameter | None = None) -> Any:
+        """The optimizer group holding ``param``; without it, every group's parameters."""
+        groups = self._require_optimizer().param_groups
+        if param is not None:
+            for group in groups:
+                if any(p is param for p in group["params"]):
+                    return group
+        return [group["params"] for group in groups]
+
+    def _loader_length(self) -> int | None:
+        """Micro-batches per epoch: our sampler's length, or the length of a DataLoader that an
+        overridden get_train_dataloader() returned; None when unknown (iterable data)."""
+        if self.train_sampler is not None:
+            return len(self.train_sampler)
+        if self._is_iterable():
+            return None
+        try:
+            return len(self.train_dataloader)  # type: ignore[arg-type]
+        except TypeError:
+            return None
 
     def _plan_steps(self) -> tuple[int, int]:
         """(max_steps, num_train_epochs) of the run."""
         args = self.args
-        if self._is_iterable():
+        length = self._loader_length()
+        self._epoch_length_known = length is not None
+        if length is None:
             if args.max_steps <= 0:
                 raise ConfigurationError(
-                    f"max_steps={args.max_steps} with an iterable train_dataset: its length is "
-                    "unknown, so set max_steps to the number of optimizer steps to train"
+                    f"max_steps={args.max_steps} with an iterable train_dataset (or a train "
+                    "dataloader without a length): the epoch length is unknown, so set max_steps "
+                    "to the number of optimizer steps to train"
                 )
             return args.max_steps, math.ceil(args.num_train_epochs)
-        assert self.train_sampler is not None
-        self._num_batches = len(self.train_sampler)
+        self._num_batches = length
         if self._num_batches == 0:
             raise ConfigurationError(
-                f"the train_dataset yields no batch (size {len(self.train_dataset)}, "  # type: ignore[arg-type]
+                f"the train dataloader yields no batch (train_dataset size "
+                f"{_size(self.train_dataset)}, "
                 f"per_device_train_batch_size={args.per_device_train_batch_size}, "
                 f"dataloader_drop_last={args.dataloader_drop_last})"
             )
@@ -502,9 +678,21 @@ class Trainer(
 
     def _setup(self, checkpoint: CheckpointInfo | None) -> None:
         args = self.args
+        # The sampler of the loader get_train_dataloader() builds (None for an override's own).
+        self.train_sampler = None
         self.train_dataloader = self.get_train_dataloader()
+        self._check_custom_loader()
         max_steps, num_epochs = self._plan_steps()
-        self.create_optimizer_and_scheduler(max_steps)
+        if self._created_lr_scheduler:
+            # Built by an earlier train() call for its step count: build it again.
+            self.lr_scheduler = None
+            self._created_lr_scheduler = False
+        self._warn_unused_override()
+        # As transformers' train(): create_optimizer() then create_scheduler(), each overridable
+        # (create_optimizer_and_scheduler is a helper for scripts, not called by the loop).
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps=max_steps)
+        self._metric_schedule = is_metric_driven(self.lr_scheduler)
         if self._fsdp is None:
             self.model_wrapped = self._maybe_compile(self.accelerator.prepare_model(self.model))
         self.callback_handler.objects.update(
@@ -527,6 +715,7 @@ class Trainer(
         self.last_checkpoint = None
         if checkpoint is not None:
             self._load_checkpoint(checkpoint)
+            self._load_callback_state()
         self.state.preemptible["attempt"] = attempt_from_env()
         if self.state.global_step >= self.state.max_steps:
             # Resumed from the final checkpoint (e.g. preempted right after it): nothing to do.
@@ -554,7 +743,8 @@ class Trainer(
                 self.is_in_train = True
                 self._event("on_train_begin")
                 if self.args.eval_on_start:
-                    self._evaluate_during_training()
+                    # As transformers: a metric-driven schedule is not stepped by this one.
+                    self._evaluate_during_training(skip_scheduler=True)
                 self._event("on_epoch_begin")
                 while not self.should_stop():
                     self.train_step()
@@ -607,14 +797,15 @@ class Trainer(
         self._event("on_step_begin")
         self.model_wrapped.train()
         step_loss = torch.zeros((), device=self.accelerator.device)
+        # training_step() divides a mean loss by it (transformers' attribute of the same name):
+        # the micro-batches of this step, fewer than gradient_accumulation_steps at an epoch end.
+        self.current_gradient_accumulation_steps = len(batches)
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             # Gradients are all-reduced once per optimizer step, on the last micro-batch.
             sync = contextlib.nullcontext() if last else self._no_sync(self.model_wrapped)
             with sync:
-                step_loss += self.training_step(
-                    self.model_wrapped, batch, num_items, num_micro_batches=len(batches)
-                )
+                step_loss += self.training_step(self.model_wrapped, batch, num_items)
             if not isinstance(batch, PaddingBatch):
                 self.current_flos += float(self.floating_point_ops(batch))
             if not last:
@@ -627,7 +818,9 @@ class Trainer(
         self._event("on_optimizer_step")
         # The rate this step used; after scheduler.step() get_last_lr() is the next step's.
         self._last_learning_rate = self._get_learning_rate()
-        self.lr_scheduler.step()
+        if not self._metric_schedule:
+            # reduce_lr_on_plateau / greedy are stepped with the metric after evaluation instead.
+            self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
         self._after_optimizer_step()
@@ -655,6 +848,9 @@ class Trainer(
 
     def _get_learning_rate(self) -> float:
         assert self.lr_scheduler is not None
+        if is_metric_driven(self.lr_scheduler):
+            assert self.optimizer is not None
+            return float(self.optimizer.param_groups[0]["lr"])
         return float(self.lr_scheduler.get_last_lr()[0])
 
     def floating_point_ops(self, inputs: Mapping[str, Any]) -> float:
@@ -685,13 +881,21 @@ class Trainer(
         model: nn.Module,
         inputs: dict[str, Any],
         num_items_in_batch: int | None = None,
-        num_micro_batches: int = 1,
     ) -> torch.Tensor:
-        """Forward, loss scaled to its share of the optimizer step, backward; returns the loss."""
+        """Forward, loss scaled to its share of the optimizer step, backward; returns the loss.
+
+        A mean loss is divided by ``current_gradient_accumulation_steps`` (set by the loop for the
+        step now running) or, given ``num_items_in_batch``, weighted by its share of the step's
+        label tokens."""
         self.in_padding_batch = isinstance(inputs, PaddingBatch)
+        model.train()
         inputs = self._prepare_inputs(inputs)
-        loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        assert isinstance(loss, torch.Tensor)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"compute_loss() must return a torch.Tensor loss, got {type(loss).__name__}"
+            )
         scaled = losses.loss_is_scaled(
             None,
             model_accepts_loss_kwargs=self._model_accepts_loss_kwargs(),
@@ -700,7 +904,9 @@ class Trainer(
             has_label_smoother=self.label_smoother is not None,
         )
         if not scaled:
-            loss = self._scale_mean_loss(inputs, loss, num_items_in_batch, num_micro_batches)
+            loss = self._scale_mean_loss(
+                inputs, loss, num_items_in_batch, self.current_gradient_accumulation_steps
+            )
         if self.in_padding_batch:
             # The forward/backward only keeps DDP's all-reduce in step: zero loss, zero gradient.
             loss = loss.nan_to_num(0.0, 0.0, 0.0) * 0.0
@@ -744,19 +950,19 @@ class Trainer(
         return_outputs: bool = False,
         num_items_in_batch: int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        """The loss of one micro-batch (Hugging Face semantics, see losses.compute_loss)."""
-        with self.autocast_smart_context_manager():
-            loss, outputs = losses.compute_loss(
-                model,
-                inputs,
-                num_items_in_batch=num_items_in_batch,
-                compute_loss_func=self.compute_loss_func,
-                label_smoother=self.label_smoother,
-                label_names=self.label_names,
-                accepts_loss_kwargs=self._model_accepts_loss_kwargs(),
-                world_size=collectives.world_size(),
-                average_tokens_across_devices=self.args.average_tokens_across_devices,
-            )
+        """The loss of one micro-batch (Hugging Face semantics, see losses.compute_loss); the
+        callers run it inside compute_loss_context_manager() (autocast)."""
+        loss, outputs = losses.compute_loss(
+            model,
+            inputs,
+            num_items_in_batch=num_items_in_batch,
+            compute_loss_func=self.compute_loss_func,
+            label_smoother=self.label_smoother,
+            label_names=self.label_names,
+            accepts_loss_kwargs=self._model_accepts_loss_kwargs(),
+            world_size=collectives.world_size(),
+            average_tokens_across_devices=self.args.average_tokens_across_devices,
+        )
         return (loss, outputs) if return_outputs else loss
 
     def _prepare_inputs(self, inputs: Any) -> Any:
@@ -803,6 +1009,13 @@ class Trainer(
             self._data_iter = self._dispatched(self._epoch_source())
             return
         set_dataset_epoch(self.train_dataset, epoch, self._data_seed())
+        for sampler in (
+            getattr(self.train_dataloader, "sampler", None),
+            getattr(self.train_dataloader, "batch_sampler", None),
+        ):
+            # An overridden get_train_dataloader()'s DistributedSampler reshuffles per epoch.
+            if callable(getattr(sampler, "set_epoch", None)):
+                sampler.set_epoch(epoch)  # type: ignore[union-attr]
         state, self._dataset_state = self._dataset_state, None
         if skip and state is not None:
             # The dataset's own position: nothing is read again.
@@ -810,7 +1023,12 @@ class Trainer(
             self._data_iter = self._dispatched(self._epoch_source())
             return
         source = self._epoch_source()
-        if has_dataset_state(self.train_dataset) and self.args.dataloader_num_workers > 0:
+        if not self._is_iterable():
+            why = (
+                "get_train_dataloader() returned a DataLoader without this Trainer's resumable "
+                "sampler"
+            )
+        elif has_dataset_state(self.train_dataset) and self.args.dataloader_num_workers > 0:
             why = "the dataset's state_dict() is not tracked with dataloader_num_workers > 0"
         else:
             why = "the dataset has no state_dict()/load_state_dict() to restore its position"
@@ -874,7 +1092,7 @@ class Trainer(
 
     def _num_batches_seen_end(self) -> None:
         # For iterable datasets the epoch length is only known once it ends.
-        if self.train_sampler is None:
+        if not self._epoch_length_known:
             self._num_batches = self._position.batch
 
     def _end_epoch(self) -> None:
@@ -886,7 +1104,7 @@ class Trainer(
             return
         self._position.epoch += 1
         self._position.batch = 0
-        if self.train_sampler is None:
+        if not self._epoch_length_known:
             self._num_batches = None
         self._start_epoch_iterator()
         self.control._new_epoch()
@@ -961,11 +1179,12 @@ class Trainer(
         samples of the whole schedule times the share of the steps run now."""
         args = self.args
         world = collectives.world_size()
-        if args.max_steps > 0 or self.train_sampler is None:
+        if args.max_steps > 0 or not self._epoch_length_known:
             total_batch = per_rank_batch_size(args, world) * args.gradient_accumulation_steps
             planned = float(self.state.max_steps * total_batch * world)
         else:
-            planned = len(self.train_dataset) * args.num_train_epochs  # type: ignore[arg-type]
+            assert self.train_dataloader is not None
+            planned = self.num_examples(self.train_dataloader) * args.num_train_epochs
         return planned * steps / max(self.state.max_steps, 1)
 
     def _train_output(self, start_time: float) -> TrainOutput:
@@ -1130,6 +1349,17 @@ class Trainer(
             return self.processing_class
         return getattr(self.data_collator, "tokenizer", None)
 
+    def save_state(self) -> None:
+        """Write trainer_state.json (the TrainerState) to args.output_dir, on the main process
+        (save_model() does not write it)."""
+        if not self.is_world_process_zero():
+            return
+        state = self.state.to_dict()
+        state.pop(PREEMPTIBLE_KEY, None)  # transformers' fields only, as in a checkpoint
+        storage = Storage(str(self.args.output_dir))
+        storage.makedirs("")
+        storage.write_json(TRAINER_STATE_NAME, state)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> str | None:
         """Write the model as transformers' ``save_model`` does (``from_pretrained`` opens a
         PreTrainedModel's or PEFT adapter's directory; other modules: model.safetensors), the
@@ -1164,6 +1394,93 @@ class Trainer(
         # calls it: push_to_hub saves again, collectively). features/hub.py.
         if self.args.push_to_hub and not internal:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    # -- batch sizes and parallelism ---------------------------------------------------------------
+    def get_tp_size(self) -> int:
+        """Tensor-parallel degree: 1 (this runtime refuses tensor parallelism)."""
+        return int(getattr(self.model, "_tp_size", None) or 1)
+
+    def get_cp_size(self) -> int:
+        """Context-parallel degree: 1 (parallelism_config is refused)."""
+        return 1
+
+    def get_sp_size(self) -> int:
+        """Sequence-parallel degree: 1 (parallelism_config is refused)."""
+        return 1
+
+    def get_total_train_batch_size(self, args: TrainingArguments) -> int:
+        """Samples per optimizer step over all data-parallel ranks."""
+        world = collectives.world_size()
+        data_parallel = world // self.get_tp_size() // self.get_cp_size() // self.get_sp_size()
+        per_rank = per_rank_batch_size(args, world)
+        return per_rank * args.gradient_accumulation_steps * max(data_parallel, 1)
+
+    def set_initial_training_values(
+        self, args: TrainingArguments, dataloader: DataLoader
+    ) -> tuple[int, int, int, int, int, int | None, int]:
+        """transformers' plan of a run: (num_train_epochs, update steps per epoch, examples,
+        train samples, total train batch size, micro-batches per epoch, max_steps). Our loop
+        plans with the same arithmetic (``_plan_steps``); this reports it for ``dataloader``."""
+        ga = args.gradient_accumulation_steps
+        total_batch = self.get_total_train_batch_size(args)
+        try:
+            length: int | None = len(dataloader)
+        except TypeError:
+            length = None
+        max_steps = args.max_steps
+        if length:
+            per_epoch = max(math.ceil(length / ga), 1)
+            if max_steps <= 0:
+                max_steps = math.ceil(args.num_train_epochs * per_epoch)
+                epochs = math.ceil(args.num_train_epochs)
+                samples = self.num_examples(dataloader) * args.num_train_epochs
+            else:
+                epochs = math.ceil(max_steps / per_epoch)
+                samples = max_steps * total_batch
+            return (
+                epochs,
+                per_epoch,
+                self.num_examples(dataloader),
+                samples,
+                total_batch,
+                length,
+                max_steps,
+            )
+        if max_steps > 0:
+            return (
+                sys.maxsize,
+                max_steps,
+                total_batch * max_steps,
+                total_batch * max_steps,
+                total_batch,
+                max_steps * ga,
+                max_steps,
+            )
+        raise ConfigurationError(
+            f"max_steps={max_steps} with a train dataloader without a length: set max_steps to "
+            "the number of optimizer steps to train"
+        )
+
+    def get_batch_samples(
+        self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
+    ) -> tuple[list[Any], int | None]:
+        """Up to ``num_batches`` batches from ``epoch_iterator`` and the label tokens they hold
+        (``num_items_in_batch``; None when the loss does not need it). Our loop reads its
+        micro-batches itself (it tracks the data position for exact resume); this helper is
+        for subclasses and scripts."""
+        batches: list[Any] = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        num_items = losses.count_items_in_batch(
+            batches,
+            shift_labels=losses.is_causal_lm(self.model),
+            label_name=self.label_names[0],
+            across_ranks=self.args.average_tokens_across_devices and collectives.is_distributed(),
+        )
+        return batches, num_items
 
     def is_world_process_zero(self) -> bool:
         return self.accelerator.is_main_process
@@ -1243,7 +1560,8 @@ class Trainer(
             with warnings.catch_warnings():
                 # "lr_scheduler.step() before optimizer.step()": intended when fast-forwarding.
                 warnings.simplefilter("ignore", UserWarning)
-                for _ in range(self.state.global_step):
+                # (a metric-driven schedule has no per-step position to fast-forward)
+                for _ in range(0 if self._metric_schedule else self.state.global_step):
                     self.lr_scheduler.step()
         hf_rng_name = hf_rng_file_name(rank, world)
         if has(rng_name):
@@ -1319,6 +1637,49 @@ class Trainer(
             self._position.epoch,
             self._position.batch,
         )
+
+    def _load_callback_state(self) -> None:
+        """restore_callback_states_from_checkpoint: rebuild each stateful callback (and the
+        TrainerControl) from trainer_state.json's ``stateful_callbacks``, as transformers does:
+        ``type(cb)(**args)`` with the saved ``attributes`` set on it. A rebuilt callback keeps its
+        place in the callback list."""
+        if not self.args.restore_callback_states_from_checkpoint:
+            return
+        callbacks = self.callback_handler.callbacks
+        missing: list[str] = []
+        for name, saved in self.state.stateful_callbacks.items():
+            entries = saved if isinstance(saved, list) else [saved]
+            if name == type(self.control).__name__:
+                self.control = self._rebuilt(type(self.control), entries[0])
+                continue
+            indices = [i for i, cb in enumerate(callbacks) if type(cb).__name__ == name]
+            if not indices:
+                missing.append(name)
+                continue
+            # Several callbacks of one class: matched in order, as they were saved.
+            for index, entry in zip(indices, entries, strict=False):
+                callbacks[index] = self._rebuilt(type(callbacks[index]), entry)
+            logger.info("restored the state of callback %s from the checkpoint", name)
+        if missing:
+            logger.warning(
+                "the checkpoint holds the state of callbacks this Trainer does not have, ignored: "
+                "%s",
+                ", ".join(missing),
+            )
+
+    @staticmethod
+    def _rebuilt(cls: type, entry: Mapping[str, Any]) -> Any:
+        try:
+            rebuilt = cls(**dict(entry.get("args") or {}))
+        except TypeError as exc:
+            raise ResumeError(
+                f"restore_callback_states_from_checkpoint: cannot rebuild {cls.__name__} from the "
+                f"saved args {entry.get('args')!r}: {exc}; set "
+                "restore_callback_states_from_checkpoint=False"
+            ) from None
+        for attribute, value in (entry.get("attributes") or {}).items():
+            setattr(rebuilt, attribute, value)
+        return rebuilt
 
     def _position_from_step(self) -> dict[str, Any]:
         """The data position of a checkpoint without our record (transformers.Trainer's): derived

@@ -370,7 +370,7 @@ def check_fsdp_runtime(
         raise ConfigurationError(
             f"fsdp={shown!r} with optimizers=(optimizer, ...): an optimizer built before "
             "sharding holds the unsharded parameters; let the Trainer build it (optim, "
-            "learning_rate, ...) or override create_optimizer_and_scheduler"
+            "learning_rate, ...) or override create_optimizer()"
         )
     if getattr(args, "torch_compile", False):
         raise ConfigurationError(

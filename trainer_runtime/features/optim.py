@@ -26,6 +26,7 @@ __all__ = [
     "create_optimizer",
     "create_scheduler",
     "decay_parameter_names",
+    "is_metric_driven",
     "lr_lambda",
     "optimizer_cls_and_kwargs",
     "parse_optim_args",
@@ -58,9 +59,19 @@ def decay_parameter_names(model: nn.Module) -> list[str]:
     return names
 
 
-def create_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.Optimizer:
-    """The optimizer named by ``args.optim`` over two groups: decayed and not decayed."""
-    decay = set(decay_parameter_names(model))
+def create_optimizer(
+    model: nn.Module,
+    args: TrainingArguments,
+    *,
+    decay_names: list[str] | None = None,
+    cls_and_kwargs: tuple[Any, dict[str, Any]] | None = None,
+) -> torch.optim.Optimizer:
+    """The optimizer named by ``args.optim`` over two groups: decayed and not decayed.
+
+    ``decay_names`` (default :func:`decay_parameter_names`) and ``cls_and_kwargs`` (default
+    :func:`optimizer_cls_and_kwargs`) let the Trainer pass what its overridable methods return.
+    """
+    decay = set(decay_parameter_names(model) if decay_names is None else decay_names)
     # named_parameters de-duplicates tied weights, so no parameter lands in two groups.
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not params:
@@ -70,8 +81,10 @@ def create_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.O
         {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
-    optimizer_cls, kwargs = optimizer_cls_and_kwargs(args, model)
-    return optimizer_cls(groups, **kwargs)
+    if cls_and_kwargs is None:
+        cls_and_kwargs = optimizer_cls_and_kwargs(args, model)
+    optimizer_cls, kwargs = cls_and_kwargs
+    return optimizer_cls(groups, **dict(kwargs))
 
 
 def parse_optim_args(text: str | None) -> dict[str, str]:
@@ -596,6 +609,15 @@ def _metric_scheduler(name: str, optimizer: torch.optim.Optimizer, kwargs: dict[
         raise ConfigurationError(f"lr_scheduler_kwargs={kwargs!r} for {name!r}: {exc}") from None
 
 
+def is_metric_driven(scheduler: Any) -> bool:
+    """True for a schedule stepped with an evaluation metric (ReduceLROnPlateau, GreedyLR), which
+    the training loop must not step once per optimizer step."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return True
+    # GreedyLR is transformers' (optional); recognised by name so transformers stays optional.
+    return any(cls.__name__ == "GreedyLR" for cls in type(scheduler).__mro__)
+
+
 def create_scheduler(
     optimizer: torch.optim.Optimizer,
     args: TrainingArguments,
@@ -615,8 +637,9 @@ def create_scheduler(
         if not metric_driven:
             raise ConfigurationError(
                 f"lr_scheduler_type={name!r} is stepped with the evaluation metric after each "
-                "evaluation, which this Trainer's loop does not do yet: use a per-step schedule "
-                f"({', '.join(SCHEDULES)})"
+                "evaluation, not once per optimizer step: build it with metric_driven=True and "
+                "call step(metric) after evaluating (the Trainer does), or use a per-step "
+                f"schedule ({', '.join(SCHEDULES)})"
             )
         return _metric_scheduler(name, optimizer, kwargs)
     fn = lr_lambda(

@@ -60,14 +60,17 @@ def validate_precision(*, bf16: bool, fp16: bool, device: torch.device | str) ->
 
 
 def autocast_context(
-    *, bf16: bool, fp16: bool, device: torch.device | str
+    *, bf16: bool, fp16: bool, device: torch.device | str, cache_enabled: bool | None = True
 ) -> contextlib.AbstractContextManager[Any]:
-    """Autocast for the forward pass (training and evaluation): bfloat16 or float16, or nothing."""
+    """Autocast for the forward pass (training and evaluation): bfloat16 or float16, or nothing.
+    ``cache_enabled``: torch.autocast's weight-cast cache (None: torch's default)."""
     if not (bf16 or fp16):
         return contextlib.nullcontext()
     validate_precision(bf16=bf16, fp16=fp16, device=device)
     dtype = torch.bfloat16 if bf16 else torch.float16
-    return torch.autocast(device_type=device_type_of(device), dtype=dtype)
+    return torch.autocast(
+        device_type=device_type_of(device), dtype=dtype, cache_enabled=cache_enabled
+    )
 
 
 def eval_dtype(*, bf16_full_eval: bool, fp16_full_eval: bool) -> torch.dtype | None:

@@ -22,6 +22,7 @@ It relies on these Trainer attributes: ``args``, ``model``, ``model_wrapped``, `
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
@@ -69,6 +70,7 @@ from trainer_runtime.features.logging_utils import (
     speed_metrics,
 )
 from trainer_runtime.features.losses import LabelSmoother
+from trainer_runtime.features.optim import is_metric_driven
 from trainer_runtime.features.precision import (
     autocast_context,
     empty_device_cache,
@@ -233,10 +235,22 @@ class TrainerFeaturesMixin:
             mode=self.args.torch_compile_mode,
         )
 
-    def autocast_smart_context_manager(self) -> Any:
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> Any:
+        """Autocast for bf16/fp16 (a no-op context otherwise); ``cache_enabled`` as in
+        ``torch.autocast``."""
         return autocast_context(
-            bf16=self.args.bf16, fp16=self.args.fp16, device=self.accelerator.device
+            bf16=self.args.bf16,
+            fp16=self.args.fp16,
+            device=self.accelerator.device,
+            cache_enabled=cache_enabled,
         )
+
+    def compute_loss_context_manager(self) -> contextlib.ExitStack:
+        """The contexts compute_loss() runs in (training_step and prediction_step enter it):
+        autocast. Override to add your own."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.autocast_smart_context_manager())
+        return stack
 
     # -- dataloaders -----------------------------------------------------------------------------
     def _drop_unused_columns(self, dataset: Any, keep: list[str] | None = None) -> Any:
@@ -330,7 +344,7 @@ class TrainerFeaturesMixin:
             label_names=self.label_names,
             ignore_keys=ignore_keys,
             loss_fn=loss_fn,
-            autocast=self.autocast_smart_context_manager(),
+            autocast=self.compute_loss_context_manager(),
         )
 
     def _eval_num_items(self, batch: Any) -> int | None:
@@ -469,15 +483,18 @@ class TrainerFeaturesMixin:
         return PredictionOutput(output.predictions, output.label_ids, output.metrics)
 
     # -- during training -------------------------------------------------------------------------
-    def _evaluate_during_training(self) -> dict[str, float]:
-        """Evaluate, update the best metric, and with save_strategy='best' ask for a save."""
+    def _evaluate_during_training(self, skip_scheduler: bool = False) -> dict[str, float]:
+        """Evaluate, step a metric-driven schedule (not for eval_on_start), update the best
+        metric, and with save_strategy='best' ask for a save."""
         was = self.is_in_train
         self.is_in_train = True
         try:
-            metrics = self.evaluate()
+            metrics = self.evaluate(ignore_keys=getattr(self, "_ignore_keys_for_eval", None))
         finally:
             self.is_in_train = was
         self.control.should_evaluate = False
+        if not skip_scheduler:
+            self._step_metric_schedule(metrics)
         metric = self.args.metric_for_best_model
         if metric is not None:
             is_new, best = update_best(
@@ -492,6 +509,21 @@ class TrainerFeaturesMixin:
             if self.args.save_strategy == "best":
                 self.control.should_save = is_new
         return metrics
+
+    def _step_metric_schedule(self, metrics: Mapping[str, float]) -> None:
+        """reduce_lr_on_plateau / greedy: ``step(metric_for_best_model)`` after an evaluation, as
+        transformers does (the loop does not step them per optimizer step)."""
+        if not is_metric_driven(getattr(self, "lr_scheduler", None)):
+            return
+        key = metric_key(self.args.metric_for_best_model or "loss")
+        if key not in metrics:
+            raise ConfigurationError(
+                f"metric_for_best_model={self.args.metric_for_best_model!r}: {key!r} is not among "
+                f"the evaluation metrics {sorted(metrics)}, so lr_scheduler_type="
+                f"{self.args.lr_scheduler_type!r} cannot be stepped; return it from "
+                "compute_metrics or change metric_for_best_model"
+            )
+        self.lr_scheduler.step(metrics[key])
 
     def _checkpoint_path(self, step: int) -> str:
         from trainer_runtime.checkpoint.storage import Storage
@@ -585,7 +617,9 @@ class TrainerFeaturesMixin:
             empty_device_cache(self.accelerator.device)
 
     # -- metrics output (Hugging Face helpers) ----------------------------------------------------
-    def metrics_format(self, metrics: dict[str, float]) -> dict[str, Any]:
+    @staticmethod
+    def metrics_format(metrics: dict[str, float]) -> dict[str, Any]:
+        """``metrics`` formatted for humans (transformers has the same one-argument signature)."""
         return metrics_format(metrics)
 
     def log_metrics(self, split: str, metrics: dict[str, float]) -> None:
@@ -600,8 +634,8 @@ class TrainerFeaturesMixin:
             is_world_process_zero=self.state.is_world_process_zero,
         )
 
-    @staticmethod
-    def num_examples(dataloader: DataLoader[Any]) -> int:
+    def num_examples(self, dataloader: DataLoader[Any]) -> int:
+        """Samples in ``dataloader``'s dataset (estimated from its batches when unsized)."""
         dataset = getattr(dataloader, "dataset", None)
         if isinstance(dataset, Sized):
             return len(dataset)
