@@ -7,11 +7,6 @@ outputs, the names of the files transformers writes (in ``output_dir`` and its c
 for the examples skeleton, resuming through ``get_last_checkpoint``. CPU, no dropout, same seed,
 ``--train_sampling_strategy sequential`` on both sides (our resumable random sampler orders
 examples differently from transformers' ``RandomSampler``; see docs/trainer.md).
-
-Trainer methods the scripts call that another change is adding are filled in here by minimal
-stand-ins (:data:`PENDING`) so the comparisons run now; each pending method also has a strict
-xfail test that flips once ``trainer_runtime.Trainer`` has it, and the stand-in then stops being
-used.
 """
 
 from __future__ import annotations
@@ -61,47 +56,10 @@ BASE_ARGV = [
     "--train_sampling_strategy", "sequential", "--dataloader_num_workers", "0",
 ]  # fmt: skip
 
-# -- Trainer methods another change is adding (trainer.py): stand-ins until they land ----------
-PENDING = {
-    "save_state": "Trainer.save_state (writes output_dir/trainer_state.json)",
-    "create_model_card": "Trainer.create_model_card (writes output_dir/README.md)",
-}
-
-
-def _missing() -> list[str]:
-    return [name for name in PENDING if not hasattr(trainer_runtime.Trainer, name)]
-
-
-def _save_state(self: Any) -> None:
-    if self.is_world_process_zero():
-        path = Path(self.args.output_dir) / "trainer_state.json"
-        path.write_text(self.state.to_json_string())
-
-
-def _create_model_card(self: Any, **kwargs: Any) -> None:
-    """The stand-in writes nothing (README.md is then left out of the file comparison)."""
-
-
-_STAND_INS = {"save_state": _save_state, "create_model_card": _create_model_card}
-
-
-def our_trainer_class() -> type:
-    """``trainer_runtime.Trainer``, or a subclass adding only the pending methods it lacks."""
-    missing = _missing()
-    if not missing:
-        return trainer_runtime.Trainer
-    return type("Trainer", (trainer_runtime.Trainer,), {m: _STAND_INS[m] for m in missing})
-
-
-@pytest.mark.parametrize("method", sorted(PENDING))
-@pytest.mark.xfail(strict=True, reason="pending: Trainer methods the examples call (trainer.py)")
-def test_trainer_has_the_methods_the_examples_call(method: str) -> None:
-    assert hasattr(trainer_runtime.Trainer, method), f"pending: {PENDING[method]}"
-
 
 # -- running a script under both ---------------------------------------------------------------
 def apis() -> tuple[Api, Api]:
-    return transformers_api(), ours_api(our_trainer_class())
+    return transformers_api(), ours_api(trainer_runtime.Trainer)
 
 
 def run(main: Main, api: Api, output_dir: Path, *extra: str) -> dict[str, Any]:
@@ -126,11 +84,9 @@ def _files(folder: Path) -> dict[str, set[str]]:
 
 
 def assert_files_match(theirs: Path, ours: Path) -> None:
-    """Every file transformers writes, we write too (bar the documented replacements and what
-    a pending stand-in leaves out); extra files of ours are fine."""
+    """Every file transformers writes, we write too (bar the documented replacements); extra
+    files of ours are fine."""
     exempt = set(REPLACED_FILES)
-    if "create_model_card" in _missing():
-        exempt.add("README.md")
     their_files, our_files = _files(theirs), _files(ours)
     assert set(their_files) == set(our_files), f"checkpoints: {their_files} vs {our_files}"
     for where, names in their_files.items():
@@ -295,7 +251,7 @@ def test_get_last_checkpoint_skips_incomplete(tmp_path: Path) -> None:
 
 def test_script_resumes_past_an_incomplete_checkpoint(tmp_path: Path) -> None:
     """A preempted save left checkpoint-5 half written: the script resumes from checkpoint-3."""
-    api = ours_api(our_trainer_class())
+    api = ours_api(trainer_runtime.Trainer)
     run(run_clm.main, api, tmp_path, "--max_steps", "3")
     partial = tmp_path / "checkpoint-5"
     partial.mkdir()
@@ -345,12 +301,10 @@ def test_subclass_overriding_compute_loss(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("method", ["create_optimizer", "create_scheduler"])
-@pytest.mark.xfail(strict=True, reason="pending: Trainer.create_optimizer/create_scheduler hooks")
 def test_subclass_overriding_optimizer_hooks(method: str, tmp_path: Path) -> None:
     _compare_override(method, tmp_path)
 
 
-@pytest.mark.xfail(strict=True, reason="pending: Trainer(model_init=...)")
 def test_model_init(tmp_path: Path) -> None:
     from tests.transformers import models
 
