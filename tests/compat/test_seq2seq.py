@@ -223,6 +223,49 @@ def test_generation_lengths_side_by_side(
     assert ((preds[:, cap:] == 0) | (preds[:, cap:] == -100)).all()
 
 
+class StopEveryOtherBatch:
+    """A generate() logits processor that makes every other call (batch) end at once with eos,
+    so the batches' generated widths differ (2 tokens padded to 20 vs the full 24)."""
+
+    def __init__(self, eos_token_id: int) -> None:
+        self.eos = eos_token_id
+        self.calls = 0
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        if input_ids.shape[1] == 1:  # the first step of a new generate() call
+            self.calls += 1
+        if self.calls % 2 == 1:
+            forced = torch.full_like(scores, float("-inf"))
+            forced[:, self.eos] = 0.0
+            return forced
+        return scores
+
+
+def test_predictions_of_different_widths_are_padded_with_minus_100(
+    trained: dict[str, Any],
+) -> None:
+    """Batches whose generated ids end up of different widths (one stops at once: padded with
+    the pad id to the generation config's max_length 20; the next runs to generation_max_length
+    24) are joined with -100 padding, exactly as transformers' evaluation loop does."""
+    restore = with_args(trained, per_device_eval_batch_size=2, generation_num_beams=None)
+    try:
+        eos = models.tokenizer().eos_token_id
+        out = {
+            w: t.predict(held_out(), logits_processor=[StopEveryOtherBatch(eos)])
+            for w, t in trained.items()
+        }
+    finally:
+        restore()
+    assert_predictions_match(out["transformers"], out["ours"], "mixed widths")
+    preds = out["ours"].predictions
+    assert preds.shape == (8, 24)
+    stopped = (preds[:, 20:] == -100).all(axis=1)
+    assert stopped.tolist() == [True, True, False, False] * 2
+    assert (preds[stopped, 2:20] == 0).all()  # the pad id inside the stopped batches
+
+
 def test_without_predict_with_generate_it_is_the_trainer(tmp_path: Path) -> None:
     """predict_with_generate=False: logits and the plain Trainer's step, as transformers."""
     out = {w: make(w, tmp_path).predict(held_out()) for w in BOTH}
