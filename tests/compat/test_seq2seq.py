@@ -71,11 +71,12 @@ def exact_match(eval_pred: Any) -> dict[str, float]:
     return {"exact_match": float(np.mean(hits)), "width": float(np.asarray(preds).shape[1])}
 
 
-def make(which: str, out: Path, *, train_steps: int = 0, **args: Any) -> Any:
-    """A Seq2SeqTrainer of ``which`` on the tiny T5 with a tokenizer-padded collator."""
+def make(which: str, out: Path, *, train_steps: int = 0, builder: str = "t5", **args: Any) -> Any:
+    """A Seq2SeqTrainer of ``which`` on a tiny model of models.py (T5 unless ``builder`` says
+    otherwise) with a tokenizer-padded collator."""
     trainer_cls, args_cls = classes(which)
     tok = models.tokenizer()
-    model = models.t5(tok, seed=0)
+    model = getattr(models, builder)(tok, seed=0)
     options: dict[str, Any] = {
         **sbs.COMMON_ARGS,
         "output_dir": str(out / which),
@@ -264,6 +265,25 @@ def test_predictions_of_different_widths_are_padded_with_minus_100(
     stopped = (preds[:, 20:] == -100).all(axis=1)
     assert stopped.tolist() == [True, True, False, False] * 2
     assert (preds[stopped, 2:20] == 0).all()  # the pad id inside the stopped batches
+
+
+@pytest.mark.parametrize("gen_kwargs", [{}, {"num_beams": 2}], ids=["greedy", "beams2"])
+def test_bart_side_by_side(tmp_path: Path, gen_kwargs: dict[str, Any]) -> None:
+    """The same with a tiny BART (decoder starts with eos, forced eos): train 3 steps, then
+    evaluate() and predict() generate the same ids, loss and metrics as transformers'."""
+    results = {}
+    for which in BOTH:
+        trainer = make(which, tmp_path, builder="bart", train_steps=3, predict_with_generate=True)
+        trainer.train()
+        results[which] = (
+            trainer.evaluate(**gen_kwargs),
+            trainer.predict(held_out(), **gen_kwargs),
+        )
+    (eval_t, pred_t), (eval_o, pred_o) = results["transformers"], results["ours"]
+    assert "eval_exact_match" in eval_o
+    assert_metrics_match(eval_t, eval_o, "BART evaluate()")
+    assert_predictions_match(pred_t, pred_o, "BART predict()")
+    assert pred_o.predictions.ndim == 2 and pred_o.predictions.dtype.kind == "i"
 
 
 def test_without_predict_with_generate_it_is_the_trainer(tmp_path: Path) -> None:
