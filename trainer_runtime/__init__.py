@@ -41,6 +41,9 @@ _EXPORTS: dict[str, str] = {
     # trainer core
     "Trainer": "trainer",
     "TrainingArguments": "training_args",
+    # sequence-to-sequence: evaluate/predict through model.generate
+    "Seq2SeqTrainer": "seq2seq",
+    "Seq2SeqTrainingArguments": "training_args_seq2seq",
     "TrainerState": "state",
     "TrainerControl": "state",
     "TrainerCallback": "callbacks",

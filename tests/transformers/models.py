@@ -176,3 +176,18 @@ def bert_question_answering(tok: Any, seed: int = 0) -> Any:
 
     torch.manual_seed(seed)
     return BertForQuestionAnswering(_bert_config(tok))
+
+
+def bart(tok: Any, seed: int = 0) -> Any:
+    """A tiny BART (encoder-decoder with learned positions; decoder starts with eos, as BART)."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = BartConfig(
+        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, **_ids(tok),
+        decoder_start_token_id=tok.eos_token_id, forced_eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    return BartForConditionalGeneration(cfg)
