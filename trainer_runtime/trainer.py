@@ -69,6 +69,7 @@ from trainer_runtime.data.arguments import (
     set_dataset_epoch,
     skip_batches,
 )
+from trainer_runtime.data.columns import default_label_names
 from trainer_runtime.data.defaults import default_collator_for
 from trainer_runtime.data.dispatch import (
     GlobalBatchSampler,
@@ -236,7 +237,8 @@ class Trainer(
             model=self.model,
             processing_class=processing_class,
         )
-        self.label_names = list(self.args.label_names or ["labels"])
+        # As transformers: the labels forward() names (start/end positions for QA models).
+        self.label_names = list(self.args.label_names or default_label_names(self.model))
         self.step_timer = StepTimer()
         self.save_timer = SaveTimer()
         self.sigterm_to_exit: list[float] = []

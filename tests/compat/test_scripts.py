@@ -173,11 +173,6 @@ def test_question_answering(tmp_path: Path) -> None:
     assert "eval_loss" in ours["eval"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainer.py: label_names defaults to ['labels'], transformers finds them in the "
-    "model's forward (start_positions, end_positions), so our evaluation computes no loss",
-)
 def test_question_answering_default_label_names(tmp_path: Path) -> None:
     compare(run_qa.main, tmp_path, "--max_steps", "1", "--do_predict", "false")
 

@@ -88,6 +88,22 @@ def signature_columns(model: Any, label_names: Iterable[str] | None = None) -> l
     return list(dict.fromkeys([*names, *extra]))
 
 
+def default_label_names(model: Any) -> list[str]:
+    """The Trainer's ``label_names`` when the arguments give none, as transformers finds them:
+    ``forward``'s parameters whose name contains ``label`` (plus ``start_positions`` /
+    ``end_positions`` for a question-answering class). ``["labels"]`` when forward names none
+    (a plain module taking ``**kwargs``), the convention the rest of the loop relies on."""
+    inner = _forward_of(model)
+    owner = getattr(inner, "__self__", None)
+    qa = owner is not None and "QuestionAnswering" in type(owner).__name__
+    names = [
+        name
+        for name in inspect.signature(inner).parameters
+        if "label" in name or (qa and name in ("start_positions", "end_positions"))
+    ]
+    return names or ["labels"]
+
+
 def is_hf_dataset(dataset: Any) -> bool:
     """True for a ``datasets.Dataset`` (without importing ``datasets`` when it is not loaded)."""
     import sys

@@ -11,6 +11,7 @@ from torch import nn
 from trainer_runtime.data.collators import PaddingCollator
 from trainer_runtime.data.columns import (
     RemoveColumnsCollator,
+    default_label_names,
     remove_unused_columns,
     signature_columns,
 )
@@ -113,3 +114,30 @@ def test_hf_dataset_columns_are_removed() -> None:
     assert remove_unused_columns(ds, KwargsModel()).column_names == ["input_ids", "label"]
     with pytest.raises(ConfigurationError, match="would remove every field"):
         remove_unused_columns(ds.select_columns(["text"]), Model())
+
+
+class _QuestionAnsweringModel(torch.nn.Module):
+    def forward(self, input_ids=None, start_positions=None, end_positions=None):  # type: ignore[no-untyped-def]
+        return input_ids
+
+
+class _Labelled(torch.nn.Module):
+    def forward(self, input_ids=None, labels=None, label_weights=None):  # type: ignore[no-untyped-def]
+        return input_ids
+
+
+class _Kwargs(torch.nn.Module):
+    def forward(self, **kwargs):  # type: ignore[no-untyped-def]
+        return kwargs
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        (_QuestionAnsweringModel(), ["start_positions", "end_positions"]),
+        (_Labelled(), ["labels", "label_weights"]),
+        (_Kwargs(), ["labels"]),  # nothing named: the loop's convention
+    ],
+)
+def test_default_label_names_follow_forward(model: torch.nn.Module, expected: list[str]) -> None:
+    assert default_label_names(model) == expected
