@@ -16,8 +16,8 @@ _EXPORTS: dict[str, str] = {
     "attach": "callback",
     "attach_preemptible": "callback",
     "resolve_resume": "callback",
-    "install": "attach",
-    "uninstall": "attach",
+    "install": "hook",
+    "uninstall": "hook",
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

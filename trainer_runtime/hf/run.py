@@ -1,6 +1,6 @@
 """``python -m trainer_runtime.hf.run [-m module | script.py] [args...]``: run an unmodified
 transformers (or TRL) training script with the operator contract attached to every
-``transformers.Trainer`` it builds (see :mod:`trainer_runtime.hf.attach`).
+``transformers.Trainer`` it builds (see :mod:`trainer_runtime.hf.hook`).
 
 The script runs as ``__main__`` with its own ``sys.argv`` and its directory first on
 ``sys.path``, as ``python script.py`` would run it.
@@ -13,7 +13,7 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-from trainer_runtime.hf.attach import install
+from trainer_runtime.hf.hook import install
 
 USAGE = "usage: python -m trainer_runtime.hf.run [-m module | script.py] [args...]"
 
