@@ -57,13 +57,15 @@ def _env(**extra: str) -> dict[str, str]:
 class Run:
     """One training process (``python -P ...``) with its log in ``workdir``."""
 
-    def __init__(self, workdir: Path, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(
+        self, workdir: Path, argv: list[str], env: dict[str, str], cwd: Path = ROOT
+    ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = workdir / "log.txt"
         self.term_path = Path(env.get("PREEMPTIBLE_TERMINATION_LOG", workdir / "term"))
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in wait()
         self.proc = subprocess.Popen(
-            [sys.executable, "-P", *argv], cwd=ROOT, env=env, stdout=self._log, stderr=self._log
+            [sys.executable, "-P", *argv], cwd=cwd, env=env, stdout=self._log, stderr=self._log
         )
 
     def log(self) -> str:
@@ -285,6 +287,26 @@ def test_sigterm_to_one_of_two_ranks_stops_both_at_the_same_step(tmp_path: Path)
     assert info.complete and info.manifest["world_size"] == 2, info
     listed = {f["path"] for f in info.manifest["files"]}
     assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors"} <= listed
+
+
+def test_launch_transformers_torchrun_two_workers_unmodified_script(tmp_path: Path) -> None:
+    """`trainer-runtime launch --transformers -- python train.py`: torchrun starts two workers that
+    run the unmodified script through the runner; SIGTERM to the launcher -> exit 75."""
+    out = tmp_path / "out"
+    argv = ["-m", "trainer_runtime.cli", "launch", "--nproc-per-node", "2", "--transformers"]
+    argv += ["--", "python", str(SCRIPT), "--output-dir", "x", "--step-sleep", "0.4"]
+    argv += ["--save-steps", "99"]
+    env = _operator_env(out, tmp_path, 1, PREEMPTIBLE_GRACE_SECONDS="120")
+    # cwd outside the repository: torchrun puts the cwd on sys.path, and the repository's
+    # operator/ folder would shadow the stdlib module there (an artefact of this checkout)
+    run = Run(tmp_path / "launch", argv, env, cwd=tmp_path)
+    run.wait_for("STEP 2")
+    run.signal(signal.SIGTERM)
+    assert run.wait() == EXIT_PREEMPTED, run.log()[-4000:]
+    msg = run.termination()
+    assert msg.reason == "preempted" and msg.complete, msg
+    info = CheckpointStore(str(out)).inspect(f"checkpoint-{msg.step}")
+    assert info.complete and info.manifest["world_size"] == 2, info
 
 
 def test_trl_sft_trainer_unmodified_sigterm_and_resume(tmp_path: Path) -> None:
