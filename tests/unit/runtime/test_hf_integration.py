@@ -206,3 +206,90 @@ def test_manifest_name_is_ours(tmp_path: Path) -> None:
     _committed(tmp_path, 2)
     manifest = json.loads((tmp_path / "checkpoint-2" / MANIFEST_NAME).read_text())
     assert manifest["producer"] == "transformers.Trainer" and manifest["step"] == 2
+
+
+def test_operator_reads_both_kinds_with_the_same_rule(tmp_path: Path) -> None:
+    from preemptible_operator.checkpoint_store import CheckpointView, PathMap
+
+    _committed(tmp_path, 4)  # transformers' files, our manifest
+    _committed(tmp_path, 6)
+    _half_written(tmp_path, 8)  # transformers' own JIT save, interrupted
+    view = CheckpointView(str(tmp_path), PathMap(((str(tmp_path), str(tmp_path)),)))
+    snap = view.snapshot()
+    assert snap is not None and snap.latest_complete is not None
+    assert snap.latest_complete.name == "checkpoint-6"
+    assert [i.name for i, _ in snap.incomplete] == ["checkpoint-8"]
+    # sizes must match the manifest: a file shortened after the commit makes it incomplete
+    (tmp_path / "checkpoint-6" / "model.safetensors").write_bytes(b"\x00")
+    snap = view.snapshot()
+    assert snap is not None and snap.latest_complete is not None
+    assert snap.latest_complete.name == "checkpoint-4"
+
+
+class _FakeState:
+    def __init__(self, step: int) -> None:
+        self.global_step = step
+        self.best_model_checkpoint = None
+        self.max_steps = 100
+        self.epoch = 0.0
+
+
+class _FakeArgs:
+    def __init__(self, out: Path, limit: int | None) -> None:
+        self.output_dir = str(out)
+        self.save_total_limit = limit
+
+
+class _FakeTrainer:
+    """Just what the committed save uses of a transformers.Trainer."""
+
+    def __init__(self, out: Path, step: int, limit: int | None) -> None:
+        self.args = _FakeArgs(out, limit)
+        self.state = _FakeState(step)
+        self.model = None
+
+    def _get_output_dir(self, trial: object = None) -> str:
+        return self.args.output_dir
+
+
+def test_committed_save_rotates_only_after_the_commit(tmp_path: Path) -> None:
+    _committed(tmp_path, 4)
+    cb = PreemptibleCallback()
+    cb.trainer = _FakeTrainer(tmp_path, 8, limit=1)
+    seen: dict[str, object] = {}
+
+    def transformers_save(model: object, trial: object) -> None:
+        # inside transformers' save: its own rotation is off, the old checkpoint is still there,
+        # and the new directory reads as incomplete (our sentinel went first)
+        seen["limit"] = cb.trainer.args.save_total_limit
+        seen["old"] = (tmp_path / "checkpoint-4").exists()
+        seen["sentinel"] = (tmp_path / "checkpoint-8" / SENTINEL_NAME).exists()
+        _hf_files(tmp_path / "checkpoint-8", 8)
+
+    cb.committed_save(transformers_save, None, None)
+    assert seen == {"limit": None, "old": True, "sentinel": True}
+    assert cb.trainer.args.save_total_limit == 1  # restored
+    store = CheckpointStore(str(tmp_path))
+    assert [i.name for i in store.list()] == ["checkpoint-8"]  # rotated after the commit
+    info = store.inspect("checkpoint-8")
+    assert info.complete and cb.last_checkpoint is not None and cb.last_checkpoint.step == 8
+    record = json.loads((tmp_path / "checkpoint-8" / RUNTIME_STATE_NAME).read_text())
+    assert record["producer"] == "transformers.Trainer" and "step_seconds" in record
+    assert cb.save_timer.count == 1
+    # a second save request for the same step (an epoch save after a JIT one) is a no-op
+    cb.committed_save(lambda *a: pytest.fail("saved twice"), None, None)
+
+
+def test_committed_save_failure_leaves_the_checkpoint_incomplete(tmp_path: Path) -> None:
+    cb = PreemptibleCallback()
+    cb.trainer = _FakeTrainer(tmp_path, 3, limit=None)
+
+    def failing_save(model: object, trial: object) -> None:
+        (tmp_path / "checkpoint-3").mkdir(exist_ok=True)
+        (tmp_path / "checkpoint-3" / "model.safetensors").write_bytes(b"\x01\x02")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        cb.committed_save(failing_save, None, None)
+    info = CheckpointStore(str(tmp_path)).inspect("checkpoint-3")
+    assert not info.complete and "sentinel" in (info.reason or "")
