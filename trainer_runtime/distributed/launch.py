@@ -24,6 +24,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -165,6 +166,9 @@ def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
         raise ConfigurationError(f"{name}={raw!r} is not an integer") from None
 
 
+# `python`, `python3`, `python3.11`: an interpreter, not a script such as `python-script.py`
+_INTERPRETER_RE = re.compile(r"^python(\d+(\.\d+)*)?$")
+
 # The runner that attaches the integration to an unmodified transformers script.
 HF_RUNNER_MODULE = "trainer_runtime.hf.run"
 
@@ -194,7 +198,7 @@ def plan_launch(
     cmd = list(training_command)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    if cmd and os.path.basename(cmd[0]).startswith("python"):
+    if cmd and _INTERPRETER_RE.match(os.path.basename(cmd[0])):
         cmd = cmd[1:]  # `-- python train.py`: torchrun starts the interpreter itself
     if not cmd or (cmd[0] == "-m" and len(cmd) < 2):
         raise ConfigurationError(

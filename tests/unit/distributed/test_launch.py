@@ -136,3 +136,13 @@ def test_launch_cli_accepts_transformers_flag(capsys: pytest.CaptureFixture[str]
     assert cli.main(["launch", "--dry-run", "--transformers", "--", "python", "train.py"]) == 0
     line = capsys.readouterr().out.splitlines()[0]
     assert line.endswith("-m trainer_runtime.hf.run train.py")
+
+
+@pytest.mark.parametrize(
+    ("first", "kept"),
+    [("python", False), ("python3", False), ("/usr/bin/python3.11", False), ("python-x.py", True)],
+)
+def test_plan_drops_only_a_leading_interpreter(first: str, kept: bool) -> None:
+    plan = plan_launch([first, "train.py"], {}, python="py")
+    assert (first in plan.command) is kept
+    assert plan.command[-1] == "train.py"
