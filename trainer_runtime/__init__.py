@@ -90,6 +90,9 @@ _EXPORTS: dict[str, str] = {
     "load_sharded": "distributed.fsdp",
     "FsdpArguments": "distributed.fsdp_args",
     "FsdpConfigArguments": "distributed.fsdp_args",
+    # jobs written for the stock transformers.Trainer / TRL (trainer_runtime.hf)
+    "PreemptibleCallback": "hf.callback",
+    "attach_preemptible": "hf.callback",
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

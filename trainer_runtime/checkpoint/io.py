@@ -291,6 +291,37 @@ class CheckpointWriter:
         tensors, meta = optimizer_state_to_tensors(state_dict)
         self.write_tensors(filename, tensors, metadata={OPTIMIZER_META_KEY: meta})
 
+    def sync_present(self) -> list[str]:
+        """fsync every file now in the checkpoint directory (written by another library's save,
+        e.g. transformers.Trainer._save_checkpoint); returns their relative paths. Every rank
+        calls it for the files it may have written, before the barrier that precedes
+        :meth:`adopt_present`."""
+        self._require_open()
+        present = sorted(self.root.walk_files(self.name))
+        for rel in present:
+            self.root.fsync_file(self._rel(rel))
+        self.root.fsync_dir(self.name)
+        return present
+
+    def adopt_present(self) -> list[str]:
+        """Coordinator: record every file already in the directory that this writer did not write
+        itself (size and sha256 read back from storage), so the manifest lists them. Call it after
+        every rank's :meth:`sync_present` and a barrier. Returns the adopted paths."""
+        self._require_open()
+        adopted: list[str] = []
+        for rel in sorted(self.root.walk_files(self.name)):
+            base = rel.rsplit("/", 1)[-1]
+            if rel in (SENTINEL_NAME, MANIFEST_NAME) or base.startswith(PARTIAL_PREFIX):
+                continue
+            if base.startswith(".") and ".tmp-" in base:
+                continue  # an atomic write's temporary file, not part of the checkpoint
+            if rel in self._files:
+                continue
+            size, sha = self.root.hash_file(self._rel(rel))
+            self._files[rel] = {"path": rel, "size": size, "sha256": sha}
+            adopted.append(rel)
+        return adopted
+
     @property
     def files(self) -> list[dict[str, Any]]:
         """The files this rank wrote so far: path, size, sha256."""

@@ -258,6 +258,28 @@ class Storage:
         with self._op("remove tree", rel):
             self.fs.rm(self._path(rel), recursive=True)
 
+    def fsync_file(self, rel: str) -> None:
+        """Flush a file another writer (e.g. transformers' own save) left in the page cache to
+        disk; no-op off local disks (an uploaded object is already durable)."""
+        if not self.is_local:
+            return
+        with self._op("fsync", rel):
+            fd = os.open(self._path(rel), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def hash_file(self, rel: str, chunk: int = 1 << 22) -> tuple[int, str]:
+        """(size, sha256) of an existing file, read in chunks (weights can be large)."""
+        sha = hashlib.sha256()
+        size = 0
+        with self._op("read for checksum", rel), self.fs.open(self._path(rel), "rb") as fh:
+            while block := fh.read(chunk):
+                sha.update(block)
+                size += len(block)
+        return size, sha.hexdigest()
+
     def fsync_dir(self, rel: str = "") -> None:
         """Make directory entries (new, renamed, removed files) durable; no-op off local disks."""
         if not self.is_local:

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -165,6 +166,13 @@ def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
         raise ConfigurationError(f"{name}={raw!r} is not an integer") from None
 
 
+# `python`, `python3`, `python3.11`: an interpreter, not a script such as `python-script.py`
+_INTERPRETER_RE = re.compile(r"^python(\d+(\.\d+)*)?$")
+
+# The runner that attaches the integration to an unmodified transformers script.
+HF_RUNNER_MODULE = "trainer_runtime.hf.run"
+
+
 def plan_launch(
     training_command: Sequence[str],
     env: Mapping[str, str],
@@ -173,6 +181,7 @@ def plan_launch(
     nnodes: int | None = None,
     node_rank: int | None = None,
     python: str = sys.executable,
+    transformers: bool = False,
 ) -> LaunchPlan:
     """Pure: the torchrun invocation for ``training_command`` (``-m module args`` or
     ``script.py args``) under the environment ``env``.
@@ -181,15 +190,23 @@ def plan_launch(
     ``NODE_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` of pod 0. Under the launcher those are nodes;
     torchrun then gives each worker its own ``RANK``, ``LOCAL_RANK`` and
     ``WORLD_SIZE = nnodes * nproc_per_node``.
+
+    ``transformers``: the command is a stock transformers / TRL script; every worker runs it
+    through ``-m trainer_runtime.hf.run``, which attaches the operator contract to each
+    ``transformers.Trainer`` the script builds (the script is not changed).
     """
     cmd = list(training_command)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
+    if cmd and _INTERPRETER_RE.match(os.path.basename(cmd[0])):
+        cmd = cmd[1:]  # `-- python train.py`: torchrun starts the interpreter itself
     if not cmd or (cmd[0] == "-m" and len(cmd) < 2):
         raise ConfigurationError(
             "no training command: use `trainer-runtime launch [options] -- -m module [args]` or "
             "`... -- script.py [args]`"
         )
+    if transformers:
+        cmd = ["-m", HF_RUNNER_MODULE, *cmd]
     grace = _grace_from_env(env)
     nodes = nnodes if nnodes is not None else _int_env(env, "WORLD_SIZE", 1)
     rank = node_rank if node_rank is not None else _int_env(env, "NODE_RANK", 0)
@@ -316,6 +333,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         nproc_per_node=args.nproc_per_node,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
+        transformers=args.transformers,
     )
     if args.dry_run:
         print(" ".join(plan.command))
@@ -347,6 +365,13 @@ def add_launch_parser(sub: Any) -> None:
     p.add_argument("--nnodes", type=int, default=None, help="pods (default $WORLD_SIZE or 1)")
     p.add_argument("--node-rank", type=int, default=None, help="this pod (default $NODE_RANK)")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
+    p.add_argument(
+        "--transformers",
+        action="store_true",
+        help="the command is an unmodified transformers.Trainer / TRL script: run it through "
+        f"`python -m {HF_RUNNER_MODULE}`, which gives every Trainer it builds the operator "
+        "contract (JIT checkpoint, exit 75, resume, /metrics)",
+    )
     p.add_argument(
         "training_command",
         nargs=argparse.REMAINDER,

@@ -112,3 +112,37 @@ def _msg(reason: str) -> str:
 )
 def test_exit_code_mapping(rc: int, text: str | None, expected: int) -> None:
     assert launch_exit_code(rc, text) == expected
+
+
+@pytest.mark.parametrize(
+    "cmd",
+    [["--", "python", "train.py", "--lr", "1"], ["train.py", "--lr", "1"]],
+)
+def test_plan_transformers_runs_the_script_through_the_hf_runner(cmd: list[str]) -> None:
+    plan = plan_launch(cmd, {}, python="py", transformers=True)
+    assert plan.command[-5:] == ["-m", "trainer_runtime.hf.run", "train.py", "--lr", "1"]
+
+
+def test_plan_transformers_with_a_module() -> None:
+    plan = plan_launch(["-m", "pkg.train"], {}, python="py", transformers=True)
+    assert plan.command[-4:] == ["-m", "trainer_runtime.hf.run", "-m", "pkg.train"]
+    plain = plan_launch(["-m", "pkg.train"], {}, python="py")
+    assert "trainer_runtime.hf.run" not in plain.command
+
+
+def test_launch_cli_accepts_transformers_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from trainer_runtime import cli
+
+    assert cli.main(["launch", "--dry-run", "--transformers", "--", "python", "train.py"]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.endswith("-m trainer_runtime.hf.run train.py")
+
+
+@pytest.mark.parametrize(
+    ("first", "kept"),
+    [("python", False), ("python3", False), ("/usr/bin/python3.11", False), ("python-x.py", True)],
+)
+def test_plan_drops_only_a_leading_interpreter(first: str, kept: bool) -> None:
+    plan = plan_launch([first, "train.py"], {}, python="py")
+    assert (first in plan.command) is kept
+    assert plan.command[-1] == "train.py"

@@ -1,0 +1,101 @@
+"""A stock transformers training script (tiny GPT-2 from a config), as a user would write it.
+
+It imports only ``transformers``: the tests run it unmodified under ``python -m
+trainer_runtime.hf.run`` (no line changed), or with ``--attach`` (the one-line integration).
+``--step-sleep`` / ``--save-sleep`` only slow it down so a test can signal it mid-step or mid-save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+# The tiny model and tokenizer builders live in the test tree (nothing is downloaded). Appended,
+# not prepended: the repository's operator/ folder must not shadow the stdlib module.
+sys.path.append(os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+from transformers import (
+    DataCollatorForLanguageModeling,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+from tests.transformers import models
+
+
+class SleepCallback(TrainerCallback):
+    """Makes each optimizer step last at least ``seconds`` (a slow model, for signal timing)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(self.seconds)
+        print(f"STEP {state.global_step}", flush=True)
+
+
+class SlowSaveTrainer(Trainer):
+    """A user subclass whose model save takes ``save_sleep`` seconds after the weights are on disk
+    (a large model on a slow volume)."""
+
+    save_sleep = 0.0
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        super().save_model(output_dir, _internal_call=_internal_call)
+        if _internal_call and self.save_sleep:
+            print(f"SAVING {output_dir}", flush=True)
+            time.sleep(self.save_sleep)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--max-steps", type=int, default=12)
+    p.add_argument("--save-steps", type=int, default=4)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--save-sleep", type=float, default=0.0)
+    p.add_argument("--save-total-limit", type=int, default=None)
+    p.add_argument("--attach", action="store_true", help="the one-line integration")
+    p.add_argument("--final-dir", default=None)
+    a = p.parse_args()
+
+    tok = models.tokenizer()
+    model = models.gpt2(tok, seed=0)
+    ds = models.causal_lm_dataset(tok, n=32).remove_columns(["text"])
+    args = TrainingArguments(
+        output_dir=a.output_dir,
+        max_steps=a.max_steps,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        save_strategy="steps",
+        save_steps=a.save_steps,
+        save_total_limit=a.save_total_limit,
+        logging_steps=1,
+        report_to="none",
+        seed=7,
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    SlowSaveTrainer.save_sleep = a.save_sleep
+    trainer = SlowSaveTrainer(
+        model=model,
+        args=args,
+        train_dataset=ds,
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+        callbacks=[SleepCallback(a.step_sleep)] if a.step_sleep else None,
+    )
+    if a.attach:
+        import trainer_runtime
+
+        trainer_runtime.attach_preemptible(trainer)
+    trainer.train()
+    if a.final_dir and trainer.args.process_index == 0:
+        trainer.save_model(a.final_dir)
+    print("FINISHED", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,423 @@
+"""The operator contract for a stock ``transformers.Trainer`` (and subclasses such as TRL's).
+
+``attach(trainer)`` (one line in the user's script, or done for them by
+``python -m trainer_runtime.hf.run``) gives a transformers job what our own Trainer does:
+
+- SIGTERM is latched (:class:`~trainer_runtime.signals.SigtermLatch`, ``kill_wait`` from the
+  environment); at every optimizer-step boundary the ranks agree (an all-reduce of the stop flag)
+  so a signal that reached one rank stops all of them at the same step;
+- every checkpoint, periodic or JIT, is written by transformers' own ``_save_checkpoint`` inside our
+  commit protocol: sentinel first (coordinator), every file fsynced, ``manifest.json`` written
+  last, the sentinel removed last; transformers' rotation is deferred until after the commit and
+  never removes the newest complete checkpoint;
+- resume comes from ``$PREEMPTIBLE_RESUME_FROM`` (``latest``: the newest *complete* checkpoint),
+  and ``resume_from_checkpoint=True`` means the newest complete one, never a half-written one;
+- step and save wall times go to ``/metrics`` and to ``preemptible_state.json`` in each checkpoint
+  (which ``trainer-runtime grace`` reads);
+- after a JIT stop ``train()`` writes the termination message and exits with ``EXIT_PREEMPTED``.
+
+Only local and mounted output directories are supported: transformers writes with ``os``/``open``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from transformers import TrainerCallback
+
+from trainer_runtime.checkpoint.io import CheckpointWriter, rotate_checkpoints
+from trainer_runtime.checkpoint.layout import (
+    RUNTIME_STATE_NAME,
+    CheckpointInfo,
+    CheckpointStore,
+    attempt_from_env,
+)
+from trainer_runtime.distributed import collectives
+from trainer_runtime.errors import ConfigurationError, ResumeError
+from trainer_runtime.metrics import TrainingMetrics, metrics_from_env
+from trainer_runtime.protocol import (
+    ENV_ATTEMPT,
+    ENV_OUTPUT_DIR,
+    ENV_RESUME_FROM,
+    EXIT_PREEMPTED,
+    TerminationMessage,
+    write_termination_message,
+)
+from trainer_runtime.signals import SigtermLatch
+from trainer_runtime.timings import SaveTimer, StepTimer
+
+__all__ = ["PreemptibleCallback", "attach", "attach_preemptible", "resolve_resume"]
+
+logger = logging.getLogger(__name__)
+
+# Name in the manifest of who wrote the checkpoint's files (the manifest is still ours).
+PRODUCER = "transformers.Trainer"
+_ATTR = "_preemptible_callback"
+
+
+def _under_operator() -> bool:
+    return bool(os.environ.get(ENV_OUTPUT_DIR) or os.environ.get(ENV_ATTEMPT))
+
+
+def _local_main() -> bool:
+    # One termination message and one /metrics server per pod (torchrun starts several workers).
+    try:
+        return int(os.environ.get("LOCAL_RANK", "0") or 0) == 0
+    except ValueError:
+        return True
+
+
+def _is_local(path: str) -> bool:
+    return "://" not in path or path.startswith("file://")
+
+
+def resolve_resume(resume: bool | str | None, output_dir: str) -> str | bool | None:
+    """What to hand to ``transformers.Trainer.train(resume_from_checkpoint=...)``.
+
+    ``None``: ``$PREEMPTIBLE_RESUME_FROM`` decides (``latest``: the newest complete checkpoint,
+    or a fresh start when there is none; a path: that checkpoint, which must be complete).
+    ``True``: the newest complete checkpoint (transformers would take the newest directory, even a
+    half-written one). A path: checked complete. ``False``: no resume.
+    """
+    from_env = False
+    if resume is None:
+        raw = os.environ.get(ENV_RESUME_FROM, "").strip()
+        if not raw:
+            return None
+        from_env = True
+        resume = True if raw.lower() == "latest" else raw
+    if resume is False:
+        return False
+    store = CheckpointStore(output_dir)
+    if resume is True:
+        for info in store.incomplete():
+            logger.warning("skipping incomplete checkpoint %s: %s", info.path, info.reason)
+        latest = store.latest_complete()
+        if latest is None:
+            if from_env:
+                logger.info(
+                    "%s=latest: no complete checkpoint in %s yet", ENV_RESUME_FROM, output_dir
+                )
+                return None
+            raise ResumeError(
+                f"resume_from_checkpoint=True but {output_dir} has no complete checkpoint; "
+                "train without resume_from_checkpoint or pass a checkpoint path"
+            )
+        logger.info("resuming from the newest complete checkpoint %s", latest.path)
+        return latest.path
+    info = store.inspect(str(resume))
+    if not info.complete:
+        raise ResumeError(f"cannot resume from {resume}: {info.reason or 'checkpoint incomplete'}")
+    return info.path
+
+
+class PreemptibleCallback(TrainerCallback):
+    """The callback half of the integration; create it with :func:`attach`, which also wraps
+    ``trainer.train`` (resume, exit code) and ``trainer._save_checkpoint`` (the commit)."""
+
+    def __init__(self, *, exit_on_preemption: bool = True) -> None:
+        self.trainer: Any = None
+        self.exit_on_preemption = exit_on_preemption
+        self.latch = SigtermLatch()
+        self.step_timer = StepTimer()
+        self.save_timer = SaveTimer()
+        self.sigterm_to_exit: list[float] = []
+        self.metrics: TrainingMetrics | None = None
+        self.preempted = False
+        self.last_checkpoint: CheckpointInfo | None = None
+        self._step_started: float | None = None
+
+    # -- events ------------------------------------------------------------------------------------
+    def _require_trainer(self) -> Any:
+        if self.trainer is None:
+            raise ConfigurationError(
+                "PreemptibleCallback was added without its Trainer: use "
+                "`trainer_runtime.hf.attach(trainer)` instead of callbacks=[PreemptibleCallback()]"
+            )
+        return self.trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._require_trainer()
+        self._publish(state)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._step_started is None:
+            self._step_started = time.monotonic()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._step_started is not None:
+            self.step_timer.record(time.monotonic() - self._step_started)
+            self._step_started = None
+        # Every rank takes part in the collective at every step boundary, signalled or not: this
+        # is what stops all ranks at the same step when SIGTERM reached only one.
+        stop = collectives.agree_to_stop(self.latch.should_act())
+        self._publish(state)
+        if not stop or self.preempted:
+            return
+        if 0 < state.max_steps <= state.global_step:
+            return  # the last step: training is finished, not interrupted
+        control.should_training_stop = True
+        control.should_save = False  # the JIT save below is the save of this step
+        control.should_evaluate = False
+        self.preempted = True
+        logger.warning("SIGTERM: stopping at step %d for a JIT checkpoint", state.global_step)
+        trainer = self._require_trainer()
+        trainer._save_checkpoint(trainer.model, trial=None)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.preempted:  # no second (epoch) save or evaluation after the JIT checkpoint
+            control.should_save = False
+            control.should_evaluate = False
+
+    # -- metrics -----------------------------------------------------------------------------------
+    def _publish(self, state: Any) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.update(
+            step=state.global_step,
+            max_steps=state.max_steps,
+            epoch=state.epoch,
+            step_seconds=self.step_timer.to_model(),
+            save_seconds=self.save_timer.to_model(),
+            last_complete_checkpoint_step=self.last_checkpoint.step
+            if self.last_checkpoint
+            else None,
+            stop_requested=self.latch.triggered,
+        )
+
+    # -- the committed save ------------------------------------------------------------------------
+    def _record(self, jit: bool) -> dict[str, Any]:
+        exits = list(self.sigterm_to_exit)
+        elapsed = self.latch.elapsed()
+        if jit and elapsed is not None:
+            exits.append(round(elapsed, 6))
+        return {
+            "producer": PRODUCER,
+            "step_seconds": self.step_timer.to_model().model_dump(),
+            "save_seconds": self.save_timer.to_model().model_dump(),
+            "sigterm_to_exit_seconds": exits,
+            "attempt": attempt_from_env(),
+        }
+
+    def committed_save(
+        self, original: Callable[..., Any], model: Any, trial: Any, *a: Any, **kw: Any
+    ) -> Any:
+        """Run transformers' ``_save_checkpoint`` between our sentinel and our manifest."""
+        trainer = self._require_trainer()
+        step = int(trainer.state.global_step)
+        if self.last_checkpoint is not None and self.last_checkpoint.step == step:
+            return None  # this step is already committed (e.g. an epoch save after a JIT one)
+        run_dir = str(trainer._get_output_dir(trial=trial))
+        writer = CheckpointWriter(
+            run_dir,
+            step,
+            rank=collectives.rank(),
+            world_size=collectives.world_size(),
+            barrier=collectives.barrier,
+        )
+        started = time.monotonic()
+        writer.begin()  # coordinator: fence, sentinel (fsynced); barrier
+        limit = trainer.args.save_total_limit
+        # transformers rotates inside _save_checkpoint, before our commit: it could delete the
+        # newest complete checkpoint while the new one is still incomplete. Rotate after instead.
+        trainer.args.save_total_limit = None
+        try:
+            result = original(model, trial, *a, **kw)
+        finally:
+            trainer.args.save_total_limit = limit
+        if writer.is_coordinator:
+            writer.write_json(RUNTIME_STATE_NAME, self._record(self.preempted))
+        writer.sync_present()  # each rank flushes what it (or transformers for it) wrote
+        collectives.barrier()
+        if writer.is_coordinator:
+            writer.adopt_present()
+        info = writer.commit({"producer": PRODUCER})  # manifest last, sentinel removed last
+        self.save_timer.record(time.monotonic() - started)
+        self.last_checkpoint = info
+        if limit and writer.is_coordinator:
+            best = trainer.state.best_model_checkpoint
+            rotate_checkpoints(run_dir, limit, protect=[best] if best else ())
+        collectives.barrier()
+        self._publish(trainer.state)
+        logger.info("checkpoint %s committed (%.3f s)", info.path, self.save_timer.last or 0.0)
+        return result
+
+    # -- train -------------------------------------------------------------------------------------
+    def wrapped_train(
+        self, original: Callable[..., Any], resume_from_checkpoint: Any = None, *a: Any, **kw: Any
+    ) -> Any:
+        trainer = self._require_trainer()
+        resolved = resolve_resume(resume_from_checkpoint, str(trainer.args.output_dir))
+        if isinstance(resolved, str):
+            self._load_timings(resolved)
+        operator = _under_operator()
+        if self.latch.triggered:
+            self.latch = SigtermLatch()  # a SIGTERM that stopped an earlier train() is spent
+        self.latch.install()
+        if self.metrics is None and _local_main():
+            self.metrics = metrics_from_env()
+        self.preempted = False
+        keep_handler = False
+        try:
+            output = original(resolved, *a, **kw)
+            state = trainer.state
+            if self.preempted and 0 < state.max_steps <= state.global_step:
+                self.preempted = False
+            if self.preempted:
+                keep_handler = True  # a second SIGTERM must not turn exit 75 into death by signal
+                elapsed = self.latch.elapsed()
+                self._terminate("preempted", sigterm_to_exit=elapsed)
+                if self.exit_on_preemption:
+                    logger.warning(
+                        "preempted: checkpoint %s written, exiting with %d",
+                        self.last_checkpoint.path if self.last_checkpoint else None,
+                        EXIT_PREEMPTED,
+                    )
+                    _exit(EXIT_PREEMPTED)
+                return output
+            if operator:
+                keep_handler = True
+                self._terminate("completed")
+            return output
+        except BaseException as exc:
+            if operator and not isinstance(exc, SystemExit | KeyboardInterrupt):
+                self._terminate("failed", message=f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            if not keep_handler:
+                self.latch.uninstall()
+
+    def _load_timings(self, path: str) -> None:
+        """Carry step/save measurements over from the checkpoint we resume from."""
+        store = CheckpointStore(path)
+        if not store.storage.exists(RUNTIME_STATE_NAME):
+            return
+        try:
+            record = store.storage.read_json(RUNTIME_STATE_NAME)
+        except Exception as exc:  # measurements are advisory; never block a resume on them
+            logger.warning("cannot read %s/%s: %s", path, RUNTIME_STATE_NAME, exc)
+            return
+        if isinstance(record, dict):
+            self.step_timer.load(record.get("step_seconds"))
+            self.save_timer.load(record.get("save_seconds"))
+            self.sigterm_to_exit = [float(x) for x in record.get("sigterm_to_exit_seconds") or []]
+
+    def _terminate(
+        self, reason: str, *, message: str | None = None, sigterm_to_exit: float | None = None
+    ) -> None:
+        if not _local_main():
+            return
+        cp = self.last_checkpoint
+        msg = TerminationMessage(
+            reason=reason,  # type: ignore[arg-type]
+            step=int(self.trainer.state.global_step),
+            checkpoint=cp.path if cp else None,
+            complete=bool(cp and cp.complete),
+            attempt=attempt_from_env(),
+            step_seconds=self.step_timer.to_model(),
+            save_seconds=self.save_timer.to_model(),
+            sigterm_to_exit_seconds=sigterm_to_exit,
+            message=message[:2000] if message else None,
+        )
+        try:
+            write_termination_message(msg)
+        except OSError as exc:
+            logger.error("cannot write the termination message: %s", exc)
+
+
+def _exit(code: int) -> None:
+    """Exit now with ``code``. In a distributed run the interpreter's teardown is skipped after
+    the exit handlers ran (see collectives.run_and_exit: gloo sometimes aborts at teardown, which
+    would turn exit 75 into a crash)."""
+    if not collectives.is_distributed():
+        raise SystemExit(code)
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
+def _drop_jit_callback(trainer: Any) -> None:
+    """transformers' own JIT callback (enable_jit_checkpoint=True) would race ours for SIGTERM and
+    write uncommitted checkpoints: restore the handler it replaced and remove it."""
+    for cb in list(trainer.callback_handler.callbacks):
+        if type(cb).__name__ != "JITCheckpointCallback":
+            continue
+        manager = getattr(cb, "jit_manager", None)
+        previous = getattr(manager, "_original_sigterm_handler", None)
+        if previous is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, previous)
+        trainer.callback_handler.remove_callback(cb)
+        logger.info(
+            "enable_jit_checkpoint: transformers' JIT callback replaced by the preemptible one"
+        )
+
+
+def _apply_output_dir(trainer: Any) -> None:
+    """``$PREEMPTIBLE_OUTPUT_DIR`` is where the operator looks for checkpoints: it wins."""
+    env = os.environ.get(ENV_OUTPUT_DIR, "").strip()
+    if not env:
+        return
+    if not _is_local(env):
+        raise ConfigurationError(
+            f"{ENV_OUTPUT_DIR}={env!r}: a transformers.Trainer writes checkpoints to local or "
+            "mounted paths only; use a volume (PVC) path as the TrainingJob's checkpoint.uri"
+        )
+    path = env[len("file://") :] if env.startswith("file://") else env
+    if os.path.abspath(str(trainer.args.output_dir)) != os.path.abspath(path):
+        logger.warning(
+            "output_dir %s replaced by %s=%s (where the operator reads checkpoints)",
+            trainer.args.output_dir,
+            ENV_OUTPUT_DIR,
+            path,
+        )
+        trainer.args.output_dir = path
+
+
+def attach(trainer: Any, *, exit_on_preemption: bool = True) -> PreemptibleCallback:
+    """Give a ``transformers.Trainer`` (or subclass) the operator contract; idempotent.
+
+    Adds a :class:`PreemptibleCallback` and wraps ``trainer.train`` and
+    ``trainer._save_checkpoint`` on this instance. ``exit_on_preemption=False`` makes ``train()``
+    return after a JIT stop (``callback.preempted`` is True) instead of exiting with 75.
+    """
+    existing = getattr(trainer, _ATTR, None)
+    if existing is not None:
+        return existing
+    for name in ("_save_checkpoint", "train", "_get_output_dir", "callback_handler"):
+        if not hasattr(trainer, name):
+            raise ConfigurationError(
+                f"attach() needs a transformers.Trainer; {type(trainer).__name__} has no {name}"
+            )
+    callback = PreemptibleCallback(exit_on_preemption=exit_on_preemption)
+    callback.trainer = trainer
+    _drop_jit_callback(trainer)
+    _apply_output_dir(trainer)
+    save = trainer._save_checkpoint
+    train = trainer.train
+
+    def _save_checkpoint(model: Any, trial: Any = None, *a: Any, **kw: Any) -> Any:
+        return callback.committed_save(save, model, trial, *a, **kw)
+
+    def _train(resume_from_checkpoint: Any = None, *a: Any, **kw: Any) -> Any:
+        return callback.wrapped_train(train, resume_from_checkpoint, *a, **kw)
+
+    _train.__doc__ = getattr(train, "__doc__", None)
+    trainer._save_checkpoint = _save_checkpoint
+    trainer.train = _train
+    trainer.add_callback(callback)
+    setattr(trainer, _ATTR, callback)
+    return callback
+
+
+# The top-level name: ``from trainer_runtime import attach_preemptible``.
+attach_preemptible = attach
