@@ -3,10 +3,14 @@ Kueue and resumes from its JIT checkpoint with no lost steps."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import kubernetes
 import pytest
+import torch
 
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.helpers import job_manifest, python_container
@@ -88,3 +92,80 @@ def test_kueue_preemption_requeues_and_resumes(
     assert "KueuePreempted" in [r for r, _ in tj.events("kq")]
     log = operator.log.read_text(errors="replace")
     assert "Forbidden" not in log and " 403" not in log, operator.tail(200)
+
+
+STOCK_SCRIPT = Path(__file__).resolve().parents[1] / "runtime" / "hf_stock_script.py"
+# Bit-identical weights need the same kernels: one thread in the pods and in the reference run.
+SAME_THREADS = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def test_kueue_preempts_a_stock_transformers_job_that_resumes_exactly(
+    control_plane: ControlPlane,
+    node_agent: NodeAgent,
+    kueue: Kueue,
+    kueue_namespace: str,
+    tj: TJClient,
+    least_privilege_operator: OperatorProcess,
+    checkpoint_root: Path,
+) -> None:
+    """An unmodified transformers.Trainer script (issue 14) run through
+    ``python -m trainer_runtime.hf.run``: Kueue preempts it, the operator requeues it, and the
+    resumed run ends with the weights of an uninterrupted transformers run."""
+    pytest.importorskip("transformers")
+    operator = least_privilege_operator
+    quota_cpu = kueue.quota["cpu"]
+    steps = 16
+    # The reference: the same script, uninterrupted, transformers alone (no integration).
+    reference = checkpoint_root / "reference"
+    subprocess.run(
+        [sys.executable, "-P", str(STOCK_SCRIPT), "--output-dir", str(reference / "out"),
+         "--max-steps", str(steps), "--final-dir", str(reference / "final")],
+        check=True, capture_output=True, timeout=300, env={**os.environ, **SAME_THREADS},
+    )  # fmt: skip
+    final = checkpoint_root / "final"
+    body = toy_training_job(
+        "hfq", checkpoint_root, cpu=quota_cpu, queueName=kueue.local_queue,
+        priorityClass=kueue.low_priority,
+    )  # fmt: skip
+    body["spec"]["command"] = ["python", "-m", "trainer_runtime.hf.run", str(STOCK_SCRIPT)]
+    body["spec"]["env"] = [{"name": k, "value": v} for k, v in SAME_THREADS.items()]
+    body["spec"]["args"] = [
+        "--output-dir", "/ignored", "--max-steps", str(steps), "--save-steps", "100",
+        "--step-sleep", "0.5", "--final-dir", str(final),
+    ]  # fmt: skip
+    tj.create(body)
+    wait_for(
+        "running at step >= 3",
+        lambda: (tj.status("hfq").get("progress") or {}).get("step", 0) >= 3,
+        timeout=180,
+        on_timeout=lambda: tj.describe("hfq") + operator.tail(),
+    )
+    high = job_manifest(
+        "high-hf",
+        [python_container("import time; time.sleep(4)", cpu=quota_cpu)],
+        labels=kueue.job_labels(kueue.high_priority),
+        suspend=True,
+    )
+    batch = kubernetes.client.BatchV1Api(control_plane.api_client())
+    batch.create_namespaced_job(tj.ns, high)
+    status = wait_for(
+        "Succeeded",
+        lambda: tj.phase_is("hfq", "Succeeded", "Failed"),
+        timeout=300,
+        on_timeout=lambda: tj.describe("hfq") + operator.tail(),
+    )
+    assert status["phase"] == "Succeeded", tj.describe("hfq")
+    first, second = status["attempts"]
+    assert (first["outcome"], first["reason"]) == ("Preempted", "KueuePreempted"), first
+    assert first["exitCodes"] == [75] and first["lostSteps"] == 0
+    assert second["resumeFrom"] == first["checkpoint"]
+    assert second["startStep"] == first["endStep"] >= 3
+    assert (status["preemptions"], status.get("lostSteps", 0)) == (1, 0)
+    assert status["progress"]["step"] == steps
+
+    from safetensors.torch import load_file
+
+    ours = load_file(str(final / "model.safetensors"))
+    theirs = load_file(str(reference / "final" / "model.safetensors"))
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours), "weights differ"
