@@ -160,6 +160,19 @@ class PrinterCallback(TrainerCallback):
             print({k: v for k, v in logs.items() if k != "total_flos"}, flush=True)
 
 
+def _same_class(ours: type, given: type) -> bool:
+    """``given`` names ``ours``: the class itself, or transformers' class of the same name for one
+    of our built-in callbacks (scripts written for transformers pop ``transformers.PrinterCallback``
+    to silence the Trainer's printing)."""
+    if ours is given:
+        return True
+    return (
+        given.__module__.split(".")[0] == "transformers"
+        and ours.__module__.split(".")[0] == "trainer_runtime"
+        and ours.__name__ == given.__name__
+    )
+
+
 class CallbackHandler(TrainerCallback):
     """Calls every registered callback for each event, in order."""
 
@@ -184,7 +197,7 @@ class CallbackHandler(TrainerCallback):
         self, callback: type[TrainerCallback] | TrainerCallback
     ) -> TrainerCallback | None:
         for cb in self.callbacks:
-            if (isinstance(callback, type) and type(cb) is callback) or cb is callback:
+            if (isinstance(callback, type) and _same_class(type(cb), callback)) or cb is callback:
                 self.callbacks.remove(cb)
                 return cb
         return None

@@ -176,3 +176,21 @@ def test_callback_stop_mid_epoch_still_ends_the_epoch(tmp_path: Path) -> None:
         "epoch",
     }
     assert trainer.state.log_history[-1]["step"] == 1
+
+
+def test_pop_callback_accepts_transformers_class_of_a_builtin() -> None:
+    """Scripts written for transformers pop ``transformers.PrinterCallback`` (or
+    ProgressCallback) from the Trainer: that removes our built-in callback of the same name."""
+    transformers = pytest.importorskip("transformers")
+    from trainer_runtime.callbacks import CallbackHandler, DefaultFlowCallback, PrinterCallback
+
+    handler = CallbackHandler([DefaultFlowCallback, PrinterCallback])
+    popped = handler.pop_callback(transformers.PrinterCallback)
+    assert isinstance(popped, PrinterCallback)
+    assert [type(cb) for cb in handler.callbacks] == [DefaultFlowCallback]
+    handler.remove_callback(transformers.DefaultFlowCallback)
+    assert handler.callbacks == []
+    # a user's class that merely shares a name is not taken for ours
+    other = type("PrinterCallback", (transformers.TrainerCallback,), {"__module__": "user"})
+    handler.add_callback(PrinterCallback)
+    assert handler.pop_callback(other) is None
