@@ -144,8 +144,19 @@ def test_real_failures_use_max_restarts_with_backoff(
     )
     failed = {c["type"]: c for c in status["conditions"]}["Failed"]
     assert failed["reason"] == "RestartsExhausted"
-    reasons = [r for r, _ in tj.events("fail")]
-    assert "TrainingFailed" in reasons and "RestartsExhausted" in reasons
+
+    # Events are posted after the status write (kopf posts them on their own): wait for them
+    # rather than read once (CI once saw the Failed phase before the RestartsExhausted event).
+    def both_reasons() -> list[str] | None:
+        reasons = [reason for reason, _ in tj.events("fail")]
+        return reasons if {"TrainingFailed", "RestartsExhausted"} <= set(reasons) else None
+
+    reasons = wait_for(
+        "TrainingFailed and RestartsExhausted events",
+        both_reasons,
+        timeout=30,
+        on_timeout=lambda: str(tj.events("fail")),
+    )
     assert reasons.count("RestartBackoff") == 1
 
 
