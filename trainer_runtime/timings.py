@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from typing import Any
 
-from trainer_runtime.protocol import SaveTimings, StepTimings
+from trainer_runtime.checkpoint.layout import attempt_from_env
+from trainer_runtime.protocol import (
+    SaveTimings,
+    StepTimings,
+    TerminationMessage,
+    write_termination_message,
+)
 
-__all__ = ["SaveTimer", "StepTimer", "percentile"]
+__all__ = [
+    "SaveTimer",
+    "StepTimer",
+    "percentile",
+    "timings_record",
+    "write_termination",
+]
+
+logger = logging.getLogger(__name__)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -88,3 +103,54 @@ class SaveTimer:
             return
         model = data if isinstance(data, SaveTimings) else SaveTimings.model_validate(data)
         self.last, self.max, self.count = model.last, model.max, model.count
+
+
+def timings_record(
+    step_timer: StepTimer,
+    save_timer: SaveTimer,
+    sigterm_to_exit: list[float],
+    *,
+    jit_elapsed: float | None = None,
+) -> dict[str, Any]:
+    """The measurements a checkpoint carries (``preemptible_state.json``): step and save timings,
+    the SIGTERM-to-exit seconds of earlier attempts plus this JIT save's (``jit_elapsed``, measured
+    when the record is written, the last file before the commit), and the attempt."""
+    exits = list(sigterm_to_exit)
+    if jit_elapsed is not None:
+        exits.append(round(jit_elapsed, 6))
+    return {
+        "step_seconds": step_timer.to_model().model_dump(),
+        "save_seconds": save_timer.to_model().model_dump(),
+        "sigterm_to_exit_seconds": exits,
+        "attempt": attempt_from_env(),
+    }
+
+
+def write_termination(
+    reason: str,
+    *,
+    step: int,
+    checkpoint: Any,
+    step_timer: StepTimer,
+    save_timer: SaveTimer,
+    sigterm_to_exit: float | None = None,
+    message: str | None = None,
+) -> None:
+    """Write the pod's termination message (exit protocol); ``checkpoint`` is the last
+    checkpoint's info (``path``, ``complete``) or None. A write error is logged, never raised:
+    the exit code still tells the operator how the run ended."""
+    msg = TerminationMessage(
+        reason=reason,  # type: ignore[arg-type]
+        step=int(step),
+        checkpoint=checkpoint.path if checkpoint else None,
+        complete=bool(checkpoint and checkpoint.complete),
+        attempt=attempt_from_env(),
+        step_seconds=step_timer.to_model(),
+        save_seconds=save_timer.to_model(),
+        sigterm_to_exit_seconds=sigterm_to_exit,
+        message=message[:2000] if message else None,
+    )
+    try:
+        write_termination_message(msg)
+    except OSError as exc:
+        logger.error("cannot write the termination message: %s", exc)

@@ -109,12 +109,10 @@ from trainer_runtime.protocol import (
     ENV_OUTPUT_DIR,
     ENV_RESUME_FROM,
     EXIT_PREEMPTED,
-    TerminationMessage,
-    write_termination_message,
 )
 from trainer_runtime.signals import SigtermLatch
 from trainer_runtime.state import PREEMPTIBLE_KEY, TrainerControl, TrainerState
-from trainer_runtime.timings import SaveTimer, StepTimer
+from trainer_runtime.timings import SaveTimer, StepTimer, timings_record, write_termination
 from trainer_runtime.trainer_utils import TrainOutput, set_seed
 from trainer_runtime.training_args import TrainingArguments, check_runtime_support
 
@@ -1243,18 +1241,14 @@ class Trainer(
 
     # -- checkpoints -------------------------------------------------------------------------------
     def _preemptible_record(self, jit: bool) -> dict[str, Any]:
-        sigterm = list(self.sigterm_to_exit)
-        if jit and self.sigterm_latch is not None and self.sigterm_latch.elapsed() is not None:
-            # Measured when preemptible_state.json is written, the last file before the commit.
-            sigterm.append(round(self.sigterm_latch.elapsed() or 0.0, 6))
+        elapsed = self.sigterm_latch.elapsed() if jit and self.sigterm_latch else None
         kind = "iterable" if self.train_sampler is None else "map"
         position = {**self._position.to_dict(kind), **self._data_layout()}
         return {
             **self.state.preemptible,
-            "step_seconds": self.step_timer.to_model().model_dump(),
-            "save_seconds": self.save_timer.to_model().model_dump(),
-            "sigterm_to_exit_seconds": sigterm,
-            "attempt": attempt_from_env(),
+            **timings_record(
+                self.step_timer, self.save_timer, self.sigterm_to_exit, jit_elapsed=elapsed
+            ),
             "data_position": position,
         }
 
@@ -1719,19 +1713,12 @@ class Trainer(
         # multi-node attempt (and `trainer-runtime launch` on it) knows how its workers ended.
         if not self.accelerator.is_local_main_process:
             return
-        checkpoint = self.last_checkpoint
-        msg = TerminationMessage(
-            reason=reason,  # type: ignore[arg-type]
+        write_termination(
+            reason,
             step=self.state.global_step,
-            checkpoint=checkpoint.path if checkpoint else None,
-            complete=bool(checkpoint and checkpoint.complete),
-            attempt=attempt_from_env(),
-            step_seconds=self.step_timer.to_model(),
-            save_seconds=self.save_timer.to_model(),
-            sigterm_to_exit_seconds=sigterm_to_exit,
-            message=message[:2000] if message else None,
+            checkpoint=self.last_checkpoint,
+            step_timer=self.step_timer,
+            save_timer=self.save_timer,
+            sigterm_to_exit=sigterm_to_exit,
+            message=message,
         )
-        try:
-            write_termination_message(msg)
-        except OSError as exc:
-            logger.error("cannot write the termination message: %s", exc)

@@ -116,6 +116,12 @@ def run_and_exit(main: Callable[[], int | None]) -> None:
         code = _exit_code(main())
     except SystemExit as exc:
         code = _exit_code(exc.code)
+    exit_process(code)
+
+
+def exit_process(code: int) -> None:
+    """Exit with ``code`` now; in a distributed run without the interpreter's teardown (see
+    :func:`run_and_exit`), after the exit handlers ran and every stream was flushed."""
     if not (dist.is_available() and dist.is_initialized()):
         sys.exit(code)
     atexit._run_exitfuncs()  # the process group's destroy and every other library's handlers

@@ -21,10 +21,8 @@ Only local and mounted output directories are supported: transformers writes wit
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,7 +34,6 @@ from trainer_runtime.checkpoint.layout import (
     RUNTIME_STATE_NAME,
     CheckpointInfo,
     CheckpointStore,
-    attempt_from_env,
 )
 from trainer_runtime.distributed import collectives
 from trainer_runtime.errors import ConfigurationError, ResumeError
@@ -46,11 +43,9 @@ from trainer_runtime.protocol import (
     ENV_OUTPUT_DIR,
     ENV_RESUME_FROM,
     EXIT_PREEMPTED,
-    TerminationMessage,
-    write_termination_message,
 )
 from trainer_runtime.signals import SigtermLatch
-from trainer_runtime.timings import SaveTimer, StepTimer
+from trainer_runtime.timings import SaveTimer, StepTimer, timings_record, write_termination
 
 __all__ = ["PreemptibleCallback", "attach", "attach_preemptible", "resolve_resume"]
 
@@ -193,16 +188,12 @@ class PreemptibleCallback(TrainerCallback):
 
     # -- the committed save ------------------------------------------------------------------------
     def _record(self, jit: bool) -> dict[str, Any]:
-        exits = list(self.sigterm_to_exit)
-        elapsed = self.latch.elapsed()
-        if jit and elapsed is not None:
-            exits.append(round(elapsed, 6))
+        elapsed = self.latch.elapsed() if jit else None
         return {
             "producer": PRODUCER,
-            "step_seconds": self.step_timer.to_model().model_dump(),
-            "save_seconds": self.save_timer.to_model().model_dump(),
-            "sigterm_to_exit_seconds": exits,
-            "attempt": attempt_from_env(),
+            **timings_record(
+                self.step_timer, self.save_timer, self.sigterm_to_exit, jit_elapsed=elapsed
+            ),
         }
 
     def committed_save(
@@ -279,7 +270,7 @@ class PreemptibleCallback(TrainerCallback):
                         self.last_checkpoint.path if self.last_checkpoint else None,
                         EXIT_PREEMPTED,
                     )
-                    _exit(EXIT_PREEMPTED)
+                    collectives.exit_process(EXIT_PREEMPTED)
                 return output
             if operator:
                 keep_handler = True
@@ -313,35 +304,15 @@ class PreemptibleCallback(TrainerCallback):
     ) -> None:
         if not _local_main():
             return
-        cp = self.last_checkpoint
-        msg = TerminationMessage(
-            reason=reason,  # type: ignore[arg-type]
-            step=int(self.trainer.state.global_step),
-            checkpoint=cp.path if cp else None,
-            complete=bool(cp and cp.complete),
-            attempt=attempt_from_env(),
-            step_seconds=self.step_timer.to_model(),
-            save_seconds=self.save_timer.to_model(),
-            sigterm_to_exit_seconds=sigterm_to_exit,
-            message=message[:2000] if message else None,
+        write_termination(
+            reason,
+            step=self.trainer.state.global_step,
+            checkpoint=self.last_checkpoint,
+            step_timer=self.step_timer,
+            save_timer=self.save_timer,
+            sigterm_to_exit=sigterm_to_exit,
+            message=message,
         )
-        try:
-            write_termination_message(msg)
-        except OSError as exc:
-            logger.error("cannot write the termination message: %s", exc)
-
-
-def _exit(code: int) -> None:
-    """Exit now with ``code``. In a distributed run the interpreter's teardown is skipped after
-    the exit handlers ran (see collectives.run_and_exit: gloo sometimes aborts at teardown, which
-    would turn exit 75 into a crash)."""
-    if not collectives.is_distributed():
-        raise SystemExit(code)
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
 
 
 def _drop_jit_callback(trainer: Any) -> None:
