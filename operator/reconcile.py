@@ -35,7 +35,7 @@ from preemptible_operator.classify import (
 from preemptible_operator.conditions import Reason
 from preemptible_operator.grace import grace_sufficiency, next_grace
 from preemptible_operator.phases import PhaseInputs, backoff_seconds, next_phase
-from preemptible_operator.resume import resume_checkpoint
+from preemptible_operator.resume import attempt_fence, resume_checkpoint
 from preemptible_operator.scrape import RuntimeMetrics, scrape
 
 __all__ = ["OperatorConfig", "PassResult", "Reconciler", "now_rfc3339"]
@@ -280,12 +280,11 @@ class Reconciler:
             status.grace_period = gp
         status.attempt = obs.attempt or status.attempt
 
+        # Storage is listed only when an attempt ends or starts (_record_attempt,
+        # _create_attempt): while one runs, the runtime's /metrics report its checkpoints.
         storage_view = CheckpointView(spec.checkpoint.uri, self.config.path_map) if spec else None
-        snapshot = storage_view.snapshot() if storage_view is not None else None
         if storage_view is not None:
             status.checkpoint_storage_readable = storage_view.readable
-        if snapshot is not None:
-            _apply_snapshot(status, snapshot)
 
         recorded = record is not None and record.end_time is not None
         interruption = Interruption("Active", Reason.STARTED)
@@ -479,18 +478,24 @@ class Reconciler:
         killed_grace = last.grace_seconds if last is not None and last.killed else None
         decision = next_grace(spec.grace_period, status.timings, killed_grace)
         view = CheckpointView(spec.checkpoint.uri, self.config.path_map)
+        snapshot = view.snapshot()
+        reported = status.last_complete_checkpoint
+        if snapshot is not None:
+            _apply_snapshot(status, snapshot)
         choice = resume_checkpoint(
             attempt,
-            view.readable,
-            status.last_complete_checkpoint if view.readable else None,
-            status.last_complete_checkpoint,
+            snapshot is not None,
+            _snapshot_ref(snapshot),
+            reported,
         )
+        fence = attempt_fence(meta.get("creationTimestamp"), attempt)
         params = render.AttemptParams(
             attempt=attempt,
             grace_seconds=decision.seconds,
             resume_from=choice.resume_from,
             suspended=bool(spec.queue_name),
             start_step=choice.step,
+            fence=fence,
         )
         self._ensure_service(meta, spec)
         job_body = render.render_job(meta, spec, params)
@@ -513,6 +518,7 @@ class Reconciler:
                 resume_from=ann.get(render.ANNOTATION_RESUME_FROM, choice.resume_from),
                 suspended=params.suspended,
                 start_step=_int_or_none(ann.get(render.ANNOTATION_START_STEP)),
+                fence=fence,
             )
         if _find_record(status, attempt) is None:
             status.attempts = [
@@ -587,18 +593,21 @@ class Reconciler:
         end_step = max(
             [*end_steps, *([progress_step] if progress_step is not None else [])], default=None
         )
-        if not (view and view.readable):
-            # Without storage access, trust the runtime's report of a complete checkpoint.
-            for msg in sorted(messages, key=lambda m: m.step):
-                if msg.checkpoint and msg.complete:
-                    current = status.last_complete_checkpoint
-                    if current is None or msg.step >= current.step:
-                        status.last_complete_checkpoint = models.CheckpointRef(
-                            step=msg.step,
-                            path=_pod_checkpoint_path(spec, msg.checkpoint),
-                            completed_at=now,
-                            save_seconds=msg.save_seconds.last,
-                        )
+        snapshot = view.snapshot() if view is not None else None
+        if snapshot is not None:
+            _apply_snapshot(status, snapshot)
+        # The runtime's own report counts even when storage is readable: a listing can miss
+        # the JIT checkpoint just written (another mount, an eventually consistent store).
+        for msg in sorted(messages, key=lambda m: m.step):
+            if msg.checkpoint and msg.complete:
+                current = status.last_complete_checkpoint
+                if current is None or msg.step > current.step:
+                    status.last_complete_checkpoint = models.CheckpointRef(
+                        step=msg.step,
+                        path=_pod_checkpoint_path(spec, msg.checkpoint),
+                        completed_at=now,
+                        save_seconds=msg.save_seconds.last,
+                    )
         ckpt = status.last_complete_checkpoint
         lost = 0
         if interruption.outcome != "Succeeded" and end_step is not None:
@@ -935,9 +944,18 @@ def _pod_checkpoint_path(spec: models.TrainingJobSpec, reported: str) -> str:
     return f"{uri}/{reported}"
 
 
+def _snapshot_ref(snapshot: Any) -> models.CheckpointRef | None:
+    latest = snapshot.latest_complete if snapshot is not None else None
+    if latest is None:
+        return None
+    return models.CheckpointRef(step=latest.step, path=snapshot.latest_complete_path)
+
+
 def _apply_snapshot(status: models.TrainingJobStatus, snapshot: Any) -> None:
     latest = snapshot.latest_complete
-    if latest is not None:
+    current = status.last_complete_checkpoint
+    # Never step back to an older checkpoint than one already known (reported by the runtime).
+    if latest is not None and (current is None or latest.step >= current.step):
         status.last_complete_checkpoint = models.CheckpointRef(
             step=latest.step,
             path=snapshot.latest_complete_path,
@@ -980,7 +998,7 @@ def _apply_metrics(
     t.save_seconds_last = measured("save_seconds_last") or t.save_seconds_last
     status.timings = t
     ckpt_step = m.int("last_complete_checkpoint_step")
-    if status.checkpoint_storage_readable is not True and ckpt_step is not None and ckpt_step > 0:
+    if ckpt_step is not None and ckpt_step > 0:
         current = status.last_complete_checkpoint
         if current is None or ckpt_step > current.step:
             status.last_complete_checkpoint = models.CheckpointRef(

@@ -66,6 +66,8 @@ class AttemptParams:
     start_step: int | None = None
     """Step of the checkpoint resumed from (recorded on the Job so a restarted operator that
     adopts the Job knows it)."""
+    fence: int | None = None
+    """PREEMPTIBLE_ATTEMPT (resume.attempt_fence); None: the attempt number."""
 
 
 def validate_name(name: str) -> str | None:
@@ -140,7 +142,7 @@ def _runtime_env(
             "name": protocol.ENV_KILL_WAIT_SECONDS,
             "value": f"{spec.grace_period.kill_wait_seconds:g}",
         },
-        {"name": protocol.ENV_ATTEMPT, "value": str(params.attempt)},
+        {"name": protocol.ENV_ATTEMPT, "value": str(params.fence or params.attempt)},
         {"name": protocol.ENV_METRICS_PORT, "value": str(spec.metrics_port)},
         {
             "name": protocol.ENV_METRICS_HOST,

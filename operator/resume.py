@@ -1,14 +1,18 @@
-"""Which checkpoint the next attempt resumes from (pure)."""
+"""Which checkpoint the next attempt resumes from, and the attempt fence value (pure)."""
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass
 
 from preemptible_operator.models import CheckpointRef
 
-__all__ = ["LATEST", "ResumeChoice", "resume_checkpoint"]
+__all__ = ["FENCE_STRIDE", "LATEST", "ResumeChoice", "attempt_fence", "resume_checkpoint"]
 
 LATEST = "latest"
+
+FENCE_STRIDE = 1_000_000
+"""Attempts per TrainingJob incarnation in the fence value (far more than any job makes)."""
 
 
 @dataclass(frozen=True)
@@ -22,24 +26,53 @@ class ResumeChoice:
 
 def resume_checkpoint(
     attempt: int,
-    storage_readable: bool,
+    storage_listed: bool,
     storage_latest: CheckpointRef | None,
     reported_latest: CheckpointRef | None,
 ) -> ResumeChoice:
     """Decide PREEMPTIBLE_RESUME_FROM for attempt ``attempt``.
 
-    - The operator reads storage: the newest complete checkpoint it verified (path as the pods
-      see it), or "" (fresh start) when there is none.
-    - It cannot: the first attempt starts fresh unless the runtime already reported a checkpoint;
-      later attempts get "latest" and the runtime applies the completeness rule itself (a
-      checkpoint the runtime reported may have been rotated away or be newer than the report).
-      The expected step is the one the runtime last reported.
+    ``storage_listed``: the operator listed the checkpoint root just now (it is mapped and the
+    listing succeeded); ``storage_latest`` is then the newest complete checkpoint it verified.
+    ``reported_latest``: the newest complete checkpoint the runtime reported (termination
+    message, /metrics) or any earlier pass saw.
+
+    Never older than what the runtime reported: an operator that cannot see the pods' volume, or
+    whose listing misses the newest JIT checkpoint, must not send training back. So the newest of
+    the two wins (storage on a tie: its path is verified). Without either, a later attempt (or
+    any attempt when the operator could not list) gets "latest" and the runtime applies the
+    completeness rule itself; only a first attempt over a root the operator listed as empty
+    starts fresh.
     """
-    if storage_readable:
-        if storage_latest is None:
-            return ResumeChoice("", 0, "storage: no complete checkpoint")
+    if (
+        storage_listed
+        and storage_latest is not None
+        and (reported_latest is None or storage_latest.step >= reported_latest.step)
+    ):
         return ResumeChoice(storage_latest.path, storage_latest.step, "storage")
-    if attempt <= 1 and reported_latest is None:
-        return ResumeChoice("", 0, "first attempt")
-    step = reported_latest.step if reported_latest is not None else None
-    return ResumeChoice(LATEST, step, "runtime reports (storage not readable by the operator)")
+    if reported_latest is not None:
+        return ResumeChoice(reported_latest.path, reported_latest.step, "runtime report")
+    if storage_listed and attempt <= 1:
+        return ResumeChoice("", 0, "storage: no complete checkpoint")
+    return ResumeChoice(LATEST, None, "the runtime finds the newest complete checkpoint")
+
+
+def attempt_fence(created: str | None, attempt: int) -> int:
+    """The value of PREEMPTIBLE_ATTEMPT: increases with every attempt of a TrainingJob and from
+    one incarnation of a name to the next.
+
+    The runtime refuses to write next to a checkpoint of a higher attempt value (a stale pod must
+    never overwrite a newer attempt's work). A TrainingJob deleted and re-created over the same
+    ``checkpoint.uri`` restarts its attempt count at 1, so a plain count would be refused by
+    every checkpoint the old incarnation left. The fence therefore is
+    ``creationTimestamp (Unix seconds) * FENCE_STRIDE + attempt``: a later incarnation is always
+    higher, with no storage access needed (the operator often cannot read the pods' volume).
+    Values stay below 2**53 (exact in JSON). Without a creation time, the plain attempt number.
+    """
+    if not created:
+        return attempt
+    try:
+        seconds = dt.datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return attempt
+    return int(seconds) * FENCE_STRIDE + attempt

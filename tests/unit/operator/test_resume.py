@@ -1,35 +1,64 @@
-"""resume_checkpoint: what PREEMPTIBLE_RESUME_FROM the next attempt gets."""
+"""resume_checkpoint: what PREEMPTIBLE_RESUME_FROM the next attempt gets; attempt_fence: the
+PREEMPTIBLE_ATTEMPT value that keeps increasing across re-created TrainingJobs."""
 
 from __future__ import annotations
 
 import pytest
 
 from preemptible_operator.models import CheckpointRef
-from preemptible_operator.resume import LATEST, resume_checkpoint
+from preemptible_operator.resume import FENCE_STRIDE, LATEST, attempt_fence, resume_checkpoint
 
 C7 = CheckpointRef(step=7, path="/c/checkpoint-7")
 C9 = CheckpointRef(step=9, path="/c/checkpoint-9")
 
 
 @pytest.mark.parametrize(
-    ("attempt", "readable", "storage", "reported", "resume_from", "step"),
+    ("attempt", "listed", "storage", "reported", "resume_from", "step"),
     [
-        (1, True, None, None, "", 0),
-        (2, True, C7, C9, "/c/checkpoint-7", 7),  # storage is verified; reports are not
-        (2, True, None, C9, "", 0),  # storage says nothing is complete
-        (1, False, None, None, "", 0),
-        (2, False, None, C9, LATEST, 9),
+        (1, True, None, None, "", 0),  # a fresh job over an empty root
+        (2, True, C9, C7, "/c/checkpoint-9", 9),  # storage is newer than the last report
+        (2, True, C9, C9, "/c/checkpoint-9", 9),  # a tie: storage's verified path
+        # The listing missed the newest JIT checkpoint: never resume older than reported.
+        (2, True, C7, C9, "/c/checkpoint-9", 9),
+        # The operator's mount shows nothing (a PVC it does not mount): the runtime's report.
+        (2, True, None, C9, "/c/checkpoint-9", 9),
+        # Listed empty, nothing reported, a later attempt: the runtime looks for itself.
+        (2, True, None, None, LATEST, None),
+        (1, False, None, None, LATEST, None),  # cannot list: never assume an empty root
+        (2, False, None, C9, "/c/checkpoint-9", 9),
         (3, False, None, None, LATEST, None),
-        (1, False, None, C7, LATEST, 7),
+        (1, False, None, C7, "/c/checkpoint-7", 7),
     ],
 )
 def test_resume_checkpoint(
     attempt: int,
-    readable: bool,
+    listed: bool,
     storage: CheckpointRef | None,
     reported: CheckpointRef | None,
     resume_from: str,
     step: int | None,
 ) -> None:
-    choice = resume_checkpoint(attempt, readable, storage, reported)
+    choice = resume_checkpoint(attempt, listed, storage, reported)
     assert (choice.resume_from, choice.step) == (resume_from, step), choice.source
+
+
+@pytest.mark.parametrize(
+    ("created", "attempt", "fence"),
+    [
+        (None, 3, 3),
+        ("", 1, 1),
+        ("not a time", 2, 2),
+        ("1970-01-01T00:00:10Z", 1, 10 * FENCE_STRIDE + 1),
+        ("2026-12-01T17:00:00Z", 5, 1796144400 * FENCE_STRIDE + 5),
+    ],
+)
+def test_attempt_fence(created: str | None, attempt: int, fence: int) -> None:
+    assert attempt_fence(created, attempt) == fence
+
+
+def test_a_recreated_job_fences_above_every_attempt_of_the_old_one() -> None:
+    old = [attempt_fence("2026-12-01T17:00:00Z", n) for n in range(1, 500)]
+    new = attempt_fence("2026-12-01T17:00:01Z", 1)
+    assert new > max(old)
+    assert old == sorted(old)
+    assert max(old) < 2**53
