@@ -6,6 +6,7 @@ Inputs are plain dicts in the apiserver's JSON shape (camelCase), as the Kuberne
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -15,6 +16,7 @@ from preemptible_operator.render import CONTAINER_NAME
 from trainer_runtime import protocol
 
 __all__ = [
+    "NODE_LOST_KILL_MARGIN",
     "ContainerEnd",
     "Interruption",
     "Outcome",
@@ -131,20 +133,44 @@ def container_end(pod: Mapping[str, Any]) -> ContainerEnd | None:
     return None
 
 
-def pod_finished(pod: Mapping[str, Any], node_ready: Mapping[str, bool] | None = None) -> bool:
-    """Whether a pod can no longer run or write: terminal phase, every container terminated, or
-    deleted while its node is lost (no kubelet will ever report on it) or before it was bound."""
+NODE_LOST_KILL_MARGIN = 30.0
+"""Seconds past a pod's deletion deadline after which a pod on a NotReady node is taken as
+stopped: a partitioned kubelet still SIGKILLs it at the deadline; the margin covers clock skew."""
+
+
+def _timestamp(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def pod_finished(
+    pod: Mapping[str, Any],
+    node_ready: Mapping[str, bool] | None = None,
+    now: float | None = None,
+) -> bool:
+    """Whether a pod can no longer run or write: terminal phase, every container terminated,
+    deleted before it was bound, or deleted on a lost node once its deletion deadline
+    (``deletionTimestamp``, the request time plus the grace period) is ``NODE_LOST_KILL_MARGIN``
+    seconds past at ``now``. A NotReady node may only be cut off from the API server while its
+    kubelet still runs the pod, which can then still write checkpoints until the deadline."""
     status = pod.get("status") or {}
     if status.get("phase") in ("Succeeded", "Failed"):
         return True
     statuses = status.get("containerStatuses") or []
     if statuses and all((s.get("state") or {}).get("terminated") for s in statuses):
         return True
-    deleting = (pod.get("metadata") or {}).get("deletionTimestamp") is not None
+    deletion = (pod.get("metadata") or {}).get("deletionTimestamp")
     node = (pod.get("spec") or {}).get("nodeName")
-    if deleting and not node:
+    if deletion is not None and not node:
         return True
-    return bool(deleting and node_ready is not None and not node_ready.get(node, False))
+    if deletion is None or node_ready is None or node_ready.get(node, False) or now is None:
+        return False
+    deadline = _timestamp(deletion)
+    return deadline is not None and now >= deadline + NODE_LOST_KILL_MARGIN
 
 
 def _disruption(pods: Iterable[Mapping[str, Any]]) -> tuple[str, str] | None:

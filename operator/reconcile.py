@@ -323,7 +323,7 @@ class Reconciler:
                 job_exists=obs.job is not None,
                 job_suspended=bool(obs.job and (obs.job.get("spec") or {}).get("suspend")),
                 interruption=interruption,
-                pods_finished=all(pod_finished(p, obs.node_ready) for p in obs.pods),
+                pods_finished=all(pod_finished(p, obs.node_ready, self.clock()) for p in obs.pods),
                 pods=len(obs.pods),
                 running_pods=len(running),
                 failures=status.failures or 0,

@@ -6,7 +6,12 @@ from typing import Any
 
 import pytest
 
-from preemptible_operator.classify import classify_interruption, container_end, pod_finished
+from preemptible_operator.classify import (
+    NODE_LOST_KILL_MARGIN,
+    classify_interruption,
+    container_end,
+    pod_finished,
+)
 from preemptible_operator.conditions import Reason
 from tests.unit.operator.builders import cond, make_job, make_pod
 from trainer_runtime import protocol
@@ -305,20 +310,29 @@ def test_container_end_parses_the_termination_message() -> None:
     assert container_end(make_pod()) is None
 
 
+DELETED = 1767225600.0  # make_pod's deletionTimestamp, 2026-01-01T00:00:00Z
+
+
 @pytest.mark.parametrize(
-    ("pod", "node_ready", "finished"),
+    ("pod", "node_ready", "now", "finished"),
     [
-        (make_pod(), None, False),
-        (make_pod(phase="Failed", exit_code=75), None, True),
-        (make_pod(phase="Succeeded", exit_code=0), None, True),
-        (make_pod(deleting=True), {"node-1": True}, False),
-        (make_pod(deleting=True), {"node-1": False}, True),
-        (make_pod(deleting=True, node=None, phase="Pending"), None, True),
-        (make_pod(phase="Pending", node=None), None, False),
-        (make_pod(phase="Running", exit_code=75), None, True),  # terminated, phase not yet
+        (make_pod(), None, None, False),
+        (make_pod(phase="Failed", exit_code=75), None, None, True),
+        (make_pod(phase="Succeeded", exit_code=0), None, None, True),
+        (make_pod(deleting=True), {"node-1": True}, DELETED + 3600, False),
+        # Deleted on a NotReady node: its kubelet may be partitioned, not dead, and still run the
+        # pod (and write checkpoints) until the deletion deadline; only after it plus a margin.
+        (make_pod(deleting=True), {"node-1": False}, None, False),
+        (make_pod(deleting=True), {"node-1": False}, DELETED, False),
+        (make_pod(deleting=True), {"node-1": False}, DELETED + NODE_LOST_KILL_MARGIN - 1, False),
+        (make_pod(deleting=True), {"node-1": False}, DELETED + NODE_LOST_KILL_MARGIN, True),
+        (make_pod(deleting=True), {}, DELETED + NODE_LOST_KILL_MARGIN, True),  # node gone
+        (make_pod(deleting=True, node=None, phase="Pending"), None, None, True),
+        (make_pod(phase="Pending", node=None), None, None, False),
+        (make_pod(phase="Running", exit_code=75), None, None, True),  # terminated, phase not yet
     ],
 )
 def test_pod_finished(
-    pod: dict[str, Any], node_ready: dict[str, bool] | None, finished: bool
+    pod: dict[str, Any], node_ready: dict[str, bool] | None, now: float | None, finished: bool
 ) -> None:
-    assert pod_finished(pod, node_ready) is finished
+    assert pod_finished(pod, node_ready, now) is finished
