@@ -24,6 +24,7 @@ __all__ = [
     "container_end",
     "is_kueue_admitted",
     "job_condition",
+    "killed_at_grace",
     "pod_finished",
     "workload_condition",
 ]
@@ -69,9 +70,28 @@ class ContainerEnd:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def oom(self) -> bool:
+        """Killed by the OOM killer (the kubelet reports reason OOMKilled)."""
+        return self.reason == "OOMKilled"
+
+    @property
     def killed(self) -> bool:
-        """SIGKILLed (the grace period ran out, or the OOM killer)."""
-        return self.exit_code == SIGKILL_EXIT
+        """SIGKILLed by someone other than the OOM killer (e.g. at the grace deadline)."""
+        return self.exit_code == SIGKILL_EXIT and not self.oom
+
+    @property
+    def real_failure(self) -> bool:
+        """Failed on its own: OOM, or a non-zero exit that is neither a SIGKILL nor the
+        runtime's preemption exit."""
+        return self.oom or self.exit_code not in (0, None, SIGKILL_EXIT, protocol.EXIT_PREEMPTED)
+
+
+def killed_at_grace(ends: Iterable[ContainerEnd]) -> bool:
+    """Whether an attempt's ends show its grace period was too short: a rank was SIGKILLed (not
+    by the OOM killer) and no rank failed for real. When one rank fails, the others wait for it
+    at their next collective until they are killed; that says nothing about the grace period."""
+    ends = list(ends)
+    return any(e.killed for e in ends) and not any(e.real_failure for e in ends)
 
 
 def _conditions(obj: Mapping[str, Any] | None) -> list[dict[str, Any]]:
@@ -263,6 +283,17 @@ def classify_interruption(
             f"pod {first.pod} exited {protocol.EXIT_PREEMPTED} after a JIT checkpoint",
         )
     failed = [e for e in ends if e.exit_code not in (0, None)]
+    # The root cause first: an OOM kill, then a rank that failed on its own, then the ranks
+    # killed while they waited for it.
+    failed.sort(key=lambda e: (not e.oom, not e.real_failure))
+    if failed and failed[0].oom:
+        first = failed[0]
+        return Interruption(
+            "Failed",
+            Reason.OOM_KILLED,
+            f"pod {first.pod} was OOMKilled (exit {first.exit_code}): raise "
+            "resourcesPerNode.limits.memory or lower the batch size",
+        )
     if failed:
         first = failed[0]
         detail = (

@@ -75,6 +75,12 @@ class Reason:
     NOT_MEASURED = "NotMeasured"
     LOST_STEPS = "LostSteps"
     CHECKPOINT_COMPLETE = "CheckpointComplete"
+    # review fixes (issue 17)
+    PREVIOUS_PODS_STOPPING = "PreviousPodsStopping"
+    OOM_KILLED = "OOMKilled"
+    PEER_FAILED = "PeerFailed"
+    PODS_NEVER_READY = "PodsNeverReady"
+    SPEC_CHANGE_REJECTED = "SpecChangeRejected"
 
 
 PREEMPTION_REASONS = frozenset(

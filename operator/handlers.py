@@ -10,6 +10,7 @@ the state always comes from the cluster, never from handler progress.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 from typing import Any
@@ -18,7 +19,13 @@ import kopf
 import kubernetes
 
 from preemptible_operator import models, render
-from preemptible_operator.reconcile import OperatorConfig, Reconciler
+from preemptible_operator.reconcile import (
+    KUEUE_GROUP,
+    KUEUE_JOB_UID_LABEL,
+    Cached,
+    OperatorConfig,
+    Reconciler,
+)
 
 __all__ = ["configure", "register"]
 
@@ -26,6 +33,8 @@ log = logging.getLogger("preemptible_operator")
 
 _state: dict[str, Any] = {"config": OperatorConfig(), "reconciler": None, "kubeconfig": None}
 _wakeups: dict[tuple[str, str], asyncio.Event] = {}
+_uids: dict[tuple[str, str], str] = {}
+_generations: dict[tuple[str, str], tuple[Any, Any]] = {}
 
 FINALIZER = "preemptible.dev/operator"
 ERROR_BACKOFF_MAX = 60.0
@@ -53,6 +62,13 @@ def _reconciler() -> Reconciler:
         rec = Reconciler(client, _state["config"])
         _state["reconciler"] = rec
     return rec
+
+
+def _plain(body: Any) -> dict[str, Any]:
+    """A JSON-shaped copy of a kopf body without managedFields (memory of the caches)."""
+    obj = copy.deepcopy(dict(body))
+    (obj.get("metadata") or {}).pop("managedFields", None)
+    return obj
 
 
 def _wake(namespace: str | None, name: str | None) -> None:
@@ -88,6 +104,20 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
             return kopf.login_with_kubeconfig(**kwargs)
         return kopf.login_via_client(**kwargs)
 
+    @kopf.index("batch", "v1", "jobs", registry=registry, **selector)
+    def tj_jobs(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> Any:
+        return {(namespace, labels[render.LABEL_TRAINING_JOB]): _plain(body)}
+
+    @kopf.index("", "v1", "pods", registry=registry, **selector)
+    def tj_pods(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> Any:
+        return {(namespace, labels[render.LABEL_TRAINING_JOB]): _plain(body)}
+
+    @kopf.index(
+        KUEUE_GROUP, "workloads", registry=registry, labels={KUEUE_JOB_UID_LABEL: kopf.PRESENT}
+    )
+    def tj_workloads(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> Any:
+        return {(namespace, labels[KUEUE_JOB_UID_LABEL]): _plain(body)}
+
     @kopf.daemon(
         models.GROUP,
         models.VERSION,
@@ -96,17 +126,42 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
         cancellation_timeout=10.0,
         id="reconcile",
     )
-    async def _daemon(namespace: str, name: str, stopped: Any, **_: Any) -> None:
+    async def _daemon(
+        namespace: str,
+        name: str,
+        body: kopf.Body,
+        stopped: Any,
+        tj_jobs: kopf.Index,  # type: ignore[type-arg]
+        tj_pods: kopf.Index,  # type: ignore[type-arg]
+        tj_workloads: kopf.Index,  # type: ignore[type-arg]
+        **_: Any,
+    ) -> None:
         key = (namespace, name)
         wake = _wakeups.setdefault(key, asyncio.Event())
+        _uids[key] = body.get("metadata", {}).get("uid", "")
         failures = 0
         try:
             while not stopped:
                 wake.clear()  # events during the pass trigger the next one
+                jobs = [dict(j) for j in tj_jobs.get(key, [])]
+                cached = Cached(
+                    obj=_plain(body),
+                    jobs=jobs,
+                    pods=[dict(p) for p in tj_pods.get(key, [])],
+                    workloads={
+                        uid: next(iter(tj_workloads[(namespace, uid)]))
+                        for uid in (j["metadata"].get("uid") for j in jobs)
+                        if uid and (namespace, uid) in tj_workloads
+                    },
+                )
                 try:
-                    result = await asyncio.to_thread(_reconciler().reconcile, namespace, name)
+                    result = await asyncio.to_thread(
+                        _reconciler().reconcile, namespace, name, cached
+                    )
                     delay = result.requeue_after
                     failures = 0
+                    if result.done:
+                        return  # terminal: no more passes (a restart re-checks it once)
                 except Exception:
                     failures += 1
                     delay = min(ERROR_BACKOFF_MAX, 2.0**failures)
@@ -114,16 +169,23 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
                 await _sleep(wake, stopped, delay)
         finally:
             _wakeups.pop(key, None)
+            _uids.pop(key, None)
 
     @kopf.on.event(models.GROUP, models.VERSION, models.PLURAL, registry=registry)
-    def _tj_event(namespace: str, name: str, **_: Any) -> None:
-        # Spec changes (suspend/resume, edits) wake the object's daemon; its own status
-        # writes cause one extra pass that finds nothing to change.
-        _wake(namespace, name)
+    def _tj_event(namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
+        # Only what the user changed wakes the daemon: a new generation (spec) or deletion.
+        # Our own status writes (and kopf's annotations) leave the generation as it was.
+        meta = body.get("metadata", {})
+        seen = (meta.get("generation"), meta.get("deletionTimestamp"))
+        if _generations.get((namespace, name)) != seen:
+            _generations[(namespace, name)] = seen
+            _wake(namespace, name)
 
     @kopf.on.delete(models.GROUP, models.VERSION, models.PLURAL, registry=registry, optional=True)
     def _deleted(namespace: str, name: str, **_: Any) -> None:
         _reconciler().release_all(namespace, name)
+        _reconciler().forget(namespace, name)
+        _generations.pop((namespace, name), None)
 
     @kopf.on.event("batch", "v1", "jobs", registry=registry, **selector)
     def _job_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
@@ -134,13 +196,16 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
         tj = labels.get(render.LABEL_TRAINING_JOB)
         _wake(namespace, tj)
         meta = body.get("metadata", {})
+        recorded = (meta.get("annotations") or {}).get(render.ANNOTATION_TJ_UID)
+        live = _uids.get((namespace, tj or ""))
         if (
             meta.get("deletionTimestamp")
             and render.ATTEMPT_FINALIZER in (meta.get("finalizers") or [])
-            and (namespace, tj) not in _wakeups
+            and (live is None or (recorded is not None and recorded != live))
         ):
-            # No daemon for this pod's TrainingJob: it may be gone; never leave pods stuck.
-            await asyncio.to_thread(_reconciler().release_orphan_pod, dict(body))
+            # No daemon for this pod's TrainingJob (it may be gone), or the pod belongs to an
+            # earlier TrainingJob of the same name: never leave pods stuck.
+            await asyncio.to_thread(_reconciler().release_orphan_pod, _plain(body))
 
     return registry
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import Counter, Gauge, Histogram
 
 __all__ = [
@@ -11,6 +13,7 @@ __all__ = [
     "RECONCILE_ERRORS",
     "RECONCILE_SECONDS",
     "REQUEUE_SECONDS",
+    "forget_job",
     "start_metrics_server",
 ]
 
@@ -42,6 +45,14 @@ GRACE_SECONDS = Gauge(
     "Grace period computed for the next attempt.",
     ["namespace", "name"],
 )
+
+
+def forget_job(namespace: str, name: str) -> None:
+    """Remove the per-job series of a finished or deleted TrainingJob (an operator that runs
+    thousands of jobs must not export a series for every job it ever saw)."""
+    for family in (LOST_STEPS, GRACE_SECONDS):
+        with contextlib.suppress(KeyError):
+            family.remove(namespace, name)
 
 
 def start_metrics_server(port: int, addr: str = "0.0.0.0") -> None:

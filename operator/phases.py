@@ -50,6 +50,9 @@ class PhaseInputs:
     max_restarts: int = 0
     backoff_remaining: float = 0.0
     kueue: bool = False
+    previous_pods_active: int = 0
+    """Pods of an earlier TrainingJob of the same name (another uid) that may still run and
+    write to the same checkpoint storage."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,23 @@ def backoff_seconds(base: int, failures: int, cap: int = 3600) -> int:
 
 
 def next_phase(obs: PhaseInputs) -> Decision:
-    """Decide the phase and the one action of this pass (level-triggered: only observations)."""
+    """Decide the phase and the one action of this pass (level-triggered: only observations).
+
+    No attempt is created while pods of an earlier TrainingJob of the same name still run:
+    they may be writing their JIT checkpoint to the same storage."""
+    decision = _next_phase(obs)
+    if decision.action == "create_attempt" and obs.previous_pods_active:
+        return Decision(
+            "Pending",
+            "none",
+            Reason.PREVIOUS_PODS_STOPPING,
+            f"waiting for {obs.previous_pods_active} pod(s) of an earlier TrainingJob of this "
+            "name to stop before the next attempt starts",
+        )
+    return decision
+
+
+def _next_phase(obs: PhaseInputs) -> Decision:
     if obs.current_phase in TERMINAL_PHASES:
         return Decision(obs.current_phase, "finish", Reason.COMPLETED)  # type: ignore[arg-type]
     if obs.invalid:

@@ -17,6 +17,14 @@ NAMESPACED_RULES: list[dict[str, Any]] = [
         "resources": [models.PLURAL],
         "verbs": ["get", "list", "watch", "patch"],
     },
+    # Owner references on Jobs and the Service set blockOwnerDeletion: with the
+    # OwnerReferencesPermissionEnforcement admission plugin (OpenShift) that needs update on
+    # the owner's finalizers subresource, or every create is refused.
+    {
+        "apiGroups": [models.GROUP],
+        "resources": [f"{models.PLURAL}/finalizers"],
+        "verbs": ["update"],
+    },
     # The status subresource is written once per reconcile pass (PUT with resourceVersion).
     {
         "apiGroups": [models.GROUP],
@@ -35,13 +43,18 @@ NAMESPACED_RULES: list[dict[str, Any]] = [
         "resources": ["pods"],
         "verbs": ["get", "list", "watch", "patch", "delete"],
     },
-    # The headless rendezvous Service (created once; AlreadyExists is fine).
-    {"apiGroups": [""], "resources": ["services"], "verbs": ["create"]},
+    # The headless rendezvous Service: created once; on AlreadyExists read to check it is
+    # ours, and one left by a deleted TrainingJob of the same name is deleted.
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "create", "delete"]},
     # Events on TrainingJobs (ours and kopf's warnings).
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
-    # Kueue Workloads: listed by job-uid label to tell eviction from failure, patched to
-    # deactivate (spec.active=false) an interrupted attempt.
-    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"], "verbs": ["list", "patch"]},
+    # Kueue Workloads: watched (a cache by job-uid label) to tell eviction from failure,
+    # patched to deactivate (spec.active=false) an interrupted attempt.
+    {
+        "apiGroups": ["kueue.x-k8s.io"],
+        "resources": ["workloads"],
+        "verbs": ["get", "list", "watch", "patch"],
+    },
 ]
 
 # Cluster-scoped reads: node readiness for node-loss detection (without it a 403 counts as ready

@@ -9,9 +9,12 @@ Only the official Kubernetes client is used.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
+import random
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -30,15 +33,17 @@ from preemptible_operator.classify import (
     Interruption,
     classify_interruption,
     container_end,
+    killed_at_grace,
     pod_finished,
 )
 from preemptible_operator.conditions import Reason
 from preemptible_operator.grace import grace_sufficiency, next_grace
+from preemptible_operator.ownership import owned_by, pod_owned, tj_uid_of
 from preemptible_operator.phases import PhaseInputs, backoff_seconds, next_phase
 from preemptible_operator.resume import attempt_fence, resume_checkpoint
 from preemptible_operator.scrape import RuntimeMetrics, scrape
 
-__all__ = ["OperatorConfig", "PassResult", "Reconciler", "now_rfc3339"]
+__all__ = ["Cached", "OperatorConfig", "PassResult", "Reconciler", "now_rfc3339"]
 
 log = logging.getLogger("preemptible_operator")
 
@@ -68,7 +73,18 @@ class OperatorConfig:
     scrape_metrics: bool = True
     scrape_timeout: float = 2.0
     poll_interval: float = 5.0
-    """Seconds between passes while an attempt runs (metrics scraping, safety net)."""
+    """Seconds between passes while an attempt runs (metrics scraping, safety net); each wait
+    is jittered by +-20% so that many jobs started together do not scrape in lockstep."""
+    idle_resync: float = 300.0
+    """Seconds between safety-net passes while nothing runs (queued, pending, backing off
+    without a deadline): watch events wake the pass; this only catches a missed event."""
+    status_progress_interval: float = 30.0
+    """A running attempt's progress (step, timings) alone is written to the status at most this
+    often; every other change is written at once."""
+    request_timeout: tuple[float, float] = (5.0, 30.0)
+    """(connect, read) timeout of every API request, so a stuck call never holds a worker."""
+    node_cache_seconds: float = 10.0
+    """How long one read of a node's readiness is reused (by every job on that node)."""
     component: str = "preemptible-operator"
 
 
@@ -80,6 +96,20 @@ class PassResult:
     action: str = "none"
     requeue_after: float | None = None
     events: list[tuple[str, str, str]] = field(default_factory=list)
+    done: bool = False
+    """Terminal and nothing left to release: no further pass is needed for this object."""
+
+
+@dataclass
+class Cached:
+    """A TrainingJob and its children from the operator's watch caches (kopf indexes), so a
+    pass makes no list calls. ``obj`` None: read the TrainingJob from the API."""
+
+    obj: dict[str, Any] | None
+    jobs: list[dict[str, Any]]
+    pods: list[dict[str, Any]]
+    workloads: dict[str, dict[str, Any]]
+    """Kueue Workloads by the uid of the Job they stand for."""
 
 
 @dataclass
@@ -96,6 +126,8 @@ class _Observed:
     workload: dict[str, Any] | None
     workload_version: str | None
     node_ready: dict[str, bool]
+    previous_pods: list[dict[str, Any]] = field(default_factory=list)
+    """Pods labelled with this name that belong to an earlier incarnation and still run."""
 
 
 class Reconciler:
@@ -114,6 +146,15 @@ class Reconciler:
         self.batch = kubernetes.client.BatchV1Api(api_client)
         self.core = kubernetes.client.CoreV1Api(api_client)
         self.clock = clock
+        _default_request_timeout(api_client, self.config.request_timeout)
+        self._lock = threading.Lock()
+        # (namespace, name) -> (resourceVersion our status write was based on, the object the
+        # write returned): the watch cache may not have delivered our own write yet.
+        self._written: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+        # (namespace, name) -> monotonic time of the last status write of progress only.
+        self._progress_written: dict[tuple[str, str], float] = {}
+        self._nodes: dict[str, tuple[float, bool]] = {}
+        self._services: set[tuple[str, str, str]] = set()
 
     # ------------------------------------------------------------------------------ reading
     @staticmethod
@@ -137,7 +178,7 @@ class Reconciler:
                 return None
             raise
 
-    def _list_jobs(self, namespace: str, name: str) -> dict[int, dict[str, Any]]:
+    def _api_jobs(self, namespace: str, name: str) -> list[dict[str, Any]]:
         data = self._json(
             self.batch.list_namespaced_job(
                 namespace,
@@ -145,14 +186,9 @@ class Reconciler:
                 _preload_content=False,
             )
         )
-        jobs: dict[int, dict[str, Any]] = {}
-        for job in data.get("items", []):
-            raw = (job["metadata"].get("labels") or {}).get(render.LABEL_ATTEMPT, "")
-            if raw.isdigit():
-                jobs[int(raw)] = job
-        return jobs
+        return list(data.get("items", []))
 
-    def _list_pods(self, namespace: str, name: str) -> dict[int, list[dict[str, Any]]]:
+    def _api_pods(self, namespace: str, name: str) -> list[dict[str, Any]]:
         data = self._json(
             self.core.list_namespaced_pod(
                 namespace,
@@ -160,19 +196,22 @@ class Reconciler:
                 _preload_content=False,
             )
         )
-        pods: dict[int, list[dict[str, Any]]] = {}
-        for pod in data.get("items", []):
-            raw = (pod["metadata"].get("labels") or {}).get(render.LABEL_ATTEMPT, "")
-            if raw.isdigit():
-                pods.setdefault(int(raw), []).append(pod)
-        return pods
+        return list(data.get("items", []))
+
+    def _list_pods(self, namespace: str, name: str) -> dict[int, list[dict[str, Any]]]:
+        return _by_attempt(self._api_pods(namespace, name))
 
     def _get_workload(
-        self, namespace: str, job: dict[str, Any] | None
+        self, namespace: str, job: dict[str, Any] | None, cached: Cached | None = None
     ) -> tuple[dict[str, Any] | None, str | None]:
         if job is None:
             return None, None
         uid = job["metadata"]["uid"]
+        if cached is not None:
+            workload = cached.workloads.get(uid)
+            if workload is None:
+                return None, None
+            return workload, str(workload.get("apiVersion", "")).rpartition("/")[2] or None
         for version in KUEUE_VERSIONS:
             try:
                 data = self._json(
@@ -195,7 +234,13 @@ class Reconciler:
 
     def _node_ready(self, pods: list[dict[str, Any]]) -> dict[str, bool]:
         ready: dict[str, bool] = {}
+        now = time.monotonic()
         for node_name in {(p.get("spec") or {}).get("nodeName") for p in pods} - {None}:
+            with self._lock:
+                hit = self._nodes.get(node_name)
+            if hit is not None and now - hit[0] < self.config.node_cache_seconds:
+                ready[node_name] = hit[1]
+                continue
             try:
                 node = self._json(self.core.read_node(node_name, _preload_content=False))
             except ApiException as exc:
@@ -210,12 +255,27 @@ class Reconciler:
             ready[node_name] = any(
                 c.get("type") == "Ready" and c.get("status") == "True" for c in conds
             )
+            with self._lock:
+                self._nodes[node_name] = (now, ready[node_name])
         return ready
 
-    def _observe(self, namespace: str, name: str) -> _Observed | None:
-        obj = self._get_tj(namespace, name)
+    def _current_tj(
+        self, namespace: str, name: str, cached: Cached | None
+    ) -> dict[str, Any] | None:
+        obj = cached.obj if cached is not None and cached.obj is not None else None
+        if obj is None:
+            return self._get_tj(namespace, name)
+        with self._lock:
+            written = self._written.get((namespace, name))
+        if written is not None and obj["metadata"].get("resourceVersion") == written[0]:
+            return written[1]  # the cache still holds the version our last write replaced
+        return obj
+
+    def _observe(self, namespace: str, name: str, cached: Cached | None = None) -> _Observed | None:
+        obj = self._current_tj(namespace, name, cached)
         if obj is None:
             return None
+        uid = obj["metadata"].get("uid")
         status = models.TrainingJobStatus.model_validate(obj.get("status") or {})
         spec: models.TrainingJobSpec | None = None
         invalid = render.validate_name(name)
@@ -223,13 +283,25 @@ class Reconciler:
             spec = models.parse_spec(obj.get("spec"))
         except ValidationError as exc:
             invalid = models.format_validation_error(exc)
-        jobs = self._list_jobs(namespace, name)
-        pods = self._list_pods(namespace, name)
+        raw_jobs = cached.jobs if cached is not None else self._api_jobs(namespace, name)
+        raw_pods = cached.pods if cached is not None else self._api_pods(namespace, name)
+        # Children are ours only by owner uid: a TrainingJob re-created under the same name
+        # must never adopt the previous incarnation's Jobs or pods (still being deleted).
+        owned_jobs = [j for j in raw_jobs if owned_by(j, uid)]
+        job_uids = {j["metadata"].get("uid") for j in owned_jobs}
+        jobs = {n: js[0] for n, js in _by_attempt(owned_jobs).items()}
+        pods = _by_attempt([p for p in raw_pods if pod_owned(p, uid, job_uids)])
+        now_s = self.clock()
+        previous = [
+            p
+            for p in raw_pods
+            if not pod_owned(p, uid, job_uids) and not pod_finished(p, self._node_ready([p]), now_s)
+        ]
         attempt = max([status.attempt or 0, *jobs.keys()])
         job = jobs.get(attempt)
         workload, version = (None, None)
         if spec is not None and spec.queue_name:
-            workload, version = self._get_workload(namespace, job)
+            workload, version = self._get_workload(namespace, job, cached)
         current_pods = pods.get(attempt, [])
         return _Observed(
             obj=obj,
@@ -244,23 +316,24 @@ class Reconciler:
             workload=workload,
             workload_version=version,
             node_ready=self._node_ready(current_pods),
+            previous_pods=previous,
         )
 
     # ------------------------------------------------------------------------------ the pass
-    def reconcile(self, namespace: str, name: str) -> PassResult:
+    def reconcile(self, namespace: str, name: str, cached: Cached | None = None) -> PassResult:
         t0 = time.monotonic()
         try:
-            return self._reconcile(namespace, name)
+            return self._reconcile(namespace, name, cached)
         except Exception:
             metrics.RECONCILE_ERRORS.inc()
             raise
         finally:
             metrics.RECONCILE_SECONDS.observe(time.monotonic() - t0)
 
-    def _reconcile(self, namespace: str, name: str) -> PassResult:
-        obs = self._observe(namespace, name)
+    def _reconcile(self, namespace: str, name: str, cached: Cached | None) -> PassResult:
+        obs = self._observe(namespace, name, cached)
         if obs is None:
-            return PassResult()
+            return PassResult(done=True)
         now = now_rfc3339()
         old_status = obs.status.to_k8s()
         status = obs.status.model_copy(deep=True)
@@ -330,6 +403,7 @@ class Reconciler:
                 max_restarts=spec.max_restarts if spec else 0,
                 backoff_remaining=backoff_remaining,
                 kueue=bool(spec and spec.queue_name),
+                previous_pods_active=len(obs.previous_pods),
             )
         )
         result.action = decision.action
@@ -427,17 +501,45 @@ class Reconciler:
             status.message = None
         status.observed_generation = generation
         new_status = status.to_k8s()
-        if new_status != old_status and not self._write_status(obs.obj, new_status):
-            result.requeue_after = 0.5
-            return result  # conflict: the next pass re-reads and redoes this one
+        key = (namespace, name)
+        write = new_status != old_status
+        if write and _progress_only(old_status, new_status) and not result.events:
+            # The runtime's step and timings alone: at most every status_progress_interval.
+            with self._lock:
+                last = self._progress_written.get(key)
+            write = last is None or time.monotonic() - last >= self.config.status_progress_interval
+        if write:
+            if not self._write_status(obs.obj, new_status):
+                result.requeue_after = 0.5
+                return result  # conflict: the next pass re-reads and redoes this one
+            with self._lock:
+                self._progress_written[key] = time.monotonic()
         for event in result.events:
             self._event(obs.obj, *event)
         for fn in after_status:
             fn()
 
-        if result.requeue_after is None and new_phase not in ("Succeeded", "Failed", "Suspended"):
-            result.requeue_after = self.config.poll_interval
+        terminal = new_phase in ("Succeeded", "Failed")
+        if terminal and result.requeue_after is None:
+            result.done = True
+            self.forget(namespace, name)
+        elif result.requeue_after is None:
+            # Watch events wake the next pass; a timer only where time itself matters: scraping
+            # a running attempt, pods that may be on a lost node.
+            busy = bool(obs.pods) and new_phase in ("Running", "Checkpointing", "Pending")
+            result.requeue_after = jittered(
+                self.config.poll_interval if busy else self.config.idle_resync
+            )
         return result
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop what the operator keeps for a finished or deleted TrainingJob (its metric
+        series included: a gauge per job must not outlive the job)."""
+        with self._lock:
+            self._written.pop((namespace, name), None)
+            self._progress_written.pop((namespace, name), None)
+            self._services = {k for k in self._services if k[:2] != (namespace, name)}
+        metrics.forget_job(namespace, name)
 
     def release_all(self, namespace: str, name: str) -> None:
         """The TrainingJob is being deleted: let garbage collection remove its pods."""
@@ -445,10 +547,15 @@ class Reconciler:
             self._release_pods(pods)
 
     def release_orphan_pod(self, pod: dict[str, Any]) -> None:
-        """Release a deleted pod whose TrainingJob no longer exists."""
+        """Release a deleted pod whose TrainingJob no longer exists (or was re-created: a
+        TrainingJob of the same name with another uid)."""
         meta = pod.get("metadata") or {}
         tj = (meta.get("labels") or {}).get(render.LABEL_TRAINING_JOB)
-        if tj and self._get_tj(meta["namespace"], tj) is None:
+        if not tj:
+            return
+        current = self._get_tj(meta["namespace"], tj)
+        recorded = tj_uid_of(pod)
+        if current is None or (recorded is not None and recorded != current["metadata"]["uid"]):
             self._release_pods([pod])
 
     # ------------------------------------------------------------------------------ actions
@@ -511,6 +618,8 @@ class Reconciler:
                     job_body["metadata"]["name"], namespace, _preload_content=False
                 )
             )
+            if not owned_by(existing, meta["uid"]):
+                self._replace_foreign(existing, "Job", meta)
             ann = existing["metadata"].get("annotations") or {}
             params = render.AttemptParams(
                 attempt=attempt,
@@ -580,7 +689,9 @@ class Reconciler:
             timings.sigterm_to_exit_seconds_max = _max(
                 timings.sigterm_to_exit_seconds_max, msg.sigterm_to_exit_seconds
             )
-        killed = any(e.killed for e in ends)
+        # Only a kill at the grace deadline says the grace was too short: not an OOM kill, not
+        # ranks killed while they waited for a peer that failed for real.
+        killed = killed_at_grace(ends)
         if killed and interruption.outcome != "Succeeded" and record.grace_seconds:
             # It needed more than its grace: a lower bound of the true SIGTERM-to-exit time.
             timings.sigterm_to_exit_seconds_max = _max(
@@ -683,12 +794,47 @@ class Reconciler:
         )
 
     def _ensure_service(self, meta: dict[str, Any], spec: models.TrainingJobSpec) -> None:
+        """Create the rendezvous Service. AlreadyExists is success only when it is ours; one of
+        an earlier incarnation (same name, being garbage collected) is deleted and the pass
+        retried; anyone else's is a conflict the user must resolve."""
+        key = (meta["namespace"], meta["name"], meta["uid"])
+        if key in self._services:
+            return
         body = render.render_service(meta, spec)
         try:
             self.core.create_namespaced_service(meta["namespace"], body)
         except ApiException as exc:
             if exc.status != 409:
                 raise
+            existing = self._json(
+                self.core.read_namespaced_service(
+                    body["metadata"]["name"], meta["namespace"], _preload_content=False
+                )
+            )
+            if not owned_by(existing, meta["uid"]):
+                self._replace_foreign(existing, "Service", meta)
+        with self._lock:
+            self._services.add(key)
+
+    def _replace_foreign(self, existing: dict[str, Any], kind: str, meta: dict[str, Any]) -> None:
+        """``existing`` holds the name a child of ``meta`` needs but is not ours."""
+        refs = existing["metadata"].get("ownerReferences") or []
+        name = existing["metadata"]["name"]
+        if any(r.get("kind") == models.KIND and r.get("name") == meta["name"] for r in refs):
+            # Left by a deleted TrainingJob of the same name: remove it now (garbage collection
+            # would, later) and create ours on the next pass.
+            delete = (
+                self.core.delete_namespaced_service
+                if kind == "Service"
+                else self.batch.delete_namespaced_job
+            )
+            with contextlib.suppress(ApiException):
+                delete(name, meta["namespace"], propagation_policy="Background")
+            raise ChildConflict(f"{kind} {name} belongs to an earlier {meta['name']}; replacing it")
+        raise ChildConflict(
+            f"{kind} {meta['namespace']}/{name} exists and is not owned by TrainingJob "
+            f"{meta['name']}: delete or rename it"
+        )
 
     def _stop_pods(self, pods: list[dict[str, Any]]) -> None:
         """Graceful delete: SIGTERM, the pod's grace period, then SIGKILL (JIT checkpoint)."""
@@ -850,13 +996,23 @@ class Reconciler:
             "status": status,
         }
         try:
-            self.custom.replace_namespaced_custom_object_status(
-                models.GROUP, models.VERSION, meta["namespace"], models.PLURAL, meta["name"], body
+            written = self._json(
+                self.custom.replace_namespaced_custom_object_status(
+                    models.GROUP,
+                    models.VERSION,
+                    meta["namespace"],
+                    models.PLURAL,
+                    meta["name"],
+                    body,
+                    _preload_content=False,
+                )
             )
         except ApiException as exc:
             if exc.status in (404, 409):
                 return False
             raise
+        with self._lock:
+            self._written[(meta["namespace"], meta["name"])] = (meta["resourceVersion"], written)
         return True
 
     def _event(self, obj: dict[str, Any], etype: str, reason: str, message: str) -> None:
@@ -904,6 +1060,49 @@ class Reconciler:
 
 
 # ---------------------------------------------------------------------------------- helpers
+class ChildConflict(RuntimeError):
+    """A child's name is taken by an object this TrainingJob does not own (retried later)."""
+
+
+def _default_request_timeout(api_client: Any, timeout: tuple[float, float]) -> None:
+    """Give every request of ``api_client`` a (connect, read) timeout unless one is passed:
+    the generated API classes pass ``_request_timeout=None`` (wait forever) by default."""
+    call_api = api_client.call_api
+    if getattr(call_api, "_preemptible_timeout", None) is not None:
+        return
+
+    def with_timeout(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("_request_timeout") is None:
+            kwargs["_request_timeout"] = timeout
+        return call_api(*args, **kwargs)
+
+    with_timeout._preemptible_timeout = timeout  # type: ignore[attr-defined]
+    api_client.call_api = with_timeout
+
+
+_PROGRESS_KEYS = ("progress", "timings", "lastCompleteCheckpoint", "gracePeriod")
+
+
+def _progress_only(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether two statuses differ only in what the runtime's /metrics refresh every pass."""
+    strip = lambda d: {k: v for k, v in d.items() if k not in _PROGRESS_KEYS}  # noqa: E731
+    return strip(old) == strip(new)
+
+
+def _by_attempt(objs: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    out: dict[int, list[dict[str, Any]]] = {}
+    for obj in objs:
+        raw = (obj["metadata"].get("labels") or {}).get(render.LABEL_ATTEMPT, "")
+        if raw.isdigit():
+            out.setdefault(int(raw), []).append(obj)
+    return out
+
+
+def jittered(seconds: float, spread: float = 0.2) -> float:
+    """``seconds`` +- ``spread`` (fraction), so periodic passes of many jobs spread out."""
+    return seconds * (1.0 + random.uniform(-spread, spread))
+
+
 def _rfc3339(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 

@@ -18,6 +18,7 @@ __all__ = [
     "ANNOTATION_GRACE",
     "ANNOTATION_RESUME_FROM",
     "ANNOTATION_START_STEP",
+    "ANNOTATION_TJ_UID",
     "ATTEMPT_FINALIZER",
     "CONTAINER_NAME",
     "JOB_COMPLETION_INDEX_ANNOTATION",
@@ -42,6 +43,9 @@ LABEL_ATTEMPT = "preemptible.dev/attempt"
 ANNOTATION_GRACE = "preemptible.dev/grace-seconds"
 ANNOTATION_RESUME_FROM = "preemptible.dev/resume-from"
 ANNOTATION_START_STEP = "preemptible.dev/start-step"
+# The TrainingJob's uid on its Jobs and pods: children of a deleted incarnation under the same
+# name are never taken for the new one's (see ownership.py).
+ANNOTATION_TJ_UID = "preemptible.dev/training-job-uid"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 JOB_COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
@@ -305,6 +309,7 @@ def render_pod_template(
             "annotations": {
                 ANNOTATION_GRACE: str(params.grace_seconds),
                 ANNOTATION_RESUME_FROM: params.resume_from,
+                **({ANNOTATION_TJ_UID: meta["uid"]} if meta.get("uid") else {}),
             },
             "finalizers": [ATTEMPT_FINALIZER],
         },

@@ -10,6 +10,7 @@ from preemptible_operator.classify import (
     NODE_LOST_KILL_MARGIN,
     classify_interruption,
     container_end,
+    killed_at_grace,
     pod_finished,
 )
 from preemptible_operator.conditions import Reason
@@ -336,3 +337,61 @@ def test_pod_finished(
     pod: dict[str, Any], node_ready: dict[str, bool] | None, now: float | None, finished: bool
 ) -> None:
     assert pod_finished(pod, node_ready, now) is finished
+
+
+def _oom(pod: dict[str, Any]) -> dict[str, Any]:
+    pod["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] = "OOMKilled"
+    return pod
+
+
+@pytest.mark.parametrize(
+    ("pods", "outcome", "reason", "culprit"),
+    [
+        # Exit 137 from the OOM killer is a failure with its own reason, not a grace problem.
+        ([_oom(make_pod(phase="Failed", exit_code=137))], "Failed", "OOMKilled", "tj-a1-0-x"),
+        # Rank 1 failed for real; rank 0 was killed while it waited for it: rank 1 is the cause.
+        (
+            [
+                make_pod("r0", index=0, phase="Failed", exit_code=137),
+                make_pod("r1", index=1, phase="Failed", exit_code=1, message="CUDA error"),
+            ],
+            "Failed",
+            "TrainingFailed",
+            "r1",
+        ),
+        (
+            [
+                make_pod("r0", index=0, phase="Failed", exit_code=137),
+                _oom(make_pod("r1", index=1, phase="Failed", exit_code=137)),
+            ],
+            "Failed",
+            "OOMKilled",
+            "r1",
+        ),
+    ],
+)
+def test_oom_and_the_failing_rank_are_named(
+    pods: list[dict[str, Any]], outcome: str, reason: str, culprit: str
+) -> None:
+    result = classify_interruption(make_job(completions=len(pods)), pods)
+    assert (result.outcome, result.reason) == (outcome, reason)
+    assert f"pod {culprit} " in result.message
+
+
+@pytest.mark.parametrize(
+    ("exits", "oom", "killed"),
+    [
+        ([137], False, True),  # SIGKILLed at the grace deadline
+        ([137], True, False),  # the OOM killer: says nothing about the grace period
+        ([75, 137], False, True),  # one rank saved in time, one did not
+        ([1, 137], False, False),  # a peer failed for real: the other was killed waiting
+        ([75, 75], False, False),
+        ([0], False, False),
+    ],
+)
+def test_killed_at_grace(exits: list[int], oom: bool, killed: bool) -> None:
+    pods = [make_pod(f"r{i}", index=i, phase="Failed", exit_code=c) for i, c in enumerate(exits)]
+    if oom:
+        _oom(pods[0])
+    ends = [e for e in (container_end(p) for p in pods) if e is not None]
+    assert killed_at_grace(ends) is killed

@@ -157,3 +157,13 @@ def test_next_phase(inputs: PhaseInputs, phase: str, action: str) -> None:
 )
 def test_backoff_seconds(base: int, failures: int, expected: int) -> None:
     assert backoff_seconds(base, failures) == expected
+
+
+def test_no_attempt_starts_while_an_earlier_incarnations_pods_run() -> None:
+    """A TrainingJob re-created under the same name waits for the old pods (they may still be
+    writing their JIT checkpoint to the same storage) before it creates attempt 1."""
+    from preemptible_operator.phases import PhaseInputs, next_phase
+
+    waiting = next_phase(PhaseInputs(attempt=0, previous_pods_active=2))
+    assert (waiting.action, waiting.reason) == ("none", "PreviousPodsStopping")
+    assert next_phase(PhaseInputs(attempt=0)).action == "create_attempt"
