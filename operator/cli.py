@@ -89,6 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between passes while an attempt runs (metrics scraping)",
     )
     run.add_argument("--no-scrape", action="store_true", help="do not read the pods' /metrics")
+    run.add_argument(
+        "--max-grace-seconds",
+        type=int,
+        default=None,
+        metavar="S",
+        help="cap every TrainingJob's grace period (pinned or computed) at S seconds",
+    )
+    run.add_argument(
+        "--no-kueue",
+        action="store_true",
+        help="do not watch Kueue Workloads (Kueue not installed, or no RBAC for it)",
+    )
     run.add_argument("--log-format", choices=("json", "text"), default="json")
     run.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     sub.add_parser("rbac", help="print the ClusterRole with exactly the access the operator uses")
@@ -136,7 +148,11 @@ def _run(args: argparse.Namespace) -> int:
     path_map = dataclasses.replace(path_map, storage_options=options)
     handlers.configure(
         OperatorConfig(
-            path_map=path_map, scrape_metrics=not args.no_scrape, poll_interval=args.poll_interval
+            path_map=path_map,
+            scrape_metrics=not args.no_scrape,
+            poll_interval=args.poll_interval,
+            max_grace_seconds=args.max_grace_seconds,
+            kueue=not args.no_kueue,
         ),
         kubeconfig=os.path.abspath(args.kubeconfig) if args.kubeconfig else None,
     )

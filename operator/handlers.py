@@ -104,19 +104,25 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
             return kopf.login_with_kubeconfig(**kwargs)
         return kopf.login_via_client(**kwargs)
 
-    @kopf.index("batch", "v1", "jobs", registry=registry, **selector)
+    @kopf.index("batch", "v1", "jobs", registry=registry, id="tj_jobs", **selector)
     def tj_jobs(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> Any:
         return {(namespace, labels[render.LABEL_TRAINING_JOB]): _plain(body)}
 
-    @kopf.index("", "v1", "pods", registry=registry, **selector)
+    @kopf.index("", "v1", "pods", registry=registry, id="tj_pods", **selector)
     def tj_pods(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> Any:
         return {(namespace, labels[render.LABEL_TRAINING_JOB]): _plain(body)}
 
-    @kopf.index(
-        KUEUE_GROUP, "workloads", registry=registry, labels={KUEUE_JOB_UID_LABEL: kopf.PRESENT}
-    )
-    def tj_workloads(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> Any:
-        return {(namespace, labels[KUEUE_JOB_UID_LABEL]): _plain(body)}
+    if _state["config"].kueue:
+
+        @kopf.index(
+            KUEUE_GROUP,
+            "workloads",
+            registry=registry,
+            labels={KUEUE_JOB_UID_LABEL: kopf.PRESENT},
+            id="tj_workloads",
+        )
+        def tj_workloads(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> Any:
+            return {(namespace, labels[KUEUE_JOB_UID_LABEL]): _plain(body)}
 
     @kopf.daemon(
         models.GROUP,
@@ -133,7 +139,7 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
         stopped: Any,
         tj_jobs: kopf.Index,  # type: ignore[type-arg]
         tj_pods: kopf.Index,  # type: ignore[type-arg]
-        tj_workloads: kopf.Index,  # type: ignore[type-arg]
+        tj_workloads: kopf.Index | None = None,  # type: ignore[type-arg]
         **_: Any,
     ) -> None:
         key = (namespace, name)
@@ -151,7 +157,7 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
                     workloads={
                         uid: next(iter(tj_workloads[(namespace, uid)]))
                         for uid in (j["metadata"].get("uid") for j in jobs)
-                        if uid and (namespace, uid) in tj_workloads
+                        if uid and tj_workloads is not None and (namespace, uid) in tj_workloads
                     },
                 )
                 try:

@@ -10,6 +10,7 @@ Only the official Kubernetes client is used.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -37,13 +38,21 @@ from preemptible_operator.classify import (
     pod_finished,
 )
 from preemptible_operator.conditions import Reason
-from preemptible_operator.grace import grace_sufficiency, next_grace
+from preemptible_operator.grace import GraceDecision, grace_sufficiency, next_grace
 from preemptible_operator.ownership import owned_by, pod_owned, tj_uid_of
 from preemptible_operator.phases import PhaseInputs, backoff_seconds, next_phase
 from preemptible_operator.resume import attempt_fence, resume_checkpoint
 from preemptible_operator.scrape import RuntimeMetrics, scrape
 
-__all__ = ["Cached", "OperatorConfig", "PassResult", "Reconciler", "now_rfc3339"]
+__all__ = [
+    "Cached",
+    "OperatorConfig",
+    "PassResult",
+    "Reconciler",
+    "cap_grace",
+    "jittered",
+    "now_rfc3339",
+]
 
 log = logging.getLogger("preemptible_operator")
 
@@ -83,6 +92,11 @@ class OperatorConfig:
     often; every other change is written at once."""
     request_timeout: tuple[float, float] = (5.0, 30.0)
     """(connect, read) timeout of every API request, so a stuck call never holds a worker."""
+    kueue: bool = True
+    """Watch Kueue Workloads (off: Kueue not installed or no RBAC for Workloads)."""
+    max_grace_seconds: int | None = None
+    """Cluster admin's cap on any TrainingJob's grace period (pinned or computed): a
+    low-priority job cannot keep its GPUs for hours after Kueue preempts it."""
     node_cache_seconds: float = 10.0
     """How long one read of a node's readiness is reused (by every job on that node)."""
     component: str = "preemptible-operator"
@@ -583,7 +597,10 @@ class Reconciler:
 
         last = (status.attempts or [])[-1] if status.attempts else None
         killed_grace = last.grace_seconds if last is not None and last.killed else None
-        decision = next_grace(spec.grace_period, status.timings, killed_grace)
+        decision = cap_grace(
+            next_grace(spec.grace_period, status.timings, killed_grace),
+            self.config.max_grace_seconds,
+        )
         view = CheckpointView(spec.checkpoint.uri, self.config.path_map)
         snapshot = view.snapshot()
         reported = status.last_complete_checkpoint
@@ -945,7 +962,10 @@ class Reconciler:
     ) -> None:
         last = (status.attempts or [])[-1] if status.attempts else None
         killed_grace = last.grace_seconds if last and last.killed and last.end_time else None
-        decision = next_grace(spec.grace_period, status.timings, killed_grace)
+        decision = cap_grace(
+            next_grace(spec.grace_period, status.timings, killed_grace),
+            self.config.max_grace_seconds,
+        )
         gp = status.grace_period or models.GraceStatus()
         gp.recommended = decision.seconds
         gp.reason = decision.reason
@@ -1096,6 +1116,17 @@ def _by_attempt(objs: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
         if raw.isdigit():
             out.setdefault(int(raw), []).append(obj)
     return out
+
+
+def cap_grace(decision: GraceDecision, cap: int | None) -> GraceDecision:
+    """``decision`` with its seconds clamped to the operator's ``--max-grace-seconds``."""
+    if cap is None or decision.seconds <= cap:
+        return decision
+    return dataclasses.replace(
+        decision,
+        seconds=cap,
+        reason=f"{decision.reason}; capped at {cap} s by the operator (--max-grace-seconds)",
+    )
 
 
 def jittered(seconds: float, spread: float = 0.2) -> float:

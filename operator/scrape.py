@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
+import http.client
+import time
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from trainer_runtime.protocol import METRIC_NAMES
 
-__all__ = ["RuntimeMetrics", "parse_metrics", "scrape"]
+__all__ = ["MAX_BODY_BYTES", "RuntimeMetrics", "parse_metrics", "scrape"]
 
 
 @dataclass(frozen=True)
@@ -39,14 +39,49 @@ def parse_metrics(text: str) -> RuntimeMetrics:
     return RuntimeMetrics(values)
 
 
-def scrape(host: str, port: int, timeout: float = 2.0) -> RuntimeMetrics | None:
-    """GET http://host:port/metrics; None when the pod does not answer (not started, gone)."""
-    url = f"http://{host}:{port}/metrics"
+MAX_BODY_BYTES = 256 * 1024
+"""The runtime's /metrics is a few kB; more is not ours (or is hostile): stop reading."""
+
+
+def scrape(
+    host: str, port: int, timeout: float = 2.0, max_bytes: int = MAX_BODY_BYTES
+) -> RuntimeMetrics | None:
+    """GET http://host:port/metrics within ``timeout`` seconds in total (connect, headers and
+    body together, however slowly the pod sends) and at most ``max_bytes`` of body; None when
+    the pod does not answer in time (not started, gone, too slow, too large)."""
+    deadline = time.monotonic() + timeout
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            text = resp.read().decode("utf-8", errors="replace")
-    except (urllib.error.URLError, OSError, ValueError):
+        conn.request("GET", "/metrics", headers={"Accept": "text/plain"})
+        sock = conn.sock
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        resp = conn.getresponse()
+        if resp.status != 200:
+            return None
+        length = resp.getheader("Content-Length")
+        if length is not None and length.isdigit() and int(length) > max_bytes:
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if resp.isclosed():
+                break
+            sock.settimeout(left)
+            chunk = resp.read1(65536)
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > max_bytes:
+                return None
+            chunks.append(chunk)
+        text = b"".join(chunks).decode("utf-8", errors="replace")
+    except (OSError, http.client.HTTPException, ValueError, AttributeError):
         return None
+    finally:
+        conn.close()
     try:
         return parse_metrics(text)
     except ValueError:

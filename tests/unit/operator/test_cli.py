@@ -34,6 +34,9 @@ def test_run_arguments() -> None:
         2.0,
     )
     assert args.peering is None and args.liveness.endswith("/healthz")
+    assert args.max_grace_seconds is None and not args.no_kueue
+    capped = cli.build_parser().parse_args(["run", "--max-grace-seconds", "600", "--no-kueue"])
+    assert (capped.max_grace_seconds, capped.no_kueue) == (600, True)
 
 
 @pytest.mark.parametrize(

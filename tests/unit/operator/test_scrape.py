@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import http.server
+import threading
+import time
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from preemptible_operator.scrape import parse_metrics, scrape
@@ -41,3 +46,49 @@ def test_scrape_a_live_endpoint_and_a_dead_one() -> None:
         server.shutdown()
         thread.join(5)
     assert scrape("127.0.0.1", port, timeout=0.5) is None
+
+
+def _serve(handler_body: bytes, trickle: float = 0.0) -> tuple[Any, int]:
+    """A one-endpoint HTTP server that answers ``handler_body``, ``trickle`` s per 1 kB."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            for i in range(0, len(handler_body), 1024):
+                try:
+                    self.wfile.write(handler_body[i : i + 1024])
+                    self.wfile.flush()
+                except OSError:
+                    return
+                time.sleep(trickle)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, server.server_address[1]
+
+
+def test_scrape_caps_the_body_size() -> None:
+    """A pod that streams an endless body must not exhaust the operator's memory."""
+    body = TEXT.encode() + b"# padding\n" * 200_000
+    server, port = _serve(body)
+    try:
+        assert scrape("127.0.0.1", port, timeout=5, max_bytes=64 * 1024) is None
+        assert scrape("127.0.0.1", port, timeout=5, max_bytes=len(body) + 1) is not None
+    finally:
+        server.shutdown()
+
+
+def test_scrape_bounds_the_total_time() -> None:
+    """A pod that trickles its answer (each read well within a per-read timeout) must not hold
+    a worker longer than the scrape timeout in total."""
+    server, port = _serve(TEXT.encode() * 40, trickle=0.3)
+    try:
+        t0 = time.monotonic()
+        assert scrape("127.0.0.1", port, timeout=1.0) is None
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        server.shutdown()
