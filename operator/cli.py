@@ -88,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds between passes while an attempt runs (metrics scraping)",
     )
+    run.add_argument(
+        "--status-progress-interval",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="write a running job's progress (step, timings) alone to its status at most every S "
+        "seconds; other status changes are written at once",
+    )
     run.add_argument("--no-scrape", action="store_true", help="do not read the pods' /metrics")
     run.add_argument(
         "--max-grace-seconds",
@@ -152,6 +160,7 @@ def _run(args: argparse.Namespace) -> int:
             scrape_metrics=not args.no_scrape,
             poll_interval=args.poll_interval,
             max_grace_seconds=args.max_grace_seconds,
+            status_progress_interval=args.status_progress_interval,
             kueue=not args.no_kueue,
         ),
         kubeconfig=os.path.abspath(args.kubeconfig) if args.kubeconfig else None,

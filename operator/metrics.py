@@ -7,6 +7,7 @@ import contextlib
 from prometheus_client import Counter, Gauge, Histogram
 
 __all__ = [
+    "API_REQUESTS",
     "GRACE_SECONDS",
     "LOST_STEPS",
     "PREEMPTIONS",
@@ -39,6 +40,11 @@ LOST_STEPS = Counter(
     "preemptible_operator_lost_steps_total",
     "Training steps computed but not held by any complete checkpoint.",
     ["namespace", "name"],
+)
+API_REQUESTS = Counter(
+    "preemptible_operator_api_requests_total",
+    "Kubernetes API requests made by the reconcile passes (kopf's own watches not included).",
+    ["verb"],
 )
 GRACE_SECONDS = Gauge(
     "preemptible_operator_grace_seconds",

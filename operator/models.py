@@ -472,6 +472,9 @@ class TrainingJobStatus(_Model):
     """When the job reached Succeeded or Failed."""
     checkpoint_storage_readable: bool | None = None
     """Whether the operator reads the checkpoint storage itself."""
+    attempts_omitted: int | None = None
+    """Oldest attempt records dropped from ``attempts`` to bound the object's size (the
+    counters preemptions, failures and lostSteps still cover every attempt)."""
 
 
 # ------------------------------------------------------------------------------------- parsing

@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 from preemptible_operator.classify import Interruption
 from preemptible_operator.conditions import Reason
 from preemptible_operator.models import Phase
 
-__all__ = ["TERMINAL_PHASES", "Action", "Decision", "PhaseInputs", "backoff_seconds", "next_phase"]
+__all__ = [
+    "MAX_ATTEMPT_RECORDS",
+    "TERMINAL_PHASES",
+    "Action",
+    "Decision",
+    "PhaseInputs",
+    "backoff_seconds",
+    "bound_attempts",
+    "next_phase",
+]
+
+T = TypeVar("T")
 
 TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
 
@@ -61,6 +72,19 @@ class Decision:
     action: Action
     reason: str
     message: str = ""
+
+
+MAX_ATTEMPT_RECORDS = 20
+"""Attempt records kept in status.attempts (about 750 bytes each; an object may hold 1.5 MiB,
+and a job preempted every hour for months would otherwise outgrow it)."""
+
+
+def bound_attempts(attempts: list[T], keep: int = MAX_ATTEMPT_RECORDS) -> tuple[list[T], int]:
+    """The newest ``keep`` records (the current attempt is always the newest) and how many older
+    ones were dropped."""
+    if keep < 1 or len(attempts) <= keep:
+        return attempts, 0
+    return attempts[-keep:], len(attempts) - keep
 
 
 def backoff_seconds(base: int, failures: int, cap: int = 3600) -> int:

@@ -40,7 +40,7 @@ from preemptible_operator.classify import (
 from preemptible_operator.conditions import Reason
 from preemptible_operator.grace import GraceDecision, grace_sufficiency, next_grace
 from preemptible_operator.ownership import owned_by, pod_owned, tj_uid_of
-from preemptible_operator.phases import PhaseInputs, backoff_seconds, next_phase
+from preemptible_operator.phases import PhaseInputs, backoff_seconds, bound_attempts, next_phase
 from preemptible_operator.resume import attempt_fence, resume_checkpoint
 from preemptible_operator.scrape import RuntimeMetrics, scrape
 
@@ -87,7 +87,7 @@ class OperatorConfig:
     idle_resync: float = 300.0
     """Seconds between safety-net passes while nothing runs (queued, pending, backing off
     without a deadline): watch events wake the pass; this only catches a missed event."""
-    status_progress_interval: float = 30.0
+    status_progress_interval: float = 15.0
     """A running attempt's progress (step, timings) alone is written to the status at most this
     often; every other change is written at once."""
     request_timeout: tuple[float, float] = (5.0, 30.0)
@@ -514,6 +514,10 @@ class Reconciler:
         elif new_phase == "Running":
             status.message = None
         status.observed_generation = generation
+        if status.attempts:
+            status.attempts, dropped = bound_attempts(status.attempts)
+            if dropped:
+                status.attempts_omitted = (status.attempts_omitted or 0) + dropped
         new_status = status.to_k8s()
         key = (namespace, name)
         write = new_status != old_status
@@ -1094,6 +1098,8 @@ def _default_request_timeout(api_client: Any, timeout: tuple[float, float]) -> N
     def with_timeout(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("_request_timeout") is None:
             kwargs["_request_timeout"] = timeout
+        verb = args[1] if len(args) > 1 else kwargs.get("method", "?")
+        metrics.API_REQUESTS.labels(str(verb)).inc()
         return call_api(*args, **kwargs)
 
     with_timeout._preemptible_timeout = timeout  # type: ignore[attr-defined]

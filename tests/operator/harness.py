@@ -111,6 +111,9 @@ class OperatorProcess:
             "",
             "--poll-interval",
             "1",
+            # Tests watch the step in the status; production throttles progress-only writes.
+            "--status-progress-interval",
+            "0",
             "--log-format",
             "text",
             *extra,

@@ -167,3 +167,19 @@ def test_no_attempt_starts_while_an_earlier_incarnations_pods_run() -> None:
     waiting = next_phase(PhaseInputs(attempt=0, previous_pods_active=2))
     assert (waiting.action, waiting.reason) == ("none", "PreviousPodsStopping")
     assert next_phase(PhaseInputs(attempt=0)).action == "create_attempt"
+
+
+@pytest.mark.parametrize(
+    ("count", "keep", "kept", "dropped"),
+    [
+        (0, 20, [], 0),
+        (20, 20, list(range(20)), 0),
+        (21, 20, list(range(1, 21)), 1),
+        (500, 20, list(range(480, 500)), 480),
+        (3, 1, [2], 2),  # the current (newest) attempt always stays
+    ],
+)
+def test_bound_attempts(count: int, keep: int, kept: list[int], dropped: int) -> None:
+    from preemptible_operator.phases import bound_attempts
+
+    assert bound_attempts(list(range(count)), keep) == (kept, dropped)

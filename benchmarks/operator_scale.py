@@ -1,0 +1,434 @@
+"""Operator cost at scale on the test control plane (``python -P benchmarks/operator_scale.py``).
+
+Starts the real control plane of the cluster test tier (etcd, kube-apiserver,
+controller-manager, scheduler, Kueue, the stand-in node agent), installs the CRD and runs one
+operator process (``preemptible-operator run``, default settings, admin credentials), then:
+
+(a) queued: N TrainingJobs in a Kueue LocalQueue whose ClusterQueue has no quota. Prints the
+    seconds from the first create until every one has its attempt Job and a status phase.
+(b) running: M TrainingJobs whose pods run ``benchmarks/stub_runtime.py`` (no torch: it serves the
+    runtime's /metrics and advances its step every second). At steady state, over a window:
+    API requests per second per running job (the apiserver's ``apiserver_request_total`` with
+    the operator running, minus the same window with the operator stopped by SIGSTOP; the
+    operator's own request counter as a cross-check), operator CPU (cores) and RSS.
+(c) requeue: stubs exit 75 one by one (a trigger file, spaced out) while the others keep
+    running; the time from each exit to the next attempt's Job appearing in a watch: p50, p90.
+
+    python -P benchmarks/operator_scale.py [--queued 1000] [--running 500] [--requeues 50]
+
+The figures depend on the machine; docs/operator.md ("Operator at scale") records a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from preemptible_operator import models, render  # noqa: E402
+from tests.cluster.binaries import find_binaries  # noqa: E402
+from tests.cluster.controlplane import ControlPlane  # noqa: E402
+from tests.cluster.kueue import Kueue  # noqa: E402
+from tests.cluster.node_agent import NodeAgent  # noqa: E402
+from tests.operator.harness import free_port, install_crd  # noqa: E402
+from trainer_runtime.protocol import METRIC_NAMES  # noqa: E402
+
+TJ_ARGS = (models.GROUP, models.VERSION)
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _wait(what: str, probe: Callable[[], Any], timeout: float, interval: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+# ------------------------------------------------------------------------------- the operator
+class Operator:
+    def __init__(self, kubeconfig: Path, log: Path) -> None:
+        self.metrics_port = free_port()
+        argv = [
+            sys.executable,
+            "-P",
+            "-m",
+            "preemptible_operator.cli",
+            "run",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--all-namespaces",
+            "--metrics-port",
+            str(self.metrics_port),
+            "--liveness",
+            "",
+            "--log-format",
+            "text",
+        ]
+        self.log = log.open("ab")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK
+
+    def rss_mb(self) -> tuple[float, float]:
+        """(current, peak) resident set size in MB."""
+        values = {}
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(rest.split()[0]) / 1024
+        return values["VmRSS"], values["VmHWM"]
+
+    def api_requests(self) -> float:
+        import urllib.request
+
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            text = resp.read().decode()
+        return sum(
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "preemptible_operator_api_requests_total"
+        )
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+def apiserver_requests(client: kubernetes.client.ApiClient) -> float:
+    """Sum of the apiserver's apiserver_request_total (every request it served)."""
+    resp = client.call_api(
+        "/metrics", "GET", _preload_content=False, _return_http_data_only=True, auth_settings=[]
+    )
+    text = resp.data.decode()
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "apiserver_request_total"
+    )
+
+
+# ------------------------------------------------------------------------------- builders
+def training_job(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": models.API_VERSION,
+        "kind": models.KIND,
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def queued_spec(root: Path, queue: str) -> dict[str, Any]:
+    return {
+        "image": "preemptible:bench",
+        "command": ["python", "-c", "pass"],
+        "checkpoint": {"uri": str(root)},
+        "queueName": queue,
+        "resourcesPerNode": {"requests": {"cpu": "1", "memory": "64Mi"}},
+    }
+
+
+def stub_spec(root: Path, control: Path) -> dict[str, Any]:
+    return {
+        "image": "preemptible:bench",
+        "command": ["python", "-P", str(REPO / "benchmarks" / "stub_runtime.py")],
+        "checkpoint": {"uri": str(root)},
+        "resourcesPerNode": {"requests": {"cpu": "10m", "memory": "16Mi"}},
+        "env": [
+            {"name": "STUB_METRIC_NAMES", "value": json.dumps(METRIC_NAMES)},
+            {"name": "STUB_CONTROL_DIR", "value": str(control)},
+            {"name": "STUB_STEP_SECONDS", "value": "1"},
+        ],
+        "gracePeriod": {"seconds": 5},
+    }
+
+
+def create_all(custom: Any, namespace: str, bodies: list[dict[str, Any]]) -> None:
+    def create(body: dict[str, Any]) -> None:
+        custom.create_namespaced_custom_object(*TJ_ARGS, namespace, models.PLURAL, body)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(create, bodies))
+
+
+def count_ready(
+    client: kubernetes.client.ApiClient, namespace: str, phases: set[str]
+) -> tuple[int, int]:
+    """(TrainingJobs with a phase in ``phases``, attempt Jobs) in ``namespace``."""
+    custom = kubernetes.client.CustomObjectsApi(client)
+    batch = kubernetes.client.BatchV1Api(client)
+    items = custom.list_namespaced_custom_object(*TJ_ARGS, namespace, models.PLURAL)["items"]
+    phased = sum(1 for i in items if (i.get("status") or {}).get("phase") in phases)
+    jobs = len(batch.list_namespaced_job(namespace, label_selector=render.LABEL_TRAINING_JOB).items)
+    return phased, jobs
+
+
+# ------------------------------------------------------------------------------- scenarios
+def bench_queued(
+    cp: ControlPlane, kueue: Kueue, op: Operator, n: int, root: Path
+) -> dict[str, float]:
+    ns = "bench-queued"
+    with cp.api_client() as client:
+        kubernetes.client.CoreV1Api(client).create_namespace({"metadata": {"name": ns}})
+        queue = kueue.create_local_queue(ns)
+        custom = kubernetes.client.CustomObjectsApi(client)
+        bodies = [training_job(f"q{i}", queued_spec(root / f"q{i}", queue)) for i in range(n)]
+        cpu0 = op.cpu_seconds()
+        t0 = time.monotonic()
+        create_all(custom, ns, bodies)
+        created = time.monotonic() - t0
+
+        def done() -> bool:
+            phased, jobs = count_ready(client, ns, {"Queued", "Pending"})
+            return phased >= n and jobs >= n
+
+        _wait(f"{n} queued TrainingJobs with a Job and a phase", done, timeout=1800, interval=1.0)
+        seconds = time.monotonic() - t0
+    rss, peak = op.rss_mb()
+    return {
+        "n": n,
+        "create_seconds": created,
+        "seconds": seconds,
+        "cpu_seconds": op.cpu_seconds() - cpu0,
+        "rss_mb": rss,
+        "peak_rss_mb": peak,
+    }
+
+
+def bench_running(
+    cp: ControlPlane, op: Operator, n: int, root: Path, control: Path, window: float
+) -> dict[str, float]:
+    ns = "bench-running"
+    with cp.api_client() as client:
+        kubernetes.client.CoreV1Api(client).create_namespace({"metadata": {"name": ns}})
+        custom = kubernetes.client.CustomObjectsApi(client)
+        bodies = [training_job(f"r{i}", stub_spec(root / f"r{i}", control)) for i in range(n)]
+        t0 = time.monotonic()
+        create_all(custom, ns, bodies)
+        _wait(
+            f"{n} stub jobs Running",
+            lambda: count_ready(client, ns, {"Running"})[0] >= n,
+            timeout=1800,
+            interval=2.0,
+        )
+        started = time.monotonic() - t0
+        _say(f"  {n} stub jobs Running after {started:.1f} s; settling 20 s")
+        time.sleep(20)
+        a0, o0, c0, t1 = (
+            apiserver_requests(client),
+            op.api_requests(),
+            op.cpu_seconds(),
+            time.monotonic(),
+        )
+        time.sleep(window)
+        a1, o1, c1, t2 = (
+            apiserver_requests(client),
+            op.api_requests(),
+            op.cpu_seconds(),
+            time.monotonic(),
+        )
+        rss, peak = op.rss_mb()
+        # The same window with the operator stopped: what everything else costs.
+        op.proc.send_signal(signal.SIGSTOP)
+        try:
+            b0, s0 = apiserver_requests(client), time.monotonic()
+            time.sleep(window / 2)
+            b1, s1 = apiserver_requests(client), time.monotonic()
+        finally:
+            op.proc.send_signal(signal.SIGCONT)
+    with_op = (a1 - a0) / (t2 - t1)
+    without = (b1 - b0) / (s1 - s0)
+    return {
+        "n": n,
+        "start_seconds": started,
+        "window_seconds": t2 - t1,
+        "apiserver_rps_with_operator": with_op,
+        "apiserver_rps_without_operator": without,
+        "operator_rps_per_job": (with_op - without) / n,
+        "operator_counted_rps_per_job": (o1 - o0) / (t2 - t1) / n,
+        "cpu_cores": (c1 - c0) / (t2 - t1),
+        "rss_mb": rss,
+        "peak_rss_mb": peak,
+    }
+
+
+@contextlib.contextmanager
+def job_watch(cp: ControlPlane, namespace: str) -> Iterator[dict[str, float]]:
+    """Records the local time each Job is first seen (ADDED) in ``namespace``."""
+    seen: dict[str, float] = {}
+    stop = threading.Event()
+
+    def run() -> None:
+        with cp.api_client() as client:
+            batch = kubernetes.client.BatchV1Api(client)
+            while not stop.is_set():
+                w = kubernetes.watch.Watch()
+                try:
+                    for ev in w.stream(batch.list_namespaced_job, namespace, timeout_seconds=5):
+                        name = ev["object"].metadata.name
+                        seen.setdefault(name, time.time())
+                        if stop.is_set():
+                            break
+                except Exception:  # a dropped watch: list again
+                    time.sleep(0.2)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def bench_requeue(
+    cp: ControlPlane, n_running: int, count: int, control: Path, spacing: float
+) -> dict[str, float]:
+    ns = "bench-running"
+    latencies: list[float] = []
+    with job_watch(cp, ns) as seen:
+        time.sleep(2)
+        picks = [f"r{i}" for i in range(min(count, n_running))]
+        for name in picks:
+            (control / f"{name}-a1-0.exit").touch()
+            time.sleep(spacing)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if all(f"{name}-a2" in seen for name in picks):
+                break
+            time.sleep(0.5)
+        for name in picks:
+            exited = control / f"{name}-a1-0.exited"
+            if exited.exists() and f"{name}-a2" in seen:
+                latencies.append(seen[f"{name}-a2"] - float(exited.read_text()))
+    if not latencies:
+        return {"count": 0}
+    latencies.sort()
+    return {
+        "count": len(latencies),
+        "missing": len(picks) - len(latencies),
+        "p50": statistics.median(latencies),
+        "p90": latencies[int(0.9 * (len(latencies) - 1))],
+        "max": latencies[-1],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--queued", type=int, default=1000, help="(a) queued TrainingJobs (0: skip)"
+    )
+    parser.add_argument("--running", type=int, default=500, help="(b) running stub jobs (0: skip)")
+    parser.add_argument("--requeues", type=int, default=50, help="(c) stubs that exit 75")
+    parser.add_argument("--requeue-spacing", type=float, default=0.5, help="seconds between exits")
+    parser.add_argument("--window", type=float, default=60.0, help="steady-state window, seconds")
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = parser.parse_args(argv)
+
+    workdir = Path(tempfile.mkdtemp(prefix="preemptible-bench-"))
+    root, control = workdir / "ckpt", workdir / "control"
+    root.mkdir()
+    control.mkdir()
+    binaries = find_binaries()
+    cp = ControlPlane(binaries, workdir / "cluster")
+    kueue = agent = op = None
+    results: dict[str, Any] = {}
+    try:
+        cp.start()
+        _say(f"control plane up in {cp.started_seconds:.1f} s")
+        if args.queued:
+            kueue = Kueue(cp, quota_cpu="0", quota_memory="0")
+            kueue.start()
+        pods = str(max(110, args.running // args.nodes + 10))
+        agent = NodeAgent(
+            cp.kubeconfig,
+            workdir / "node-agent",
+            nodes=[f"bench-{i}" for i in range(args.nodes)],
+            capacity={
+                "cpu": "1000",
+                "memory": "1000Gi",
+                "pods": pods,
+                "ephemeral-storage": "100Gi",
+            },
+            apiserver_port=cp.apiserver_port,
+            k8s_version=binaries.k8s_version,
+        )
+        agent.start(timeout=300)
+        with cp.api_client() as client:
+            install_crd(client)
+        op = Operator(cp.kubeconfig, workdir / "operator.log")
+        time.sleep(5)
+        if args.queued:
+            _say(f"(a) {args.queued} queued TrainingJobs ...")
+            results["queued"] = bench_queued(cp, kueue, op, args.queued, root)
+            _say(f"    {json.dumps(results['queued'])}")
+        if args.running:
+            _say(f"(b) {args.running} running stub jobs ...")
+            results["running"] = bench_running(cp, op, args.running, root, control, args.window)
+            _say(f"    {json.dumps(results['running'])}")
+            if args.requeues:
+                _say(f"(c) {args.requeues} requeues (exit 75 -> next Job) ...")
+                results["requeue"] = bench_requeue(
+                    cp, args.running, args.requeues, control, args.requeue_spacing
+                )
+                _say(f"    {json.dumps(results['requeue'])}")
+        rss, peak = op.rss_mb()
+        results["operator"] = {"rss_mb": rss, "peak_rss_mb": peak, "cpu_seconds": op.cpu_seconds()}
+    finally:
+        if op is not None:
+            op.stop()
+        if agent is not None:
+            agent.stop()
+        if kueue is not None:
+            kueue.stop()
+        cp.stop()
+        if args.keep:
+            _say(f"work directory kept: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
