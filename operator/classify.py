@@ -25,6 +25,7 @@ __all__ = [
     "is_kueue_admitted",
     "job_condition",
     "killed_at_grace",
+    "pending_detail",
     "pod_finished",
     "workload_condition",
 ]
@@ -32,6 +33,23 @@ __all__ = [
 Outcome = Literal["Active", "Succeeded", "Preempted", "Failed", "Suspended"]
 
 SIGKILL_EXIT = 128 + 9
+
+START_FAILURE_EVICTIONS = frozenset({"PodsReadyTimeout", "AdmissionCheck"})
+"""Kueue Workload eviction reasons that, for an attempt whose pods never ran, mean it could not
+start (rather than that it was preempted)."""
+
+# Waiting reasons of a container that will not start without a change (kubelet's names).
+_STUCK_WAITING = frozenset(
+    {
+        "ImagePullBackOff",
+        "ErrImagePull",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "RunContainerError",
+        "CrashLoopBackOff",
+    }
+)
 
 _DISRUPTION_REASONS = {
     "EvictionByEvictionAPI": Reason.POD_EVICTED,
@@ -193,6 +211,26 @@ def pod_finished(
     return deadline is not None and now >= deadline + NODE_LOST_KILL_MARGIN
 
 
+def pending_detail(pods: Iterable[Mapping[str, Any]]) -> str | None:
+    """Why the pods of an attempt do not run yet, as the cluster says it: a container stuck
+    waiting (ImagePullBackOff, CreateContainerConfigError, ...) or the scheduler's reason
+    (``PodScheduled`` False: e.g. unbound PersistentVolumeClaims, no node fits). None when
+    nothing is known to be wrong."""
+    for pod in pods:
+        name = (pod.get("metadata") or {}).get("name")
+        status = pod.get("status") or {}
+        for cs in status.get("containerStatuses") or []:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in _STUCK_WAITING:
+                detail = f": {waiting['message']}" if waiting.get("message") else ""
+                return f"pod {name}: {waiting['reason']}{detail}"
+        for cond in status.get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+                detail = f": {cond['message']}" if cond.get("message") else ""
+                return f"pod {name}: {cond.get('reason') or 'Unschedulable'}{detail}"
+    return None
+
+
 def _disruption(pods: Iterable[Mapping[str, Any]]) -> tuple[str, str] | None:
     for pod in pods:
         cond = _pod_condition(pod, "DisruptionTarget")
@@ -226,6 +264,14 @@ def _kueue_eviction(
         cond = workload_condition(workload, ctype)
         if cond is not None:
             reason = cond.get("reason") or ctype
+            if ctype == "Evicted" and reason in START_FAILURE_EVICTIONS and not was_admitted:
+                # Not a preemption: the pods never ran (a bad image under waitForPodsReady, a
+                # rejected admission check). Counted as a failure, so maxRestarts and the
+                # restart backoff apply instead of an immediate requeue forever.
+                return Reason.PODS_NEVER_READY, (
+                    f"Kueue evicted the attempt ({reason}) before any pod ran: "
+                    f"{cond.get('message') or ''}"
+                ).rstrip(": ")
             kind = (
                 Reason.KUEUE_PREEMPTED
                 if "Preempt" in reason or ctype == "Preempted"
@@ -267,7 +313,8 @@ def classify_interruption(
         return Interruption("Suspended", Reason.SUSPENDED, "suspended by the user (spec.suspend)")
     kueue = _kueue_eviction(job, workload, was_admitted)
     if kueue is not None:
-        return Interruption("Preempted", *kueue)
+        outcome: Outcome = "Failed" if kueue[0] == Reason.PODS_NEVER_READY else "Preempted"
+        return Interruption(outcome, *kueue)
     disruption = _disruption(pods)
     if disruption is not None:
         return Interruption("Preempted", *disruption)

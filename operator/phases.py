@@ -61,6 +61,11 @@ class PhaseInputs:
     max_restarts: int = 0
     backoff_remaining: float = 0.0
     kueue: bool = False
+    pending_detail: str | None = None
+    """Why the pods do not run yet (classify.pending_detail), shown while Pending."""
+    spec_rejected: bool = False
+    """The spec was edited into an invalid one after the job had run and no valid spec is at
+    hand: hold (no new attempt) until it is fixed, never fail for it."""
     previous_pods_active: int = 0
     """Pods of an earlier TrainingJob of the same name (another uid) that may still run and
     write to the same checkpoint storage."""
@@ -100,6 +105,13 @@ def next_phase(obs: PhaseInputs) -> Decision:
     No attempt is created while pods of an earlier TrainingJob of the same name still run:
     they may be writing their JIT checkpoint to the same storage."""
     decision = _next_phase(obs)
+    if decision.action == "create_attempt" and obs.spec_rejected:
+        return Decision(
+            "Requeueing" if obs.attempt else "Pending",
+            "none",
+            Reason.SPEC_CHANGE_REJECTED,
+            "the spec was changed into an invalid one; fix it to continue",
+        )
     if decision.action == "create_attempt" and obs.previous_pods_active:
         return Decision(
             "Pending",
@@ -167,7 +179,7 @@ def _next_phase(obs: PhaseInputs) -> Decision:
             return Decision("Running", "none", Reason.STARTED, "ranks are finishing")
         if intr.outcome == "Suspended":
             return Decision("Checkpointing", "stop_attempt", Reason.SUSPENDED, intr.message)
-        if intr.reason in (Reason.KUEUE_PREEMPTED, Reason.KUEUE_EVICTED):
+        if intr.reason in (Reason.KUEUE_PREEMPTED, Reason.KUEUE_EVICTED, Reason.PODS_NEVER_READY):
             return Decision("Checkpointing", "deactivate_workload", intr.reason, intr.message)
         if intr.outcome == "Preempted":
             return Decision("Checkpointing", "none", intr.reason, intr.message)
@@ -179,4 +191,6 @@ def _next_phase(obs: PhaseInputs) -> Decision:
         return Decision("Queued", "none", Reason.QUEUED, waiting)
     if obs.running_pods > 0:
         return Decision("Running", "none", Reason.STARTED)
-    return Decision("Pending", "none", Reason.POD_PENDING, "waiting for pods to start")
+    return Decision(
+        "Pending", "none", Reason.POD_PENDING, obs.pending_detail or "waiting for pods to start"
+    )

@@ -35,6 +35,7 @@ from preemptible_operator.classify import (
     classify_interruption,
     container_end,
     killed_at_grace,
+    pending_detail,
     pod_finished,
 )
 from preemptible_operator.conditions import Reason
@@ -52,6 +53,8 @@ __all__ = [
     "cap_grace",
     "jittered",
     "now_rfc3339",
+    "parse_spec_tolerant",
+    "spec_of_job",
 ]
 
 log = logging.getLogger("preemptible_operator")
@@ -140,6 +143,9 @@ class _Observed:
     workload: dict[str, Any] | None
     workload_version: str | None
     node_ready: dict[str, bool]
+    rejected: str | None = None
+    """Why the current spec was rejected (an invalid edit after the job ran); ``spec`` is then
+    the spec of the running attempt, or None."""
     previous_pods: list[dict[str, Any]] = field(default_factory=list)
     """Pods labelled with this name that belong to an earlier incarnation and still run."""
 
@@ -291,12 +297,7 @@ class Reconciler:
             return None
         uid = obj["metadata"].get("uid")
         status = models.TrainingJobStatus.model_validate(obj.get("status") or {})
-        spec: models.TrainingJobSpec | None = None
         invalid = render.validate_name(name)
-        try:
-            spec = models.parse_spec(obj.get("spec"))
-        except ValidationError as exc:
-            invalid = models.format_validation_error(exc)
         raw_jobs = cached.jobs if cached is not None else self._api_jobs(namespace, name)
         raw_pods = cached.pods if cached is not None else self._api_pods(namespace, name)
         # Children are ours only by owner uid: a TrainingJob re-created under the same name
@@ -313,6 +314,18 @@ class Reconciler:
         ]
         attempt = max([status.attempt or 0, *jobs.keys()])
         job = jobs.get(attempt)
+        spec, spec_invalid, note = parse_spec_tolerant(obj.get("spec"))
+        rejected: str | None = None
+        if spec_invalid is not None:
+            if attempt:
+                # An edit of a job that has run: reject it and go on with the spec the current
+                # attempt was created from (held between attempts until the spec is fixed).
+                rejected = spec_invalid
+                spec = spec_of_job(job)
+            else:
+                invalid = invalid or spec_invalid
+        if note:
+            log.warning("%s/%s: %s", namespace, name, note)
         workload, version = (None, None)
         if spec is not None and spec.queue_name:
             workload, version = self._get_workload(namespace, job, cached)
@@ -331,6 +344,7 @@ class Reconciler:
             workload_version=version,
             node_ready=self._node_ready(current_pods),
             previous_pods=previous,
+            rejected=rejected,
         )
 
     # ------------------------------------------------------------------------------ the pass
@@ -418,6 +432,8 @@ class Reconciler:
                 backoff_remaining=backoff_remaining,
                 kueue=bool(spec and spec.queue_name),
                 previous_pods_active=len(obs.previous_pods),
+                pending_detail=pending_detail(obs.pods) if obs.pods else None,
+                spec_rejected=obs.rejected is not None and spec is None,
             )
         )
         result.action = decision.action
@@ -460,7 +476,11 @@ class Reconciler:
         elif decision.action == "deactivate_workload":
             self._deactivate_workload(namespace, obs.workload, obs.workload_version)
         elif decision.action == "record_attempt" and spec is not None and record is not None:
-            if interruption.reason in (Reason.KUEUE_PREEMPTED, Reason.KUEUE_EVICTED):
+            if interruption.reason in (
+                Reason.KUEUE_PREEMPTED,
+                Reason.KUEUE_EVICTED,
+                Reason.PODS_NEVER_READY,
+            ):
                 self._deactivate_workload(namespace, obs.workload, obs.workload_version)
             self._record_attempt(obs, spec, status, record, interruption, storage_view, now, result)
             pods, job = list(obs.pods), obs.job
@@ -514,6 +534,11 @@ class Reconciler:
         elif new_phase == "Running":
             status.message = None
         status.observed_generation = generation
+        if obs.rejected is not None:
+            keep = "the running attempt goes on with its spec" if spec else "no new attempt"
+            status.message = f"spec change rejected ({keep}): {obs.rejected}"
+            if old_status.get("observedGeneration") != generation:
+                result.events.append(("Warning", Reason.SPEC_CHANGE_REJECTED, status.message))
         if status.attempts:
             status.attempts, dropped = bound_attempts(status.attempts)
             if dropped:
@@ -540,7 +565,7 @@ class Reconciler:
         terminal = new_phase in ("Succeeded", "Failed")
         if terminal and result.requeue_after is None:
             result.done = True
-            self.forget(namespace, name)
+            self.forget(namespace, name, series=False)
         elif result.requeue_after is None:
             # Watch events wake the next pass; a timer only where time itself matters: scraping
             # a running attempt, pods that may be on a lost node.
@@ -550,14 +575,15 @@ class Reconciler:
             )
         return result
 
-    def forget(self, namespace: str, name: str) -> None:
-        """Drop what the operator keeps for a finished or deleted TrainingJob (its metric
-        series included: a gauge per job must not outlive the job)."""
+    def forget(self, namespace: str, name: str, *, series: bool = True) -> None:
+        """Drop what the operator keeps for a finished or deleted TrainingJob; ``series``: its
+        per-job metric series too (once it is deleted: a series must not outlive its job)."""
         with self._lock:
             self._written.pop((namespace, name), None)
             self._progress_written.pop((namespace, name), None)
             self._services = {k for k in self._services if k[:2] != (namespace, name)}
-        metrics.forget_job(namespace, name)
+        if series:
+            metrics.forget_job(namespace, name)
 
     def release_all(self, namespace: str, name: str) -> None:
         """The TrainingJob is being deleted: let garbage collection remove its pods."""
@@ -1113,6 +1139,43 @@ def _progress_only(old: dict[str, Any], new: dict[str, Any]) -> bool:
     """Whether two statuses differ only in what the runtime's /metrics refresh every pass."""
     strip = lambda d: {k: v for k, v in d.items() if k not in _PROGRESS_KEYS}  # noqa: E731
     return strip(old) == strip(new)
+
+
+def parse_spec_tolerant(
+    raw: dict[str, Any] | None,
+) -> tuple[models.TrainingJobSpec | None, str | None, str | None]:
+    """(spec, why it is invalid, note). Fields this operator does not know (a newer CRD: version
+    skew between CRD and operator) are dropped with a note rather than refused; anything else
+    invalid is reported with the field, value and fix."""
+    try:
+        return models.parse_spec(raw), None, None
+    except ValidationError as exc:
+        unknown = [e["loc"] for e in exc.errors() if e["type"] == "extra_forbidden"]
+        if not unknown or len(unknown) != len(exc.errors()):
+            return None, models.format_validation_error(exc), None
+    pruned = json.loads(json.dumps(raw or {}))
+    for loc in unknown:
+        parent: Any = pruned
+        for key in loc[:-1]:
+            parent = parent[key]
+        parent.pop(loc[-1], None)
+    try:
+        spec = models.parse_spec(pruned)
+    except ValidationError as exc:
+        return None, models.format_validation_error(exc), None
+    shown = ", ".join("spec." + ".".join(str(p) for p in loc) for loc in unknown)
+    return spec, None, f"ignored fields this operator does not know (a newer CRD?): {shown}"
+
+
+def spec_of_job(job: dict[str, Any] | None) -> models.TrainingJobSpec | None:
+    """The spec an attempt's Job was created from (its annotation), None when unknown."""
+    raw = ((job or {}).get("metadata", {}).get("annotations") or {}).get(render.ANNOTATION_SPEC)
+    if not raw:
+        return None
+    try:
+        return models.parse_spec(json.loads(raw))
+    except (ValueError, ValidationError):
+        return None
 
 
 def _by_attempt(objs: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:

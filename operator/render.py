@@ -7,6 +7,7 @@ parameters; outputs are plain dicts ready for the Kubernetes client.
 from __future__ import annotations
 
 import copy
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ from trainer_runtime import protocol
 __all__ = [
     "ANNOTATION_GRACE",
     "ANNOTATION_RESUME_FROM",
+    "ANNOTATION_SPEC",
     "ANNOTATION_START_STEP",
     "ANNOTATION_TJ_UID",
     "ATTEMPT_FINALIZER",
@@ -46,6 +48,9 @@ ANNOTATION_START_STEP = "preemptible.dev/start-step"
 # The TrainingJob's uid on its Jobs and pods: children of a deleted incarnation under the same
 # name are never taken for the new one's (see ownership.py).
 ANNOTATION_TJ_UID = "preemptible.dev/training-job-uid"
+# The (valid) spec an attempt's Job was created from: an invalid edit of the TrainingJob while the
+# attempt runs is rejected and the attempt goes on with this one.
+ANNOTATION_SPEC = "preemptible.dev/spec"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 JOB_COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
@@ -334,6 +339,7 @@ def render_job(
             "annotations": {
                 ANNOTATION_GRACE: str(params.grace_seconds),
                 ANNOTATION_RESUME_FROM: params.resume_from,
+                ANNOTATION_SPEC: json.dumps(spec.to_k8s(), sort_keys=True, separators=(",", ":")),
                 **(
                     {ANNOTATION_START_STEP: str(params.start_step)}
                     if params.start_step is not None

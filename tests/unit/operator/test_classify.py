@@ -11,6 +11,7 @@ from preemptible_operator.classify import (
     classify_interruption,
     container_end,
     killed_at_grace,
+    pending_detail,
     pod_finished,
 )
 from preemptible_operator.conditions import Reason
@@ -82,11 +83,31 @@ CASES = [
         Reason.KUEUE_PREEMPTED,
     ),
     (
-        "kueue-evicted-other",
+        # Its pods never ran (a bad image under waitForPodsReady): a failure, so backoff and
+        # maxRestarts apply instead of an immediate requeue forever.
+        "kueue-evicted-before-it-ran",
         make_job(suspend=True),
         [],
         _wl(cond("Evicted", "PodsReadyTimeout")),
         {},
+        "Failed",
+        Reason.PODS_NEVER_READY,
+    ),
+    (
+        "kueue-evicted-admission-check-before-it-ran",
+        make_job(suspend=True),
+        [],
+        _wl(cond("Evicted", "AdmissionCheck")),
+        {},
+        "Failed",
+        Reason.PODS_NEVER_READY,
+    ),
+    (
+        "kueue-evicted-after-it-ran",
+        make_job(suspend=True),
+        [],
+        _wl(cond("Evicted", "PodsReadyTimeout")),
+        {"was_admitted": True},
         "Preempted",
         Reason.KUEUE_EVICTED,
     ),
@@ -339,6 +360,12 @@ def test_pod_finished(
     assert pod_finished(pod, node_ready, now) is finished
 
 
+def _waiting(pod: dict[str, Any], reason: str, message: str) -> dict[str, Any]:
+    waiting = {"reason": reason, "message": message} if message else {"reason": reason}
+    pod["status"]["containerStatuses"] = [{"name": "trainer", "state": {"waiting": waiting}}]
+    return pod
+
+
 def _oom(pod: dict[str, Any]) -> dict[str, Any]:
     pod["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] = "OOMKilled"
     return pod
@@ -395,3 +422,41 @@ def test_killed_at_grace(exits: list[int], oom: bool, killed: bool) -> None:
         _oom(pods[0])
     ends = [e for e in (container_end(p) for p in pods) if e is not None]
     assert killed_at_grace(ends) is killed
+
+
+@pytest.mark.parametrize(
+    ("pods", "detail"),
+    [
+        ([make_pod(phase="Pending", node=None)], None),
+        (
+            [
+                make_pod(
+                    phase="Pending",
+                    node=None,
+                    conditions=[
+                        cond(
+                            "PodScheduled",
+                            "Unschedulable",
+                            "pod has unbound immediate PersistentVolumeClaims",
+                            status="False",
+                        )
+                    ],
+                )
+            ],
+            "pod tj-a1-0-x: Unschedulable: pod has unbound immediate PersistentVolumeClaims",
+        ),
+        (
+            [_waiting(make_pod(phase="Pending"), "ImagePullBackOff", "Back-off pulling image")],
+            "pod tj-a1-0-x: ImagePullBackOff: Back-off pulling image",
+        ),
+        (
+            [_waiting(make_pod(phase="Pending"), "CreateContainerConfigError", "secret missing")],
+            "pod tj-a1-0-x: CreateContainerConfigError: secret missing",
+        ),
+        ([_waiting(make_pod(phase="Pending"), "ContainerCreating", "")], None),
+    ],
+)
+def test_pending_detail_says_why_pods_do_not_run(
+    pods: list[dict[str, Any]], detail: str | None
+) -> None:
+    assert pending_detail(pods) == detail

@@ -183,3 +183,17 @@ def test_bound_attempts(count: int, keep: int, kept: list[int], dropped: int) ->
     from preemptible_operator.phases import bound_attempts
 
     assert bound_attempts(list(range(count)), keep) == (kept, dropped)
+
+
+def test_pending_shows_why_pods_do_not_run_and_a_rejected_edit_holds() -> None:
+    from preemptible_operator.phases import PhaseInputs, next_phase
+
+    stuck = next_phase(
+        PhaseInputs(attempt=1, job_exists=True, pods=1, pending_detail="pod p: ImagePullBackOff")
+    )
+    assert (stuck.phase, stuck.message) == ("Pending", "pod p: ImagePullBackOff")
+    # After a preemption, an invalid edit holds the next attempt; the job is not Failed.
+    held = next_phase(
+        PhaseInputs(attempt=2, recorded_outcome="Preempted", spec_rejected=True, pods=0)
+    )
+    assert (held.phase, held.action, held.reason) == ("Requeueing", "none", "SpecChangeRejected")
