@@ -135,9 +135,8 @@ class Operator:
 
 def apiserver_requests(client: kubernetes.client.ApiClient) -> float:
     """Sum of the apiserver's apiserver_request_total (every request it served)."""
-    resp = client.call_api(
-        "/metrics", "GET", _preload_content=False, _return_http_data_only=True, auth_settings=[]
-    )
+    resp = client.call_api("GET", client.configuration.host + "/metrics")
+    resp.read()
     text = resp.data.decode()
     return sum(
         s.value

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a running job's progress (step, timings) alone to its status at most every S "
         "seconds; other status changes are written at once",
     )
+    run.add_argument(
+        "--workers", type=int, default=32, help="threads running reconcile passes (API-bound)"
+    )
     run.add_argument("--no-scrape", action="store_true", help="do not read the pods' /metrics")
     run.add_argument(
         "--max-grace-seconds",
@@ -161,6 +164,7 @@ def _run(args: argparse.Namespace) -> int:
             poll_interval=args.poll_interval,
             max_grace_seconds=args.max_grace_seconds,
             status_progress_interval=args.status_progress_interval,
+            workers=args.workers,
             kueue=not args.no_kueue,
         ),
         kubeconfig=os.path.abspath(args.kubeconfig) if args.kubeconfig else None,

@@ -10,6 +10,7 @@ the state always comes from the cluster, never from handler progress.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import logging
 import os
@@ -51,15 +52,19 @@ def configure(config: OperatorConfig, kubeconfig: str | None = None) -> None:
 def _reconciler() -> Reconciler:
     rec = _state["reconciler"]
     if rec is None:
+        cfg = kubernetes.client.Configuration()
         if _state["kubeconfig"]:
-            client = kubernetes.config.new_client_from_config(config_file=_state["kubeconfig"])
+            kubernetes.config.load_kube_config(_state["kubeconfig"], client_configuration=cfg)
         else:
             try:
-                kubernetes.config.load_incluster_config()
+                kubernetes.config.load_incluster_config(client_configuration=cfg)
             except kubernetes.config.ConfigException:
-                kubernetes.config.load_kube_config()
-            client = kubernetes.client.ApiClient()
-        rec = Reconciler(client, _state["config"])
+                kubernetes.config.load_kube_config(client_configuration=cfg)
+        # One pooled connection per worker thread (the default pool is 5 per CPU).
+        cfg.connection_pool_maxsize = max(
+            cfg.connection_pool_maxsize or 0, _state["config"].workers
+        )
+        rec = Reconciler(kubernetes.client.ApiClient(cfg), _state["config"])
         _state["reconciler"] = rec
     return rec
 
@@ -84,7 +89,14 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
     selector = {"labels": {render.LABEL_TRAINING_JOB: kopf.PRESENT}}
 
     @kopf.on.startup(registry=registry)
-    def _startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    async def _startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        # Passes run in threads (blocking API calls); the default pool (CPUs + 4) would
+        # serialise a burst of new TrainingJobs behind a handful of slow requests.
+        asyncio.get_running_loop().set_default_executor(
+            concurrent.futures.ThreadPoolExecutor(
+                _state["config"].workers, thread_name_prefix="reconcile"
+            )
+        )
         # Keep kopf's bookkeeping in annotations: the status belongs to the TrainingJob API.
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=models.GROUP)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(

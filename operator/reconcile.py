@@ -100,6 +100,8 @@ class OperatorConfig:
     max_grace_seconds: int | None = None
     """Cluster admin's cap on any TrainingJob's grace period (pinned or computed): a
     low-priority job cannot keep its GPUs for hours after Kueue preempts it."""
+    workers: int = 32
+    """Threads running reconcile passes (each blocks on API requests)."""
     node_cache_seconds: float = 10.0
     """How long one read of a node's readiness is reused (by every job on that node)."""
     component: str = "preemptible-operator"
@@ -1114,6 +1116,9 @@ class ChildConflict(RuntimeError):
     """A child's name is taken by an object this TrainingJob does not own (retried later)."""
 
 
+_HTTP_VERBS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
+
+
 def _default_request_timeout(api_client: Any, timeout: tuple[float, float]) -> None:
     """Give every request of ``api_client`` a (connect, read) timeout unless one is passed:
     the generated API classes pass ``_request_timeout=None`` (wait forever) by default."""
@@ -1124,8 +1129,8 @@ def _default_request_timeout(api_client: Any, timeout: tuple[float, float]) -> N
     def with_timeout(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("_request_timeout") is None:
             kwargs["_request_timeout"] = timeout
-        verb = args[1] if len(args) > 1 else kwargs.get("method", "?")
-        metrics.API_REQUESTS.labels(str(verb)).inc()
+        verb = next((a for a in args[:2] if a in _HTTP_VERBS), kwargs.get("method", "other"))
+        metrics.API_REQUESTS.labels(verb if verb in _HTTP_VERBS else "other").inc()
         return call_api(*args, **kwargs)
 
     with_timeout._preemptible_timeout = timeout  # type: ignore[attr-defined]
