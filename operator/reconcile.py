@@ -489,7 +489,7 @@ class Reconciler:
             after_status.append(lambda: self._release_pods(pods))
             if interruption.outcome != "Succeeded" and job is not None:
                 after_status.append(lambda: self._delete_job(job))
-            result.requeue_after = 0.2
+            result.requeue_after = 0.0  # the next attempt at once
         elif decision.action in ("finish", "cleanup"):
             leftovers = [p for pods in obs.pods_by_attempt.values() for p in pods]
             held = [
