@@ -59,6 +59,8 @@ class Reason:
     NODE_LOST = "NodeLost"
     NODE_SHUTDOWN = "NodeShutdown"
     RUNTIME_PREEMPTED = "RuntimePreempted"
+    # the runtime did not start a JIT save that could not finish before its deadline
+    DEADLINE_TOO_SHORT = "DeadlineTooShort"
     # interruptions: real failures
     TRAINING_FAILED = "TrainingFailed"
     JOB_FAILED = "JobFailed"
@@ -75,6 +77,7 @@ class Reason:
     NOT_MEASURED = "NotMeasured"
     LOST_STEPS = "LostSteps"
     CHECKPOINT_COMPLETE = "CheckpointComplete"
+    CHECKPOINT_INTERVAL = "CheckpointIntervalRecommended"
 
 
 PREEMPTION_REASONS = frozenset(
@@ -86,6 +89,7 @@ PREEMPTION_REASONS = frozenset(
         Reason.NODE_LOST,
         Reason.NODE_SHUTDOWN,
         Reason.RUNTIME_PREEMPTED,
+        Reason.DEADLINE_TOO_SHORT,
     }
 )
 

@@ -66,6 +66,8 @@ class AttemptParams:
     start_step: int | None = None
     """Step of the checkpoint resumed from (recorded on the Job so a restarted operator that
     adopts the Job knows it)."""
+    save_interval_seconds: int | None = None
+    """spec.checkpoint.interval auto: the recommended seconds between saves for this attempt."""
 
 
 def validate_name(name: str) -> str | None:
@@ -147,6 +149,7 @@ def _runtime_env(
             "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
         },
     ]
+    env.extend(_deadline_env(spec, params))
     if spec.num_nodes == 1:
         # One process needs no process group; LOCAL_RANK alone would make accelerate start one
         # (and wait on MASTER_ADDR).
@@ -161,6 +164,22 @@ def _runtime_env(
         {"name": "RANK", "valueFrom": index_ref},
         {"name": "LOCAL_RANK", "value": "0"},
     ]
+
+
+def _deadline_env(spec: models.TrainingJobSpec, params: AttemptParams) -> list[dict[str, Any]]:
+    """Stop policy, node notice and checkpoint interval: only when they differ from the runtime's
+    defaults, so a job that sets none of them renders as before."""
+    gp = spec.grace_period
+    env: list[dict[str, Any]] = []
+    if gp.stop_policy != "finish_step":
+        env.append({"name": protocol.ENV_STOP_POLICY, "value": gp.stop_policy})
+    if gp.node_notice_seconds is not None:
+        env.append({"name": protocol.ENV_NODE_NOTICE_SECONDS, "value": str(gp.node_notice_seconds)})
+    if params.save_interval_seconds is not None:
+        env.append(
+            {"name": protocol.ENV_SAVE_INTERVAL_SECONDS, "value": str(params.save_interval_seconds)}
+        )
+    return env
 
 
 def _merge_named(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[dict[str, Any]]:
