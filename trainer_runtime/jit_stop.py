@@ -18,6 +18,8 @@ The signal handler still only sets the latch (signals.py); everything here runs 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,13 +29,27 @@ from trainer_runtime.checkpoint.rng import capture_rng_state
 from trainer_runtime.data.arguments import has_dataset_state
 from trainer_runtime.deadline import Action, micro_batch_action, save_action
 from trainer_runtime.distributed import collectives
+from trainer_runtime.protocol import ENV_SAVE_INTERVAL_SECONDS
 
-__all__ = ["EvaluationAbandoned", "JitStopMixin", "StepSnapshot"]
+__all__ = ["EvaluationAbandoned", "JitStopMixin", "StepSnapshot", "save_interval_from_env"]
 
 logger = logging.getLogger(__name__)
 
 # Key of the runtime record (preemptible_state.json) that marks an abandoned evaluation.
 PENDING_EVALUATION = "pending_evaluation"
+
+
+def save_interval_from_env() -> float | None:
+    """$PREEMPTIBLE_SAVE_INTERVAL_SECONDS (spec.checkpoint.interval: auto), or None."""
+    raw = os.environ.get(ENV_SAVE_INTERVAL_SECONDS, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        logger.warning("ignoring %s=%r: not a number of seconds", ENV_SAVE_INTERVAL_SECONDS, raw)
+        return None
+    return value if value > 0 else None
 
 
 class EvaluationAbandoned(Exception):
@@ -62,6 +78,24 @@ class JitStopMixin:
     _jit_stop_kind: str | None = None
     _in_loop_evaluation = False
     _deadline_message: str | None = None
+    _save_interval: float | None = None
+    _interval_anchor: tuple[int | None, float] | None = None
+
+    # -- the operator's checkpoint interval ----------------------------------------------------
+    def _maybe_save_on_interval(self) -> None:
+        """spec.checkpoint.interval auto: ask for a save once the recommended seconds passed since
+        the last checkpoint (any: periodic, interval or resumed-from). Ranks agree (rank clocks
+        differ), one all-reduce per step, only when the interval is set."""
+        if self._save_interval is None:
+            return
+        last = self.last_checkpoint  # type: ignore[attr-defined]
+        step = last.step if last is not None else None
+        now = time.monotonic()
+        if self._interval_anchor is None or self._interval_anchor[0] != step:
+            self._interval_anchor = (step, now)
+        due = now - self._interval_anchor[1] >= self._save_interval
+        if collectives.agree_to_stop(due):
+            self.control.should_save = True  # type: ignore[attr-defined]
 
     # -- micro-batch stops ---------------------------------------------------------------------
     def _micro_batch_stops(self) -> bool:

@@ -103,7 +103,7 @@ from trainer_runtime.features.optim import (
     optimizer_cls_and_kwargs,
 )
 from trainer_runtime.features.trainer_features import TrainerFeaturesMixin
-from trainer_runtime.jit_stop import JitStopMixin
+from trainer_runtime.jit_stop import JitStopMixin, save_interval_from_env
 from trainer_runtime.metrics import TrainingMetrics, metrics_from_env
 from trainer_runtime.protocol import (
     ENV_ATTEMPT,
@@ -352,6 +352,8 @@ class Trainer(
         self._latch_used = True
         self._jit_stop_kind = None
         self._rng_for_checkpoint = None
+        self._save_interval = save_interval_from_env()
+        self._interval_anchor = None
         # Installed before the checkpoint is loaded: a SIGTERM during a slow resume is latched
         # (and answered with a checkpoint) instead of killing the process.
         if self.args.enable_jit_checkpoint:
@@ -1148,6 +1150,7 @@ class Trainer(
         """Log and save as the callbacks decided; close the epoch when its data is used up, when
         a callback ends it, or when training stops (max_steps or a callback): transformers
         calls on_epoch_end in all three cases."""
+        self._maybe_save_on_interval()
         self._log_and_save()
         if (
             self._epoch_exhausted()
