@@ -377,13 +377,12 @@ class Trainer(
                     sigterm_to_exit=elapsed,
                     message=self._deadline_message if no_save else None,
                 )
+                written = self.last_checkpoint.path if self.last_checkpoint else None
                 logger.warning(
-                    "preempted: checkpoint %s written, exiting with %d%s",
-                    None
+                    "preempted: %s, exiting with %d%s",
+                    "no checkpoint written (deadline too short)"
                     if no_save
-                    else self.last_checkpoint.path
-                    if self.last_checkpoint
-                    else None,
+                    else f"checkpoint {written} written",
                     EXIT_PREEMPTED,
                     f" {elapsed:.2f} s after SIGTERM" if elapsed is not None else "",
                 )
