@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from trainer_runtime.callbacks import TrainerCallback
 from trainer_runtime.checkpoint.layout import CheckpointStore
@@ -90,3 +92,65 @@ def test_operator_interval_adds_time_based_saves(
     assert len(saved) >= 3 and saved[-1] == 12, saved
     gaps = [b - a for a, b in itertools.pairwise(saved)]
     assert all(g >= 3 for g in gaps[:-1]), f"saved more often than every 0.2 s: {saved}"
+
+
+class _TermDuringEval(TrainerCallback):
+    """'SIGTERM' at the first evaluation batch of step ``step``; records evaluations."""
+
+    def __init__(self, latch: Any, step: int) -> None:
+        self.latch, self.step = latch, step
+        self.evaluated: list[int] = []
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step == self.step and not self.latch.triggered:
+            self.latch.trigger()
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.evaluated.append(state.global_step)
+
+
+EVAL = {"eval_strategy": "no", "save_steps": 100, "max_steps": 6}
+
+
+def _eval_trainer(out: Path, **kw: Any) -> Any:
+    """make_trainer's configuration, with an evaluation set (needed at construction)."""
+    from trainer_runtime.trainer import Trainer
+
+    base = make_trainer(out, **EVAL, **kw)
+    torch.manual_seed(1)  # the same initial weights as make_trainer's model
+    return Trainer(
+        model=type(base.model)(),
+        args=dataclasses.replace(base.args, eval_strategy="steps", eval_steps=2),
+        train_dataset=base.train_dataset,
+        eval_dataset=ClassificationData(n=16),
+    )
+
+
+def test_evaluation_abandoned_and_run_again_after_resume(tmp_path: Path) -> None:
+    from trainer_runtime.signals import SigtermLatch
+
+    trainer = _eval_trainer(tmp_path / "run", enable_jit_checkpoint=True)
+    trainer.sigterm_latch = SigtermLatch(kill_wait=0.0)
+    term = _TermDuringEval(trainer.sigterm_latch, 4)
+    trainer.add_callback(term)
+    trainer.train()
+    assert trainer.preempted and trainer.state.global_step == 4
+    assert trainer._jit_stop_kind == "evaluation" and term.evaluated == [2]
+    record = json.loads((tmp_path / "run" / "checkpoint-4" / "preemptible_state.json").read_text())
+    assert record["pending_evaluation"] == {"skip_scheduler": False}
+
+    full = _eval_trainer(tmp_path / "full")
+    full_evals = _TermDuringEval(SigtermLatch(kill_wait=0.0), -1)
+    full.add_callback(full_evals)
+    full.train()
+    resumed = _eval_trainer(tmp_path / "run")
+    resumed_evals = _TermDuringEval(SigtermLatch(kill_wait=0.0), -1)
+    resumed.add_callback(resumed_evals)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed_evals.evaluated == [4, 6], "the abandoned evaluation of step 4 runs first"
+    assert full_evals.evaluated == [2, 4, 6]
+    assert_same_training(full, resumed)
+    # the same metrics as the uninterrupted run's evaluation of step 4
+    full_4 = [e for e in full.state.log_history if "eval_loss" in e and e["step"] == 4]
+    resumed_4 = [e for e in resumed.state.log_history if "eval_loss" in e and e["step"] == 4]
+    assert full_4[0]["eval_loss"] == resumed_4[-1]["eval_loss"]
