@@ -22,6 +22,7 @@ __all__ = [
     "Outcome",
     "classify_interruption",
     "container_end",
+    "deadline_too_short",
     "is_kueue_admitted",
     "job_condition",
     "killed_at_grace",
@@ -284,6 +285,17 @@ def _kueue_eviction(
     return None
 
 
+def deadline_too_short(ends: Iterable[ContainerEnd]) -> Interruption | None:
+    """A pod whose runtime exited without starting a save that could not finish before its
+    deadline (termination reason ``deadline_too_short``): a preemption whose work since the last
+    complete checkpoint is lost, not a failure, and not a grace to double."""
+    for end in ends:
+        if end.message is not None and end.message.reason == protocol.REASON_DEADLINE_TOO_SHORT:
+            detail = end.message.message or "the JIT save could not finish before the deadline"
+            return Interruption("Preempted", Reason.DEADLINE_TOO_SHORT, f"pod {end.pod}: {detail}")
+    return None
+
+
 def classify_interruption(
     job: Mapping[str, Any] | None,
     pods: list[Mapping[str, Any]],
@@ -297,7 +309,8 @@ def classify_interruption(
 
     ``was_admitted``: the attempt had been admitted/started before (from the TrainingJob status),
     so a suspended Job means Kueue took it back. ``user_suspended``: the user asked to suspend.
-    Precedence: success; the user's suspension; Kueue eviction; a pod disruption condition;
+    Precedence: success; the user's suspension; Kueue eviction; the runtime's deadline_too_short
+    exit; a pod disruption condition;
     node loss; the runtime's preemption exit code; otherwise a non-zero exit or a failed Job is a
     real failure.
     """
@@ -315,6 +328,11 @@ def classify_interruption(
     if kueue is not None:
         outcome: Outcome = "Failed" if kueue[0] == Reason.PODS_NEVER_READY else "Preempted"
         return Interruption(outcome, *kueue)
+    # After Kueue's eviction (whose Workload the operator must deactivate), before the node's
+    # reasons: on a spot reclaim the node's notice is what the save did not fit.
+    too_short = deadline_too_short(ends)
+    if too_short is not None:
+        return too_short
     disruption = _disruption(pods)
     if disruption is not None:
         return Interruption("Preempted", *disruption)

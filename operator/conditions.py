@@ -59,6 +59,8 @@ class Reason:
     NODE_LOST = "NodeLost"
     NODE_SHUTDOWN = "NodeShutdown"
     RUNTIME_PREEMPTED = "RuntimePreempted"
+    # the runtime did not start a JIT save that could not finish before its deadline
+    DEADLINE_TOO_SHORT = "DeadlineTooShort"
     # interruptions: real failures
     TRAINING_FAILED = "TrainingFailed"
     JOB_FAILED = "JobFailed"
@@ -81,6 +83,7 @@ class Reason:
     PEER_FAILED = "PeerFailed"
     PODS_NEVER_READY = "PodsNeverReady"
     SPEC_CHANGE_REJECTED = "SpecChangeRejected"
+    CHECKPOINT_INTERVAL = "CheckpointIntervalRecommended"
 
 
 PREEMPTION_REASONS = frozenset(
@@ -92,6 +95,7 @@ PREEMPTION_REASONS = frozenset(
         Reason.NODE_LOST,
         Reason.NODE_SHUTDOWN,
         Reason.RUNTIME_PREEMPTED,
+        Reason.DEADLINE_TOO_SHORT,
     }
 )
 

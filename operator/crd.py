@@ -46,6 +46,12 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "jsonPath": ".status.gracePeriod.current",
         "description": "terminationGracePeriodSeconds of the current attempt",
     },
+    {
+        "name": "Save-Every",
+        "type": "integer",
+        "jsonPath": ".status.checkpointInterval.recommendedSeconds",
+        "description": "Recommended seconds between checkpoints (observed preemptions and saves)",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -25,6 +25,7 @@ def policy_from_spec(spec: GracePeriodSpec) -> GracePolicy:
         headroom=spec.headroom,
         kill_wait=spec.kill_wait_seconds,
         exit_margin=spec.exit_margin,
+        stop_policy=spec.stop_policy,
     )
 
 
@@ -48,20 +49,29 @@ def next_grace(
     ``timings``: the maxima measured so far (step, save, SIGTERM-to-exit). ``killed_at_grace``:
     the grace of the last attempt when one of its containers was SIGKILLed at the deadline. It
     needed more than that, so it counts as an observed exit time, and the automatic grace at
-    least doubles (bounded by max): one more preemption must not lose work again.
+    least doubles (bounded by max, and by spec.nodeNoticeSeconds: a node that gives a fixed
+    notice does not wait longer, whatever the pod asks). Under stopPolicy micro_batch the rule's
+    step term is the longest micro-batch (``timings.micro_batch_seconds_max``).
     """
     t = timings or Timings()
     observed = t.sigterm_to_exit_seconds_max
     if killed_at_grace is not None:
         observed = max(observed or 0.0, float(killed_at_grace))
     rec: GraceRecommendation = recommend_grace(
-        t.step_seconds_max, t.save_seconds_max, observed, policy_from_spec(spec)
+        t.step_seconds_max,
+        t.save_seconds_max,
+        observed,
+        policy_from_spec(spec),
+        micro_batch_max=t.micro_batch_seconds_max,
     )
     measured = any(v is not None for v in (t.step_seconds_max, t.save_seconds_max, observed))
     required = rec.required_seconds if measured else None
     seconds, reason = rec.seconds, rec.reason
     if killed_at_grace is not None:
         doubled = min(2 * killed_at_grace, spec.max)
+        if spec.node_notice_seconds is not None and doubled > spec.node_notice_seconds:
+            # Doubling past the node's notice buys nothing on a spot reclaim.
+            doubled = max(killed_at_grace, spec.node_notice_seconds)
         if doubled > seconds:
             seconds, reason = doubled, f"{reason}; SIGKILLed at {killed_at_grace} s: doubled"
         required = max(required or 0, seconds)
@@ -76,6 +86,8 @@ def next_grace(
             "observedExitMax": observed,
             "killWait": spec.kill_wait_seconds,
             "headroom": spec.headroom,
+            "microBatchMax": t.micro_batch_seconds_max,
+            "nodeNotice": spec.node_notice_seconds,
         }.items()
         if v is not None and math.isfinite(float(v))
     }

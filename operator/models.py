@@ -36,6 +36,7 @@ __all__ = [
     "SINGULAR",
     "VERSION",
     "AttemptRecord",
+    "CheckpointIntervalStatus",
     "CheckpointRef",
     "CheckpointSpec",
     "Condition",
@@ -84,6 +85,9 @@ RESERVED_ENV = frozenset(
         protocol.ENV_ATTEMPT,
         protocol.ENV_METRICS_PORT,
         protocol.ENV_METRICS_HOST,
+        protocol.ENV_STOP_POLICY,
+        protocol.ENV_NODE_NOTICE_SECONDS,
+        protocol.ENV_SAVE_INTERVAL_SECONDS,
         "MASTER_ADDR",
         "MASTER_PORT",
         "WORLD_SIZE",
@@ -152,6 +156,12 @@ class CheckpointSpec(_Model):
     to the runtime as PREEMPTIBLE_OUTPUT_DIR; checkpoints are checkpoint-<step>/ below it."""
     keep: int | None = Field(default=None, ge=1)
     """How many checkpoints to keep (save_total_limit). The newest complete one is never removed."""
+    interval: Literal["auto"] | None = None
+    """`auto`: the operator passes the checkpoint interval it recommends from this job's observed
+    preemptions and save times (status.checkpointInterval, Young's rule sqrt(2 x save x mean time
+    between preemptions)) to each new attempt as PREEMPTIBLE_SAVE_INTERVAL_SECONDS, and the
+    runtime saves at least that often (on top of the script's save_steps). Unset: the script's
+    own schedule only (the recommendation is still shown in status)."""
 
 
 class GracePeriodSpec(_Model):
@@ -178,6 +188,19 @@ class GracePeriodSpec(_Model):
     """Seconds the runtime waits after SIGTERM before it stops (PREEMPTIBLE_KILL_WAIT_SECONDS)."""
     exit_margin: int = GracePolicy.exit_margin
     """Seconds added for process exit and termination-message writing."""
+    stop_policy: Literal["finish_step", "micro_batch"] = "finish_step"
+    """How the runtime stops after SIGTERM (PREEMPTIBLE_STOP_POLICY; a script's own
+    TrainingArguments.jit_stop_policy wins). finish_step: finish the optimizer step in flight, then
+    save (the grace covers stepMax + saveMax; if the rest of the step cannot fit the deadline the
+    runtime stops as micro_batch does). micro_batch: stop at the next micro-batch boundary, drop
+    the partial gradient accumulation and save the last completed step at once (the grace covers
+    the longest micro-batch + saveMax, so preempted GPUs are freed nearly a step sooner)."""
+    node_notice_seconds: int | None = Field(default=None, ge=1)
+    """The notice the nodes give before they go away whatever grace a pod asked for (spot VMs:
+    about 30 on GKE, up to 120 on AWS). Passed as PREEMPTIBLE_NODE_NOTICE_SECONDS: the runtime's
+    deadline is SIGTERM + the shorter of grace and notice, and it does not start a save that
+    cannot finish by then (the attempt ends as DeadlineTooShort). The grace is never doubled
+    beyond it after a SIGKILL: the node would not wait longer anyway."""
 
     @model_validator(mode="after")
     def _bounds(self) -> GracePeriodSpec:
@@ -337,7 +360,8 @@ class AttemptRecord(_Model):
     end_time: str | None = None
     """When the attempt was recorded as over."""
     reason: str | None = None
-    """Why it ended (Completed, KueuePreempted, PodEvicted, NodeLost, RuntimePreempted...)."""
+    """Why it ended (Completed, KueuePreempted, PodEvicted, NodeLost, RuntimePreempted,
+    DeadlineTooShort: the runtime did not start a save that could not finish in time...)."""
     message: str | None = None
     """Detail of the ending."""
     outcome: Literal["Succeeded", "Preempted", "Failed", "Suspended"] | None = None
@@ -388,6 +412,9 @@ class Timings(_Model):
     """Longest checkpoint save seen."""
     sigterm_to_exit_seconds_max: float | None = None
     """Longest SIGTERM-to-exit time observed (ground truth for the grace rule)."""
+    micro_batch_seconds_max: float | None = None
+    """Longest micro-batch (mean per step, with gradient accumulation): the micro_batch stop
+    policy's grace term."""
 
 
 class GraceStatus(_Model):
@@ -404,6 +431,26 @@ class GraceStatus(_Model):
         json_schema_extra={"type": "object", "additionalProperties": {"type": "number"}},
     )
     """Inputs of the rule (stepMax, saveMax, observedExitMax...)."""
+
+
+class CheckpointIntervalStatus(_Model):
+    """The checkpoint interval that minimises the expected lost time for this job."""
+
+    recommended_seconds: int | None = None
+    """sqrt(2 x saveSeconds x meanTimeBetweenPreemptionsSeconds) (Young's rule); None until a
+    preemption and a save were observed."""
+    save_seconds: float | None = None
+    """Cost of one checkpoint save used (latest save, else the longest)."""
+    mean_time_between_preemptions_seconds: float | None = None
+    """Running time of all attempts divided by the number of preemptions."""
+    running_seconds: float | None = None
+    """Seconds the attempts' pods ran, over all attempts so far."""
+    preemptions: int | None = None
+    """Preemptions counted in the rate."""
+    applied: bool | None = None
+    """True when spec.checkpoint.interval is auto: new attempts get the recommended interval."""
+    reason: str | None = None
+    """How the recommendation was obtained (or why there is none yet)."""
 
 
 class CheckpointRef(_Model):
@@ -464,6 +511,8 @@ class TrainingJobStatus(_Model):
     """Number of real failures (counted against maxRestarts)."""
     lost_steps: int | None = None
     """Steps computed but lost (not in any complete checkpoint) over all attempts."""
+    checkpoint_interval: CheckpointIntervalStatus | None = None
+    """Recommended checkpoint interval from the observed preemption rate and save cost."""
     next_attempt_after: str | None = None
     """RFC3339 time before which no new attempt is created (restart backoff)."""
     start_time: str | None = None

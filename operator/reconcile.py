@@ -40,6 +40,7 @@ from preemptible_operator.classify import (
 )
 from preemptible_operator.conditions import Reason
 from preemptible_operator.grace import GraceDecision, grace_sufficiency, next_grace
+from preemptible_operator.interval import auto_save_interval, interval_status
 from preemptible_operator.ownership import owned_by, pod_owned, tj_uid_of
 from preemptible_operator.phases import PhaseInputs, backoff_seconds, bound_attempts, next_phase
 from preemptible_operator.resume import attempt_fence, resume_checkpoint
@@ -523,6 +524,9 @@ class Reconciler:
         _set_phase_conditions(status, new_phase, decision, record, now, generation)
         if spec is not None:
             self._update_grace(status, spec, obs, now, generation, result)
+            status.checkpoint_interval, interval_event = interval_status(status, spec, self.clock())
+            if interval_event:
+                result.events.append(("Normal", Reason.CHECKPOINT_INTERVAL, interval_event))
         if status.phase != new_phase and decision.action != "create_attempt":
             etype = "Warning" if new_phase == "Failed" else "Normal"
             msg = decision.message or f"phase {status.phase or '-'} -> {new_phase}"
@@ -652,6 +656,7 @@ class Reconciler:
             suspended=bool(spec.queue_name),
             start_step=choice.step,
             fence=fence,
+            save_interval_seconds=auto_save_interval(spec, status),
         )
         self._ensure_service(meta, spec)
         job_body = render.render_job(meta, spec, params)
@@ -738,6 +743,10 @@ class Reconciler:
             timings.sigterm_to_exit_seconds_max = _max(
                 timings.sigterm_to_exit_seconds_max, msg.sigterm_to_exit_seconds
             )
+            if msg.micro_batch_seconds is not None:
+                timings.micro_batch_seconds_max = _max(
+                    timings.micro_batch_seconds_max, msg.micro_batch_seconds.max
+                )
         # Only a kill at the grace deadline says the grace was too short: not an OOM kill, not
         # ranks killed while they waited for a peer that failed for real.
         killed = killed_at_grace(ends)
@@ -1009,6 +1018,13 @@ class Reconciler:
         if last is not None and last.end_time is None:
             ok, message = grace_sufficiency(current, decision)
             reason = Reason.GRACE_SUFFICIENT if ok else Reason.GRACE_TOO_SHORT
+        elif last is not None and last.reason == Reason.DEADLINE_TOO_SHORT:
+            ok, reason = False, Reason.DEADLINE_TOO_SHORT
+            message = (
+                f"attempt {last.attempt} did not start its JIT save: it could not finish before "
+                f"the deadline ({last.message}); the grace is not raised past what the node "
+                "gives: save more often (status.checkpointInterval, spec.checkpoint.interval: auto)"
+            )
         elif last is not None and last.killed:
             ok, reason = False, Reason.GRACE_KILLED
             message = (

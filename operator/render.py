@@ -77,6 +77,8 @@ class AttemptParams:
     adopts the Job knows it)."""
     fence: int | None = None
     """PREEMPTIBLE_ATTEMPT (resume.attempt_fence); None: the attempt number."""
+    save_interval_seconds: int | None = None
+    """spec.checkpoint.interval auto: the recommended seconds between saves for this attempt."""
 
 
 def validate_name(name: str) -> str | None:
@@ -158,6 +160,7 @@ def _runtime_env(
             "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
         },
     ]
+    env.extend(_deadline_env(spec, params))
     if spec.num_nodes == 1:
         # One process needs no process group; LOCAL_RANK alone would make accelerate start one
         # (and wait on MASTER_ADDR).
@@ -172,6 +175,22 @@ def _runtime_env(
         {"name": "RANK", "valueFrom": index_ref},
         {"name": "LOCAL_RANK", "value": "0"},
     ]
+
+
+def _deadline_env(spec: models.TrainingJobSpec, params: AttemptParams) -> list[dict[str, Any]]:
+    """Stop policy, node notice and checkpoint interval: only when they differ from the runtime's
+    defaults, so a job that sets none of them renders as before."""
+    gp = spec.grace_period
+    env: list[dict[str, Any]] = []
+    if gp.stop_policy != "finish_step":
+        env.append({"name": protocol.ENV_STOP_POLICY, "value": gp.stop_policy})
+    if gp.node_notice_seconds is not None:
+        env.append({"name": protocol.ENV_NODE_NOTICE_SECONDS, "value": str(gp.node_notice_seconds)})
+    if params.save_interval_seconds is not None:
+        env.append(
+            {"name": protocol.ENV_SAVE_INTERVAL_SECONDS, "value": str(params.save_interval_seconds)}
+        )
+    return env
 
 
 def _merge_named(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from trainer_runtime.checkpoint.layout import (
 )
 from trainer_runtime.errors import TrainerRuntimeError
 from trainer_runtime.grace import GracePolicy, recommend_grace
-from trainer_runtime.protocol import SaveTimings, StepTimings
+from trainer_runtime.protocol import STOP_POLICIES, SaveTimings, StepTimings
 
 __all__ = ["SUBCOMMANDS", "build_parser", "human_size", "main"]
 
@@ -189,7 +189,13 @@ def _timings(info: CheckpointInfo, store: CheckpointStore) -> dict[str, Any]:
         save_max = max(save_max or 0.0, info.save_seconds)
     if step.max is None and save_max is None and not exits:
         raise CliError(f"{info.path}/{TRAINER_STATE_NAME} records no step, save or exit timings")
-    return {"step_max": step.max, "save_max": save_max, "sigterm_to_exit": exits}
+    micro = StepTimings.model_validate(block.get("micro_batch_seconds") or {})
+    return {
+        "step_max": step.max,
+        "save_max": save_max,
+        "sigterm_to_exit": exits,
+        "micro_batch_max": micro.max,
+    }
 
 
 def _cmd_grace(args: argparse.Namespace) -> int:
@@ -207,10 +213,17 @@ def _cmd_grace(args: argparse.Namespace) -> int:
             headroom=args.headroom if args.headroom is not None else defaults.headroom,
             kill_wait=args.kill_wait if args.kill_wait is not None else defaults.kill_wait,
             exit_margin=args.exit_margin if args.exit_margin is not None else defaults.exit_margin,
+            stop_policy=args.stop_policy,
         )
     except ValueError as exc:
         raise CliError(str(exc)) from exc
-    rec = recommend_grace(t["step_max"], t["save_max"], t["sigterm_to_exit"] or None, policy)
+    rec = recommend_grace(
+        t["step_max"],
+        t["save_max"],
+        t["sigterm_to_exit"] or None,
+        policy,
+        micro_batch_max=t["micro_batch_max"],
+    )
     if args.json:
         doc = {
             "terminationGracePeriodSeconds": rec.seconds,
@@ -253,6 +266,13 @@ def _add_grace(sub: Any) -> None:
         "--exit-margin",
         type=float,
         help=f"seconds to exit after the save (default {d.exit_margin})",
+    )
+    p.add_argument(
+        "--stop-policy",
+        choices=STOP_POLICIES,
+        default="finish_step",
+        help="the job's jit_stop_policy: micro_batch counts the longest micro-batch instead of "
+        "the step (default finish_step)",
     )
     p.add_argument("--min", type=int, help=f"lower clamp in seconds (default {d.minimum})")
     p.add_argument("--max", type=int, help=f"upper clamp in seconds (default {d.maximum})")

@@ -8,6 +8,11 @@ The operator uses :func:`recommend_grace` with the runtime's measurements; befor
 the answer is the policy's ``initial_seconds``. SIGTERM-to-exit times observed in earlier attempts
 are ground truth: the recommendation never goes below ``ceil(observed * (1 + headroom)) +
 exit_margin`` (unless ``maximum`` caps it, which the recommendation reports as insufficient).
+
+Under the ``micro_batch`` stop policy the runtime never finishes a step after SIGTERM: it stops at
+the next micro-batch boundary and saves, so the rule's step term is the longest micro-batch:
+``ceil(kill_wait + (1 + headroom) * (micro_batch_max + save_max)) + exit_margin``
+(:func:`stop_seconds_term`). Under ``finish_step`` (the default) the rule is unchanged.
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trainer_runtime.errors import ConfigurationError
-from trainer_runtime.protocol import DEFAULT_KILL_WAIT_SECONDS
+from trainer_runtime.protocol import DEFAULT_KILL_WAIT_SECONDS, STOP_POLICIES
 
 __all__ = [
     "GracePolicy",
     "GraceRecommendation",
     "grace_seconds",
     "recommend_grace",
+    "stop_seconds_term",
 ]
 
 # Float noise (3 + 1.1 * 240 = 267.00000000000003) must not add a whole second.
@@ -56,6 +62,17 @@ def _clamp(value: int, minimum: int | None, maximum: int | None) -> int:
     if maximum is not None:
         value = min(value, math.floor(maximum))
     return value
+
+
+def stop_seconds_term(
+    stop_policy: str, step_max: float | None, micro_batch_max: float | None
+) -> tuple[float | None, str]:
+    """The longest work the runtime may still do after kill_wait before it saves, and its name:
+    the step under ``finish_step``; under ``micro_batch`` the micro-batch (the step while no
+    micro-batch was measured: without gradient accumulation a step is one micro-batch)."""
+    if stop_policy == "micro_batch" and micro_batch_max is not None:
+        return micro_batch_max, "micro_batch"
+    return step_max, "step"
 
 
 def grace_seconds(
@@ -99,6 +116,8 @@ class GracePolicy:
     headroom: float = 0.25
     kill_wait: float = DEFAULT_KILL_WAIT_SECONDS
     exit_margin: int = 5
+    stop_policy: str = "finish_step"
+    """finish_step: the rule covers a whole step; micro_batch: one micro-batch (see the module)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -110,6 +129,11 @@ class GracePolicy:
             "exit_margin",
         ):
             _check_number(name, getattr(self, name))
+        if self.stop_policy not in STOP_POLICIES:
+            raise ConfigurationError(
+                f"stop_policy={self.stop_policy!r} is not a stop policy: use one of "
+                f"{', '.join(STOP_POLICIES)}"
+            )
         if self.minimum > self.maximum:
             raise ConfigurationError(
                 f"minimum={self.minimum!r} is greater than maximum={self.maximum!r}: "
@@ -149,6 +173,7 @@ def recommend_grace(
     save_max: float | None,
     observed_exit_max: float | Iterable[float] | None = None,
     policy: GracePolicy | None = None,
+    micro_batch_max: float | None = None,
 ) -> GraceRecommendation:
     """The grace period the next attempt should get.
 
@@ -160,8 +185,13 @@ def recommend_grace(
     - Observed SIGTERM-to-exit times (a number or a list): never below
       ``ceil(observed_max * (1 + headroom)) + exit_margin``.
     - Finally clamped to ``[minimum, maximum]``; ``required_seconds`` keeps the unclamped need.
+
+    ``micro_batch_max``: the longest micro-batch measured; under ``policy.stop_policy ==
+    "micro_batch"`` it replaces ``step_max`` in the rule (see :func:`stop_seconds_term`).
     """
     policy = policy or GracePolicy()
+    _check_number("micro_batch_max", micro_batch_max, allow_none=True)
+    step_max, term = stop_seconds_term(policy.stop_policy, step_max, micro_batch_max)
     observed = _max_of(observed_exit_max)
     _check_number("step_max", step_max, allow_none=True)
     _check_number("save_max", save_max, allow_none=True)
@@ -176,6 +206,8 @@ def recommend_grace(
         "headroom": policy.headroom,
         "kill_wait": policy.kill_wait,
         "exit_margin": policy.exit_margin,
+        "stop_policy": policy.stop_policy,
+        "micro_batch_max": micro_batch_max,
     }
     if step_max is None and save_max is None and observed is None:
         seconds = _clamp(math.ceil(policy.initial_seconds), policy.minimum, policy.maximum)
@@ -196,6 +228,7 @@ def recommend_grace(
         reasons.append(
             f"grace rule: ceil({policy.kill_wait:g} + {1 + policy.headroom:g} * "
             f"({step_max or 0:g} + {save_max or 0:g})) + {policy.exit_margin:g} = {need}"
+            + (" (micro_batch stop: longest micro-batch, not step)" if term != "step" else "")
         )
     if (step_max is None) != (save_max is None):
         missing = "step" if step_max is None else "save"

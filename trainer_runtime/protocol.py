@@ -20,11 +20,16 @@ __all__ = [
     "ENV_KILL_WAIT_SECONDS",
     "ENV_METRICS_HOST",
     "ENV_METRICS_PORT",
+    "ENV_NODE_NOTICE_SECONDS",
     "ENV_OUTPUT_DIR",
     "ENV_RESUME_FROM",
+    "ENV_SAVE_INTERVAL_SECONDS",
+    "ENV_STOP_POLICY",
     "ENV_TERMINATION_LOG",
     "EXIT_PREEMPTED",
     "METRIC_NAMES",
+    "REASON_DEADLINE_TOO_SHORT",
+    "STOP_POLICIES",
     "SaveTimings",
     "StepTimings",
     "TerminationMessage",
@@ -37,6 +42,14 @@ ENV_RESUME_FROM = "PREEMPTIBLE_RESUME_FROM"
 ENV_GRACE_SECONDS = "PREEMPTIBLE_GRACE_SECONDS"
 ENV_KILL_WAIT_SECONDS = "PREEMPTIBLE_KILL_WAIT_SECONDS"
 ENV_ATTEMPT = "PREEMPTIBLE_ATTEMPT"
+# The notice the node gives before it goes away (spot reclaim: ~30 s on GKE, up to 120 s on AWS),
+# when that can be shorter than the pod's grace: the runtime's deadline is SIGTERM + the shorter.
+ENV_NODE_NOTICE_SECONDS = "PREEMPTIBLE_NODE_NOTICE_SECONDS"
+# How a SIGTERM stops training: "finish_step" or "micro_batch" (TrainingArguments.jit_stop_policy
+# default when the script does not set it).
+ENV_STOP_POLICY = "PREEMPTIBLE_STOP_POLICY"
+# spec.checkpoint.interval: auto: the operator's recommended seconds between periodic saves.
+ENV_SAVE_INTERVAL_SECONDS = "PREEMPTIBLE_SAVE_INTERVAL_SECONDS"
 ENV_METRICS_PORT = "PREEMPTIBLE_METRICS_PORT"
 # Address the /metrics server binds to; the operator sets it to the pod IP (downward API) so that
 # several pods sharing one network namespace (the test node agent) do not collide. Default: all.
@@ -50,6 +63,14 @@ DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 # EX_TEMPFAIL from sysexits.h: "temporary failure, the user is invited to retry". Distinct from
 # 0 (finished), 1 (error) and 128+N (killed by a signal).
 EXIT_PREEMPTED = 75
+
+# finish_step: finish the optimizer step in flight, then save (falls back to micro_batch when the
+# step and the save do not both fit the deadline); micro_batch: stop at the next micro-batch
+# boundary, drop the partial gradient accumulation and save the last completed step at once.
+STOP_POLICIES = ("finish_step", "micro_batch")
+
+# Termination reason when not even the save fits the deadline: the runtime exits without writing.
+REASON_DEADLINE_TOO_SHORT = "deadline_too_short"
 
 # Prometheus series the runtime serves and the operator scrapes (gauges unless noted).
 METRIC_NAMES = {
@@ -94,7 +115,7 @@ class TerminationMessage(BaseModel):
     """
 
     model_config = ConfigDict(extra="ignore")
-    reason: Literal["preempted", "completed", "failed"]
+    reason: Literal["preempted", "completed", "failed", "deadline_too_short"]
     step: int = Field(description="Global step reached when the process stopped.")
     checkpoint: str | None = Field(default=None, description="Path of the checkpoint just written.")
     complete: bool = Field(default=False, description="Whether that checkpoint is complete.")
@@ -102,6 +123,17 @@ class TerminationMessage(BaseModel):
     step_seconds: StepTimings = Field(default_factory=StepTimings)
     save_seconds: SaveTimings = Field(default_factory=SaveTimings)
     sigterm_to_exit_seconds: float | None = None
+    micro_batch_seconds: StepTimings | None = Field(
+        default=None,
+        description="Wall-clock seconds per micro-batch (forward + backward) with gradient "
+        "accumulation: the unit of the micro_batch stop policy's grace rule.",
+    )
+    stop: str | None = Field(
+        default=None,
+        description="How the JIT stop happened: 'step' (at a step boundary), 'micro_batch' "
+        "(partial accumulation dropped), 'evaluation' (an evaluation abandoned), 'no_save' "
+        "(deadline too short to save).",
+    )
     message: str | None = Field(default=None, description="Human-readable detail (errors).")
 
 

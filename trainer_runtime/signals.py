@@ -16,13 +16,20 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from trainer_runtime.deadline import deadline_budget
 from trainer_runtime.protocol import (
     DEFAULT_KILL_WAIT_SECONDS,
     ENV_GRACE_SECONDS,
     ENV_KILL_WAIT_SECONDS,
+    ENV_NODE_NOTICE_SECONDS,
 )
 
-__all__ = ["SigtermLatch", "grace_seconds_from_env", "kill_wait_from_env"]
+__all__ = [
+    "SigtermLatch",
+    "grace_seconds_from_env",
+    "kill_wait_from_env",
+    "node_notice_from_env",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +63,11 @@ def grace_seconds_from_env() -> float | None:
     return _float_env(ENV_GRACE_SECONDS, None)
 
 
+def node_notice_from_env() -> float | None:
+    """The node's notice before it goes away ($PREEMPTIBLE_NODE_NOTICE_SECONDS), or None."""
+    return _float_env(ENV_NODE_NOTICE_SECONDS, None)
+
+
 class SigtermLatch:
     """Records the monotonic time of the first SIGTERM; later signals never reset it.
 
@@ -70,9 +82,13 @@ class SigtermLatch:
         grace_seconds: float | None = None,
         clock: Clock = time.monotonic,
         signum: int = signal.SIGTERM,
+        node_notice_seconds: float | None = None,
     ) -> None:
         self.kill_wait = kill_wait_from_env() if kill_wait is None else float(kill_wait)
         self.grace_seconds = grace_seconds_from_env() if grace_seconds is None else grace_seconds
+        self.node_notice_seconds = (
+            node_notice_from_env() if node_notice_seconds is None else node_notice_seconds
+        )
         self.clock = clock
         self.signum = signum
         self.received_at: float | None = None
@@ -128,12 +144,19 @@ class SigtermLatch:
         elapsed = self.elapsed()
         return elapsed is not None and elapsed >= self.kill_wait
 
+    @property
+    def budget_seconds(self) -> float | None:
+        """Seconds from SIGTERM to the deadline: the shorter of grace and node notice."""
+        return deadline_budget(self.grace_seconds, self.node_notice_seconds)
+
     def seconds_left(self) -> float | None:
-        """Seconds until the grace deadline (negative when past it); None without a deadline."""
+        """Seconds until the deadline (negative when past it); None without a deadline. The
+        deadline is SIGTERM + the grace period, or + the node's notice when that is shorter."""
         elapsed = self.elapsed()
-        if elapsed is None or self.grace_seconds is None:
+        budget = self.budget_seconds
+        if elapsed is None or budget is None:
             return None
-        return self.grace_seconds - elapsed
+        return budget - elapsed
 
     def __enter__(self) -> SigtermLatch:
         self.install()

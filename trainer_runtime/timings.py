@@ -111,6 +111,7 @@ def timings_record(
     sigterm_to_exit: list[float],
     *,
     jit_elapsed: float | None = None,
+    micro_batch_timer: StepTimer | None = None,
 ) -> dict[str, Any]:
     """The measurements a checkpoint carries (``preemptible_state.json``): step and save timings,
     the SIGTERM-to-exit seconds of earlier attempts plus this JIT save's (``jit_elapsed``, measured
@@ -118,7 +119,11 @@ def timings_record(
     exits = list(sigterm_to_exit)
     if jit_elapsed is not None:
         exits.append(round(jit_elapsed, 6))
+    extra: dict[str, Any] = {}
+    if micro_batch_timer is not None and micro_batch_timer.count:
+        extra["micro_batch_seconds"] = micro_batch_timer.to_model().model_dump()
     return {
+        **extra,
         "step_seconds": step_timer.to_model().model_dump(),
         "save_seconds": save_timer.to_model().model_dump(),
         "sigterm_to_exit_seconds": exits,
@@ -135,6 +140,8 @@ def write_termination(
     save_timer: SaveTimer,
     sigterm_to_exit: float | None = None,
     message: str | None = None,
+    micro_batch_timer: StepTimer | None = None,
+    stop: str | None = None,
 ) -> None:
     """Write the pod's termination message (exit protocol); ``checkpoint`` is the last
     checkpoint's info (``path``, ``complete``) or None. A write error is logged, never raised:
@@ -148,6 +155,10 @@ def write_termination(
         step_seconds=step_timer.to_model(),
         save_seconds=save_timer.to_model(),
         sigterm_to_exit_seconds=sigterm_to_exit,
+        micro_batch_seconds=micro_batch_timer.to_model()
+        if micro_batch_timer is not None and micro_batch_timer.count
+        else None,
+        stop=stop,
         message=message[:2000] if message else None,
     )
     try:

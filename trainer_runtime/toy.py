@@ -161,6 +161,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="after training, predict a labelled set of N samples ('predict' event)",
     )
     p.add_argument("--eval-batch-size", type=int, default=8, help="per-device eval batch size")
+    p.add_argument(
+        "--eval-steps",
+        type=int,
+        default=0,
+        help="evaluate every N steps during training on a set of --eval-samples (0: never)",
+    )
+    p.add_argument("--eval-samples", type=int, default=64, help="size of the evaluation set")
+    p.add_argument(
+        "--eval-sleep", type=float, default=0.0, help="seconds of sleep in every eval batch"
+    )
+    p.add_argument(
+        "--stop-policy",
+        default=None,
+        help="TrainingArguments.jit_stop_policy (finish_step, micro_batch); default: "
+        "$PREEMPTIBLE_STOP_POLICY, else finish_step",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument(
         "--full-determinism",
@@ -220,6 +236,12 @@ def _make_callback(args: argparse.Namespace) -> Any:
         def on_step_end(self, targs: Any, state: Any, control: Any, **kw: Any) -> None:
             testing.append_event(events, "step_end", step=state.global_step)
 
+        def on_substep_end(self, targs: Any, state: Any, control: Any, **kw: Any) -> None:
+            testing.append_event(events, "substep_end", step=state.global_step + 1)
+
+        def on_evaluate(self, targs: Any, state: Any, control: Any, **kw: Any) -> None:
+            testing.append_event(events, "evaluate", step=state.global_step)
+
         def on_log(self, targs: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
             if logs and "loss" in logs:
                 print(
@@ -249,6 +271,17 @@ def build_trainer(args: argparse.Namespace) -> Any:
         # Inside the forward pass: a signal sent "mid-step" really lands in a step in flight.
         delay = args.step_sleep
         model.register_forward_pre_hook(lambda _m, _a: time.sleep(delay))
+
+    if args.eval_sleep > 0:
+        # In eval mode only: an evaluation during training is slow, training is not.
+        eval_delay, eval_events = args.eval_sleep, args.events_file
+
+        def slow_eval(module: nn.Module, _args: Any) -> None:
+            if not module.training:
+                testing.append_event(eval_events, "eval_batch")
+                time.sleep(eval_delay)
+
+        model.register_forward_pre_hook(slow_eval)
 
     output_dir = args.output_dir
     if args.save_sleep > 0 or args.enospc_after_bytes is not None or args.events_file:
@@ -282,12 +315,15 @@ def build_trainer(args: argparse.Namespace) -> Any:
         fsdp=args.fsdp,
         fsdp_config=args.fsdp_config,
         per_device_eval_batch_size=args.eval_batch_size,
+        **({"jit_stop_policy": args.stop_policy} if args.stop_policy else {}),
+        **({"eval_strategy": "steps", "eval_steps": args.eval_steps} if args.eval_steps else {}),
         **({"accelerator_config": args.accelerator_config} if args.accelerator_config else {}),
     )
     trainer = Trainer(
         model=model,
         args=targs,
         train_dataset=ToyDataset(args.num_samples, seed=args.seed, with_index=args.record_samples),
+        eval_dataset=ToyDataset(args.eval_samples, seed=args.seed + 2) if args.eval_steps else None,
         callbacks=[_make_callback(args)],
     )
     if args.record_samples:

@@ -57,7 +57,7 @@ from trainer_runtime.checkpoint.model_state import (
     rng_file_name,
 )
 from trainer_runtime.checkpoint.resharding import DataShape, reshard_position
-from trainer_runtime.checkpoint.rng import capture_rng_state, restore_rng_state
+from trainer_runtime.checkpoint.rng import restore_rng_state
 from trainer_runtime.checkpoint.storage import Storage
 from trainer_runtime.data.arguments import (
     build_train_dataloader,
@@ -103,12 +103,14 @@ from trainer_runtime.features.optim import (
     optimizer_cls_and_kwargs,
 )
 from trainer_runtime.features.trainer_features import TrainerFeaturesMixin
+from trainer_runtime.jit_stop import JitStopMixin, save_interval_from_env
 from trainer_runtime.metrics import TrainingMetrics, metrics_from_env
 from trainer_runtime.protocol import (
     ENV_ATTEMPT,
     ENV_OUTPUT_DIR,
     ENV_RESUME_FROM,
     EXIT_PREEMPTED,
+    REASON_DEADLINE_TOO_SHORT,
 )
 from trainer_runtime.signals import SigtermLatch
 from trainer_runtime.state import PREEMPTIBLE_KEY, TrainerControl, TrainerState
@@ -164,6 +166,7 @@ class _DataPosition:
 
 
 class Trainer(
+    JitStopMixin,
     FsdpTrainerMixin,
     TrainerFeaturesMixin,
     ModelInitMixin,
@@ -239,6 +242,8 @@ class Trainer(
         self.label_names = list(self.args.label_names or default_label_names(self.model))
         self.step_timer = StepTimer()
         self.save_timer = SaveTimer()
+        # Mean micro-batch time of each step (gradient accumulation): the micro_batch grace rule.
+        self.micro_batch_timer = StepTimer()
         self.sigterm_to_exit: list[float] = []
         # Tests may set it (e.g. with an injected clock) before calling train().
         self.sigterm_latch: SigtermLatch | None = None
@@ -345,6 +350,10 @@ class Trainer(
             self.sigterm_latch = SigtermLatch()
         latch = self.sigterm_latch
         self._latch_used = True
+        self._jit_stop_kind = None
+        self._rng_for_checkpoint = None
+        self._save_interval = save_interval_from_env()
+        self._interval_anchor = None
         # Installed before the checkpoint is loaded: a SIGTERM during a slow resume is latched
         # (and answered with a checkpoint) instead of killing the process.
         if self.args.enable_jit_checkpoint:
@@ -362,10 +371,18 @@ class Trainer(
             if operator and self.preempted:
                 # None on a rank that did not itself receive the SIGTERM (another rank did)
                 elapsed = latch.elapsed()
-                self._write_termination("preempted", sigterm_to_exit=elapsed)
+                no_save = self._jit_stop_kind == "no_save"
+                self._write_termination(
+                    REASON_DEADLINE_TOO_SHORT if no_save else "preempted",
+                    sigterm_to_exit=elapsed,
+                    message=self._deadline_message if no_save else None,
+                )
+                written = self.last_checkpoint.path if self.last_checkpoint else None
                 logger.warning(
-                    "preempted: checkpoint %s written, exiting with %d%s",
-                    self.last_checkpoint.path if self.last_checkpoint else None,
+                    "preempted: %s, exiting with %d%s",
+                    "no checkpoint written (deadline too short)"
+                    if no_save
+                    else f"checkpoint {written} written",
                     EXIT_PREEMPTED,
                     f" {elapsed:.2f} s after SIGTERM" if elapsed is not None else "",
                 )
@@ -746,8 +763,11 @@ class Trainer(
                     # As transformers: a metric-driven schedule is not stepped by this one.
                     self._evaluate_during_training(skip_scheduler=True)
                 self._event("on_epoch_begin")
+                self._run_pending_evaluation()
                 while not self.should_stop():
                     self.train_step()
+                    if self.preempted:
+                        break  # the step was dropped at a micro-batch boundary and saved
                     self._after_step()
             # As transformers: the summary goes through log() (on_log, trackers) before the best
             # model is loaded and on_train_end is called.
@@ -781,6 +801,8 @@ class Trainer(
     def train_step(self) -> None:
         """One optimizer step over up to gradient_accumulation_steps micro-batches."""
         started = time.perf_counter()
+        # Before the micro-batches are read: what a stop at a micro-batch boundary puts back.
+        snapshot = self._step_snapshot()
         self.control._new_step()
         batches = self._next_micro_batches()
         # Padding micro-batches (even_batches=False) carry no samples: count nothing for them.
@@ -810,6 +832,10 @@ class Trainer(
                 self.current_flos += float(self.floating_point_ops(batch))
             if not last:
                 self._event("on_substep_end")
+                per_batch = (time.perf_counter() - started) / (i + 1)
+                if self._stop_inside_step(snapshot, len(batches) - i - 1, per_batch):
+                    self._drop_partial_step(snapshot, len(batches))  # type: ignore[arg-type]
+                    return
         # Clipped (or only measured) before on_pre_optimizer_step, as transformers does.
         self._last_grad_norm = self._clip_and_measure_grad_norm()
         self._event("on_pre_optimizer_step")
@@ -835,7 +861,10 @@ class Trainer(
         self._steps_total += 1
         self._loss_since_log += loss_value
         self._steps_since_log += 1
-        self.step_timer.record(time.perf_counter() - started)
+        step_seconds = time.perf_counter() - started
+        self.step_timer.record(step_seconds)
+        if len(batches) > 1:
+            self.micro_batch_timer.record(step_seconds / len(batches))
         self._update_epoch_float()
         self._event("on_step_end")
 
@@ -1120,6 +1149,7 @@ class Trainer(
         """Log and save as the callbacks decided; close the epoch when its data is used up, when
         a callback ends it, or when training stops (max_steps or a callback): transformers
         calls on_epoch_end in all three cases."""
+        self._maybe_save_on_interval()
         self._log_and_save()
         if (
             self._epoch_exhausted()
@@ -1203,9 +1233,14 @@ class Trainer(
         return TrainOutput(self.state.global_step, train_loss, metrics)
 
     # -- JIT ---------------------------------------------------------------------------------------
-    def _stop_for_preemption(self) -> None:
+    def _stop_for_preemption(self, kind: str = "step") -> None:
         latch = self.sigterm_latch
         assert latch is not None
+        if self._jit_stop_kind is None:
+            self._jit_stop_kind = kind
+        if not self._save_fits_deadline():
+            self._exit_without_save()
+            return
         if latch.triggered:
             logger.warning(
                 "SIGTERM received %.2f s ago: stopping at step %d to write a checkpoint",
@@ -1247,7 +1282,11 @@ class Trainer(
         return {
             **self.state.preemptible,
             **timings_record(
-                self.step_timer, self.save_timer, self.sigterm_to_exit, jit_elapsed=elapsed
+                self.step_timer,
+                self.save_timer,
+                self.sigterm_to_exit,
+                jit_elapsed=elapsed,
+                micro_batch_timer=self.micro_batch_timer,
             ),
             "data_position": position,
         }
@@ -1306,7 +1345,7 @@ class Trainer(
                 if self._fsdp is None:
                     writer.write_optimizer_state(OPTIMIZER_NAME, self.optimizer.state_dict())
                 writer.write_json(SCHEDULER_NAME, self.lr_scheduler.state_dict())
-            rng_tensors, rng_meta = capture_rng_state()
+            rng_tensors, rng_meta = self._checkpoint_rng_state()
             writer.write_tensors(rng_file_name(rank, world), rng_tensors, rng_meta, per_rank=True)
             if self._is_iterable():
                 dataset_state = iterable_dataset_state(
@@ -1523,6 +1562,7 @@ class Trainer(
         self.state.preemptible = record
         self.step_timer.load(record.get("step_seconds"))
         self.save_timer.load(record.get("save_seconds"))
+        self.micro_batch_timer.load(record.get("micro_batch_seconds"))
         if info.save_seconds is not None:
             # our record is written before its own save is timed; the manifest knows.
             self.save_timer.record(info.save_seconds)
@@ -1713,12 +1753,16 @@ class Trainer(
         # multi-node attempt (and `trainer-runtime launch` on it) knows how its workers ended.
         if not self.accelerator.is_local_main_process:
             return
+        no_save = reason == REASON_DEADLINE_TOO_SHORT
         write_termination(
             reason,
             step=self.state.global_step,
-            checkpoint=self.last_checkpoint,
+            # Nothing was written: the message names no checkpoint (the operator reads storage).
+            checkpoint=None if no_save else self.last_checkpoint,
             step_timer=self.step_timer,
             save_timer=self.save_timer,
             sigterm_to_exit=sigterm_to_exit,
             message=message,
+            micro_batch_timer=self.micro_batch_timer,
+            stop=self._jit_stop_kind if self.preempted else None,
         )

@@ -39,7 +39,7 @@ from trainer_runtime.distributed.fsdp_args import FsdpArguments
 from trainer_runtime.errors import ConfigurationError
 from trainer_runtime.features.arguments import FeatureArguments
 from trainer_runtime.features.logging_utils import LOG_LEVELS
-from trainer_runtime.protocol import ENV_OUTPUT_DIR
+from trainer_runtime.protocol import ENV_OUTPUT_DIR, ENV_STOP_POLICY, STOP_POLICIES
 
 __all__ = [
     "DEBUG_OPTIONS",
@@ -149,6 +149,11 @@ def _default_jit() -> bool:
     return bool(os.environ.get(ENV_OUTPUT_DIR))
 
 
+def _default_stop_policy() -> str:
+    # The operator passes spec.gracePeriod.stopPolicy; a script's own value wins over it.
+    return os.environ.get(ENV_STOP_POLICY, "").strip() or "finish_step"
+
+
 def _steps_or_ratio(name: str, value: float) -> float:
     """Values >= 1 are step counts (must be whole), values in (0, 1) ratios of the total steps."""
     if value <= 0:
@@ -256,6 +261,16 @@ class TrainingArgumentsSchema(FeatureArguments, DataArguments, DdpArguments, Fsd
         default_factory=_default_jit,
         description="On SIGTERM, finish the optimizer step in flight, save a checkpoint and stop. "
         "Default: True when $PREEMPTIBLE_OUTPUT_DIR is set, else False.",
+    )
+    jit_stop_policy: str = Field(
+        default_factory=_default_stop_policy,
+        description="How a SIGTERM stops training (enable_jit_checkpoint): 'finish_step' "
+        "finishes the optimizer step in flight, then saves, unless the rest of the step and the "
+        "save would miss the deadline (SIGTERM + grace, or + the node's notice when shorter): "
+        "then it stops as 'micro_batch' does; 'micro_batch' stops at the next micro-batch "
+        "boundary, drops the partial gradient accumulation and saves the last completed step at "
+        "once (the dropped micro-batches are trained again after resume). Default: "
+        "$PREEMPTIBLE_STOP_POLICY, else 'finish_step'.",
     )
     ignore_data_skip: bool = Field(
         False,
@@ -406,6 +421,16 @@ class TrainingArgumentsSchema(FeatureArguments, DataArguments, DdpArguments, Fsd
         if value >= 1 and value != int(value):
             raise ValueError(f"{value} is neither a whole step count nor a ratio below 1")
         return int(value) if value >= 1 else value
+
+    @field_validator("jit_stop_policy")
+    @classmethod
+    def _check_stop_policy(cls, value: str) -> str:
+        if value not in STOP_POLICIES:
+            raise ValueError(
+                f"is not a stop policy: use one of {', '.join(STOP_POLICIES)} (or unset "
+                "$PREEMPTIBLE_STOP_POLICY)"
+            )
+        return value
 
     @field_validator("max_steps")
     @classmethod

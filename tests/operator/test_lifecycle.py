@@ -49,6 +49,7 @@ def test_runs_to_success(
         "ATTEMPT",
         "PREEMPTIONS",
         "GRACE",
+        "SAVE-EVERY",
         "AGE",
     ], out
     assert out.splitlines()[1].split()[:5] == ["ok", "Succeeded", "6", "6", "1"], out

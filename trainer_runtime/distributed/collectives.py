@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "agree_max",
     "agree_to_stop",
     "all_reduce_sum",
     "barrier",
@@ -50,6 +51,15 @@ def agree_to_stop(local_flag: bool) -> bool:
     flag = torch.tensor([1 if local_flag else 0], dtype=torch.int32, device=_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
+
+
+def agree_max(local_value: int) -> int:
+    """The largest of one small integer over ranks (every rank gets it; all-reduce MAX)."""
+    if not is_distributed():
+        return int(local_value)
+    flag = torch.tensor([int(local_value)], dtype=torch.int32, device=_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
 
 
 def all_reduce_sum(value: int) -> int:

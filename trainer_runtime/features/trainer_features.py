@@ -422,13 +422,18 @@ class TrainerFeaturesMixin:
                 metric_key_prefix=metric_key_prefix,
                 nan_inf_filter=args.logging_nan_inf_filter,
                 gather=gather,
-                on_prediction_step=lambda: self._fire(
-                    "on_prediction_step", eval_dataloader=dataloader
-                ),
+                on_prediction_step=lambda: self._on_evaluation_batch(dataloader),
                 keep_predictions=description == "Prediction",
             )
         finally:
             model.train(was_training)
+
+    def _on_evaluation_batch(self, dataloader: Iterable[Any]) -> None:
+        self._fire("on_prediction_step", eval_dataloader=dataloader)
+        # The Trainer's JIT stop may abandon an evaluation during training here (jit_stop.py).
+        check = getattr(self, "_check_abandon_evaluation", None)
+        if check is not None:
+            check()
 
     def evaluate(
         self,

@@ -52,7 +52,16 @@ def test_crd_shape_printer_columns_status_and_short_name() -> None:
     (version,) = obj["spec"]["versions"]
     assert version["subresources"] == {"status": {}}
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Phase", "Step", "Checkpoint", "Attempt", "Preemptions", "Grace", "Age"]
+    assert columns == [
+        "Phase",
+        "Step",
+        "Checkpoint",
+        "Attempt",
+        "Preemptions",
+        "Grace",
+        "Save-Every",
+        "Age",
+    ]
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
     assert set(spec["required"]) == {"image", "checkpoint"}
     assert spec["properties"]["numNodes"]["default"] == 1

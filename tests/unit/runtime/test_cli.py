@@ -213,3 +213,16 @@ def test_grace_reads_the_runtime_record_file(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["inputs"]["step_max"] == 120.0 and doc["inputs"]["save_max"] >= 120.0
+
+
+def test_grace_per_stop_policy(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    state = _state(20, 120.0, 120.0, [])
+    state["preemptible"]["micro_batch_seconds"] = {"max": 7.5, "count": 20}
+    _save(out, 20, state)
+    bare = ("--headroom", "0", "--exit-margin", "0", "--json")
+    finish = json.loads(cli("grace", str(out), *bare).stdout)
+    micro = json.loads(cli("grace", str(out), *bare, "--stop-policy", "micro_batch").stdout)
+    assert finish["terminationGracePeriodSeconds"] == 243  # unchanged under finish_step
+    assert micro["terminationGracePeriodSeconds"] == 131  # ceil(3 + 7.5 + 120)
+    assert micro["inputs"]["micro_batch_max"] == 7.5
