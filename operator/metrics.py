@@ -5,12 +5,16 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 __all__ = [
+    "ATTEMPT",
+    "ATTEMPT_GRACE_SECONDS",
     "GRACE_SECONDS",
     "LOST_STEPS",
     "PREEMPTIONS",
+    "QUEUE_WAIT_SECONDS",
     "RECONCILE_ERRORS",
     "RECONCILE_SECONDS",
     "REQUEUE_SECONDS",
+    "SIGTERM_TO_EXIT_SECONDS",
     "start_metrics_server",
 ]
 
@@ -40,6 +44,30 @@ LOST_STEPS = Counter(
 GRACE_SECONDS = Gauge(
     "preemptible_operator_grace_seconds",
     "Grace period computed for the next attempt.",
+    ["namespace", "name"],
+)
+
+# For the Grafana dashboard (charts/preemptible/dashboards/): attempts per job, queue wait, and
+# grace given vs SIGTERM-to-exit of the latest ended attempt, side by side.
+ATTEMPT = Gauge(
+    "preemptible_operator_attempt",
+    "Current (latest) attempt number of a TrainingJob.",
+    ["namespace", "name"],
+)
+QUEUE_WAIT_SECONDS = Histogram(
+    "preemptible_operator_queue_wait_seconds",
+    "Seconds from an attempt's Job created to its pods first seen running (Kueue admission and "
+    "scheduling).",
+    buckets=(1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600),
+)
+SIGTERM_TO_EXIT_SECONDS = Gauge(
+    "preemptible_operator_sigterm_to_exit_seconds",
+    "SIGTERM-to-exit seconds of the latest ended attempt that reported one.",
+    ["namespace", "name"],
+)
+ATTEMPT_GRACE_SECONDS = Gauge(
+    "preemptible_operator_attempt_grace_seconds",
+    "terminationGracePeriodSeconds the latest ended attempt was given.",
     ["namespace", "name"],
 )
 
