@@ -8,12 +8,16 @@ from prometheus_client import Counter, Gauge, Histogram
 
 __all__ = [
     "API_REQUESTS",
+    "ATTEMPT",
+    "ATTEMPT_GRACE_SECONDS",
     "GRACE_SECONDS",
     "LOST_STEPS",
     "PREEMPTIONS",
+    "QUEUE_WAIT_SECONDS",
     "RECONCILE_ERRORS",
     "RECONCILE_SECONDS",
     "REQUEUE_SECONDS",
+    "SIGTERM_TO_EXIT_SECONDS",
     "forget_job",
     "start_metrics_server",
 ]
@@ -52,11 +56,41 @@ GRACE_SECONDS = Gauge(
     ["namespace", "name"],
 )
 
+# For the Grafana dashboard (charts/preemptible/dashboards/): attempts per job, queue wait, and
+# grace given vs SIGTERM-to-exit of the latest ended attempt, side by side.
+ATTEMPT = Gauge(
+    "preemptible_operator_attempt",
+    "Current (latest) attempt number of a TrainingJob.",
+    ["namespace", "name"],
+)
+QUEUE_WAIT_SECONDS = Histogram(
+    "preemptible_operator_queue_wait_seconds",
+    "Seconds from an attempt's Job created to its pods first seen running (Kueue admission and "
+    "scheduling).",
+    buckets=(1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600),
+)
+SIGTERM_TO_EXIT_SECONDS = Gauge(
+    "preemptible_operator_sigterm_to_exit_seconds",
+    "SIGTERM-to-exit seconds of the latest ended attempt that reported one.",
+    ["namespace", "name"],
+)
+ATTEMPT_GRACE_SECONDS = Gauge(
+    "preemptible_operator_attempt_grace_seconds",
+    "terminationGracePeriodSeconds the latest ended attempt was given.",
+    ["namespace", "name"],
+)
+
 
 def forget_job(namespace: str, name: str) -> None:
     """Remove the per-job series of a finished or deleted TrainingJob (an operator that runs
     thousands of jobs must not export a series for every job it ever saw)."""
-    for family in (LOST_STEPS, GRACE_SECONDS):
+    for family in (
+        LOST_STEPS,
+        GRACE_SECONDS,
+        ATTEMPT,
+        SIGTERM_TO_EXIT_SECONDS,
+        ATTEMPT_GRACE_SECONDS,
+    ):
         with contextlib.suppress(KeyError):
             family.remove(namespace, name)
 

@@ -383,6 +383,8 @@ class Reconciler:
             gp.current = record.grace_seconds
             status.grace_period = gp
         status.attempt = obs.attempt or status.attempt
+        if status.attempt:
+            metrics.ATTEMPT.labels(namespace, name).set(status.attempt)
 
         # Storage is listed only when an attempt ends or starts (_record_attempt,
         # _create_attempt): while one runs, the runtime's /metrics report its checkpoints.
@@ -396,6 +398,9 @@ class Reconciler:
         if spec is not None and obs.attempt and not recorded:
             if running and record is not None and record.running_time is None:
                 record.running_time = now
+                created_at = _parse_time(record.start_time)
+                if created_at is not None:
+                    metrics.QUEUE_WAIT_SECONDS.observe(max(0.0, self.clock() - created_at))
             if running and self.config.scrape_metrics:
                 _apply_metrics(status, self._scrape_rank0(obs.pods, spec), spec)
             interruption = classify_interruption(
@@ -795,6 +800,11 @@ class Reconciler:
         if sigterm is None:
             sigterm = _max(None, *(m.sigterm_to_exit_seconds for m in messages))
         record.sigterm_to_exit_seconds = sigterm
+        if sigterm is not None:
+            metrics.SIGTERM_TO_EXIT_SECONDS.labels(meta["namespace"], meta["name"]).set(sigterm)
+        if record.grace_seconds is not None:
+            job_labels = (meta["namespace"], meta["name"])
+            metrics.ATTEMPT_GRACE_SECONDS.labels(*job_labels).set(record.grace_seconds)
         if end_step is not None:
             progress = status.progress or models.Progress()
             progress.step = max(progress.step or 0, end_step)

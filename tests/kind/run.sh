@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end check on a kind cluster (needs Docker and internet; our CI machines have neither, so
 # .github/workflows/kind.yaml runs it on a hosted runner):
-#   1. create a kind cluster            2. build the image and load it into the cluster
+#   1. create a kind cluster            2. build both images and load them into the cluster
 #   3. install Kueue                    4. install the chart (helm)
 #   5. Kueue preemption example: a low-priority TrainingJob runs, a high-priority one preempts it;
 #      the low one must be requeued, resume from its just-in-time checkpoint, lose no steps and
@@ -10,7 +10,9 @@
 # Usage: tests/kind/run.sh [--dry-run] [--keep]
 #   --dry-run  print every step (commands and waits) without running anything
 #   --keep     leave the cluster running at the end (default: delete it)
-# Environment: CLUSTER_NAME (preemptible), IMAGE (preemptible:<chart appVersion>), KUEUE_VERSION
+# Environment: CLUSTER_NAME (preemptible), IMAGE (runtime image the examples name,
+# preemptible:<chart appVersion>), OPERATOR_IMAGE (the chart's, preemptible-operator:<appVersion>),
+# KUEUE_VERSION
 # (tests/cluster/versions.env), KIND_NODE_IMAGE (kind's default), TORCH_INDEX_URL (Docker build
 # argument, empty: default index), TIMEOUT_S (per wait, 900), NAMESPACE (preemptible-demo).
 set -euo pipefail
@@ -39,6 +41,7 @@ app_version="$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' "$repo/c
 pinned_kueue="$(sed -n 's/^KUEUE_VERSION=//p' "$repo/tests/cluster/versions.env")"
 CLUSTER_NAME="${CLUSTER_NAME:-preemptible}"
 IMAGE="${IMAGE:-preemptible:$app_version}"
+OPERATOR_IMAGE="${OPERATOR_IMAGE:-preemptible-operator:$app_version}"
 KUEUE_VERSION="${KUEUE_VERSION:-$pinned_kueue}"
 KIND_NODE_IMAGE="${KIND_NODE_IMAGE:-}"
 TORCH_INDEX_URL="${TORCH_INDEX_URL:-}"
@@ -141,8 +144,10 @@ main() {
   run kind create cluster --name "$CLUSTER_NAME" "${node_image[@]}" --wait 180s
   run kubectl config use-context "kind-$CLUSTER_NAME"
 
-  log "2/5 image $IMAGE"
+  log "2/5 images $OPERATOR_IMAGE (operator, no torch) and $IMAGE (runtime)"
+  run docker build --target operator -t "$OPERATOR_IMAGE" "$repo"
   run docker build --build-arg "TORCH_INDEX_URL=$TORCH_INDEX_URL" -t "$IMAGE" "$repo"
+  run kind load docker-image "$OPERATOR_IMAGE" --name "$CLUSTER_NAME"
   run kind load docker-image "$IMAGE" --name "$CLUSTER_NAME"
 
   log "3/5 Kueue $KUEUE_VERSION"
@@ -156,7 +161,8 @@ main() {
 
   log "4/5 chart"
   run helm install "$RELEASE" "$repo/charts/preemptible" --namespace "$OPERATOR_NS" \
-    --create-namespace --set "image.repository=${IMAGE%:*}" --set "image.tag=${IMAGE##*:}" \
+    --create-namespace --set "image.repository=${OPERATOR_IMAGE%:*}" \
+    --set "image.tag=${OPERATOR_IMAGE##*:}" \
     --wait "--timeout=${TIMEOUT_S}s"
   run kubectl -n "$OPERATOR_NS" rollout status "deploy/$RELEASE" "--timeout=${TIMEOUT_S}s"
 

@@ -1,5 +1,6 @@
-"""The Dockerfile, parsed: multi-stage, non-root, entry points that exist, a build context that
-holds what the COPY lines need. (No Docker engine here: tests/kind builds the image for real.)"""
+"""The Dockerfile, parsed: two images (operator without torch, runtime with it) from shared
+stages, non-root, entry points that exist, a build context that holds what the COPY lines need.
+The opt-in test at the end builds and runs both for real (tests/packaging/docker_smoke.sh)."""
 
 from __future__ import annotations
 
@@ -77,71 +78,122 @@ def test_exec_form() -> None:
 # ---------------------------------------------------------------------------- the Dockerfile
 
 
+def _stage(stages, name: str):
+    (stage,) = [s for s in stages if s.name == name]
+    return stage
+
+
 def test_multi_stage_from_one_base(parsed) -> None:
     args, stages = parsed
-    assert [s.name for s in stages] == ["build", "runtime"]
+    assert [s.name for s in stages] == [
+        "venv",
+        "operator-build",
+        "base",
+        "operator",
+        "build",
+        "runtime",
+    ]
     assert args["BASE_IMAGE"].startswith("python:3.")
-    assert all(s.base == args["BASE_IMAGE"] for s in stages)
-    # The runtime stage copies only the virtual environment out of the build stage.
-    copies = stages[1].all("COPY")
-    assert [c.flags().get("from") for c in copies] == ["build"]
-    assert copies[0].words()[-2:] == ["/opt/preemptible", "/opt/preemptible"]
+    bases = {s.name: s.base for s in stages}
+    assert bases["venv"] == bases["base"] == args["BASE_IMAGE"]
+    assert bases["operator-build"] == bases["build"] == "venv"
+    assert bases["operator"] == bases["runtime"] == "base"
+    # The runtime image is the last stage: a plain `docker build .` still builds it. The torch
+    # stage comes after the operator image, which Docker's classic builder (every stage up to
+    # --target, in order) then builds without installing torch.
+    names = [s.name for s in stages]
+    assert stages[-1].name == "runtime"
+    assert names.index("build") > names.index("operator")
+    # Each final image copies only the virtual environment out of its own build stage.
+    for final, build in (("operator", "operator-build"), ("runtime", "build")):
+        copies = _stage(stages, final).all("COPY")
+        assert [c.flags().get("from") for c in copies] == [build], final
+        assert copies[0].words()[-2:] == ["/opt/preemptible", "/opt/preemptible"]
 
 
 def test_torch_build_arguments(parsed) -> None:
     _, stages = parsed
-    build_args = {
-        i.value.partition("=")[0]: i.value.partition("=")[2] for i in stages[0].all("ARG")
-    }
+    build = _stage(stages, "build")
+    build_args = {i.value.partition("=")[0]: i.value.partition("=")[2] for i in build.all("ARG")}
     assert build_args["TORCH_INDEX_URL"] == ""  # empty: pip's default index
     assert build_args["TORCH_SPEC"] == "torch"
-    torch_install = next(i for i in stages[0].all("RUN") if "TORCH_SPEC" in i.value)
+    torch_install = next(i for i in build.all("RUN") if "TORCH_SPEC" in i.value)
     assert '--index-url "$TORCH_INDEX_URL"' in torch_install.value
 
 
-def test_final_stage_runs_as_non_root(parsed) -> None:
+def test_operator_image_installs_only_the_operator_extra(parsed) -> None:
+    """No torch in the operator image: its build installs pyproject's `operator` extra (kept
+    exact by test_operator_dependencies.py) and the package with --no-deps, then fails when an
+    operator module does not import or torch is importable."""
     _, stages = parsed
-    user = stages[-1].last("USER")
-    assert user is not None, "the final stage must set USER"
-    uid, _, gid = user.value.partition(":")
-    assert uid.isdigit() and int(uid) > 0, "numeric non-root uid (runAsNonRoot checks it)"
-    assert gid.isdigit() and int(gid) > 0
-    # The user is created in that stage with that uid.
-    assert any(f"--uid {uid}" in r.value for r in stages[-1].all("RUN"))
-    # Nothing after USER switches back to root.
-    index = stages[-1].instructions.index(user)
-    assert not [i for i in stages[-1].instructions[index:] if i.keyword == "RUN"]
+    stage = _stage(stages, "operator-build")
+    assert not stage.all("ARG"), "the operator build takes no torch arguments"
+    (run,) = stage.all("RUN")
+    text = run.value
+    assert '["optional-dependencies"]' in text and 'extras["operator"]' in text
+    assert "pip install -r /tmp/operator-requirements.txt" in text
+    assert "pip install --no-deps ." in text
+    assert "TORCH" not in text and "pip install torch" not in text
+    assert "iter_modules(p.__path__)" in text and '"torch" not in sys.modules' in text
+    assert "python3 -P -c 'import torch'" in text and "exit 1" in text
+    assert "preemptible-operator --help" in text
+    # -P everywhere: the build directory's operator/ would shadow the standard library's module
+    assert "python3 -c" not in text
+
+
+def test_final_stages_run_as_non_root(parsed) -> None:
+    _, stages = parsed
+    base = _stage(stages, "base")
+    for name in ("operator", "runtime"):
+        final = _stage(stages, name)
+        user = final.last("USER")
+        assert user is not None, f"stage {name} must set USER"
+        uid, _, gid = user.value.partition(":")
+        assert uid.isdigit() and int(uid) > 0, "numeric non-root uid (runAsNonRoot checks it)"
+        assert gid.isdigit() and int(gid) > 0
+        # The user is created in the shared base stage with that uid.
+        assert any(f"--uid {uid}" in r.value for r in base.all("RUN"))
+        # Nothing after USER switches back to root.
+        index = final.instructions.index(user)
+        assert not [i for i in final.instructions[index:] if i.keyword == "RUN"]
 
 
 def test_entry_points_are_console_scripts(parsed) -> None:
     _, stages = parsed
     scripts = _console_scripts()
-    final = stages[-1]
-    commands = [i.exec_form() for i in (final.last("ENTRYPOINT"), final.last("CMD")) if i]
-    assert commands, "the image needs a default command"
-    for command in commands:
-        assert command is not None, "use the exec form so signals reach the process"
-        assert command[0] in scripts
-    # Both entry points are smoke-tested at build time.
-    build_runs = " ".join(r.value for r in stages[0].all("RUN"))
+    for name in ("operator", "runtime"):
+        final = _stage(stages, name)
+        commands = [i.exec_form() for i in (final.last("ENTRYPOINT"), final.last("CMD")) if i]
+        assert commands, f"the {name} image needs a default command"
+        for command in commands:
+            assert command is not None, "use the exec form so signals reach the process"
+            assert command[0] in scripts
+    assert _stage(stages, "operator").last("CMD").exec_form()[0] == "preemptible-operator"
+    # The entry points are smoke-tested at build time.
+    build_runs = " ".join(r.value for r in _stage(stages, "build").all("RUN"))
     for script in ("preemptible-operator", "trainer-runtime"):
         assert script in scripts
         assert f"{script} --help" in build_runs
+    operator_runs = " ".join(r.value for r in _stage(stages, "operator-build").all("RUN"))
+    assert "preemptible-operator --help" in operator_runs
 
 
 def test_copy_sources_are_in_the_build_context(parsed) -> None:
     _, stages = parsed
     patterns = _dockerignore()
-    for inst in stages[0].all("COPY"):
-        sources = [w for w in inst.words() if not w.startswith("--")][:-1]
-        for source in sources:
-            assert (REPO_ROOT / source).exists(), f"line {inst.line}: {source} does not exist"
-            assert not _ignored(source.rstrip("/"), patterns), f"{source} is in .dockerignore"
-    # The packages the image installs are exactly the ones pyproject declares.
     pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
     package_dirs = set(pyproject["tool"]["setuptools"]["package-dir"].values())
-    copied = {w.rstrip("/") for i in stages[0].all("COPY") for w in i.words()[:-1]}
-    assert package_dirs <= copied
+    for stage in stages:
+        context_copies = [i for i in stage.all("COPY") if "from" not in i.flags()]
+        for inst in context_copies:
+            sources = [w for w in inst.words() if not w.startswith("--")][:-1]
+            for source in sources:
+                assert (REPO_ROOT / source).exists(), f"line {inst.line}: {source} does not exist"
+                assert not _ignored(source.rstrip("/"), patterns), f"{source} is in .dockerignore"
+        if stage.name in ("operator-build", "build"):
+            # The packages the image installs are exactly the ones pyproject declares.
+            copied = {w.rstrip("/") for i in context_copies for w in i.words()[:-1]}
+            assert package_dirs <= copied, stage.name
 
 
 def test_pyproject_lists_every_runtime_subpackage() -> None:
@@ -177,8 +229,9 @@ def test_no_hostnames_in_dockerfile() -> None:
 
 @pytest.mark.slow
 def test_image_builds_and_runs() -> None:
-    """Opt-in: builds the image for real and runs it (tests/packaging/docker_smoke.sh). Needs a
-    Docker daemon and downloads torch (several GB), so `make test` does not run it by default."""
+    """Opt-in: builds both images for real and runs them (tests/packaging/docker_smoke.sh). Needs
+    a Docker daemon and downloads torch (several GB); `.ci/run` turns it on when it can start
+    Docker."""
     if os.environ.get("PREEMPTIBLE_DOCKER_SMOKE") != "1":
         pytest.skip(
             "set PREEMPTIBLE_DOCKER_SMOKE=1 (a running Docker daemon; add "

@@ -5,12 +5,7 @@ scenario authenticated as the chart's ServiceAccount (a bound token, not admin).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,12 +14,17 @@ import kubernetes
 import pytest
 import yaml
 
-from tests.cluster.controlplane import ControlPlane, client_environment
+from tests.cluster.controlplane import ControlPlane
 from tests.cluster.kueue import Kueue
 from tests.cluster.node_agent import NodeAgent
-from tests.cluster.processes import free_port, http_ok
 from tests.operator.harness import TJClient, install_crd, toy_training_job, wait_for
-from tests.packaging.chart import CHART_DIR, find_objects, render
+from tests.packaging.chart import find_objects, render
+from tests.packaging.release import (
+    ChartOperator,
+    helm_release,
+    init_container,
+    run_init_container,
+)
 from tests.packaging.tools import REPO_ROOT, require_tool
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -53,22 +53,6 @@ def _apply(cp: ControlPlane, docs: list[dict[str, Any]], *args: str, namespace: 
     if namespace:
         cmd += ["-n", namespace]
     return cp.kubectl(*cmd, input=yaml.safe_dump_all(docs), check=False, timeout=180)
-
-
-def _init_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
-    (deployment,) = find_objects(objects, "Deployment")
-    (init,) = deployment["spec"]["template"]["spec"]["initContainers"]
-    return init
-
-
-def _run_init_container(init: dict[str, Any], kubeconfig: Path) -> subprocess.CompletedProcess:
-    """The rendered init container's command, run here as the given identity (the node agent
-    cannot give pods in-cluster credentials)."""
-    env = {**client_environment(), "KUBECONFIG": str(kubeconfig), "PATH": os.environ["PATH"]}
-    env.update({e["name"]: e["value"] for e in init.get("env", [])})
-    argv = [sys.executable, *init["command"][1:]]
-    assert init["command"][0] == "python"
-    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180, check=False)
 
 
 def _can_i(cp: ControlPlane, user: str, verb: str, resource: str, namespace: str | None) -> bool:
@@ -127,11 +111,11 @@ def test_plain_install_is_one_apply(
     # The init container, as the chart's ServiceAccount, creates the ClusterKopfPeering the
     # operator needs; a second run finds it.
     sa_kubeconfig = control_plane.service_account_kubeconfig(INSTALL_NS, "preemptible")
-    init = _init_container(plain_install)
-    first = _run_init_container(init, sa_kubeconfig)
+    init = init_container(plain_install)
+    first = run_init_container(init, sa_kubeconfig)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "ClusterKopfPeering preemptible" in first.stdout
-    again = _run_init_container(init, sa_kubeconfig)
+    again = run_init_container(init, sa_kubeconfig)
     assert again.returncode == 0 and "exists" in again.stdout, again.stdout + again.stderr
     control_plane.kubectl("get", "clusterkopfpeering", "preemptible")
 
@@ -184,6 +168,45 @@ def test_plain_install_rbac(
     assert _can_i(control_plane, INSTALL_SA, verb, resource, namespace) is allowed
 
 
+# ------------------------------------------------------------------------------ kubectl explain
+
+
+def _object_paths(node: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(dotted path, its properties) of every object in the schema that has named fields."""
+    node = node.get("items", node)
+    if node.get("properties"):
+        yield path, node["properties"]
+        for name, child in node["properties"].items():
+            yield from _object_paths(child, f"{path}.{name}")
+
+
+def test_kubectl_explain_describes_every_field(control_plane: ControlPlane, tj_crd: None) -> None:
+    """What users see: for every object in the TrainingJob schema, `kubectl explain` lists each of
+    its fields with the field's docstring from operator/models.py (the apiserver publishes the
+    generated schema as OpenAPI v3)."""
+    from preemptible_operator import crd
+
+    schema = crd.openapi_schema()
+    paths = list(_object_paths(schema["properties"]["spec"], "trainingjobs.spec"))
+    paths += list(_object_paths(schema["properties"]["status"], "trainingjobs.status"))
+    assert len(paths) >= 10
+
+    def explain(*args: str) -> str | None:
+        proc = control_plane.kubectl("explain", *args, check=False, timeout=60)
+        return proc.stdout if proc.returncode == 0 else None
+
+    # The apiserver publishes a new CRD's OpenAPI a moment after it is Established.
+    wait_for("kubectl explain trainingjobs", lambda: explain("trainingjobs.spec"), timeout=60)
+    for path, fields in paths:
+        out = " ".join((explain(path) or f"kubectl explain {path} failed").split())
+        for name, child in fields.items():
+            # The first words of the description follow the field's name in the listing.
+            words = " ".join(child["description"].split()[:5])
+            assert f"{name} <" in out and words in out, f"kubectl explain {path}: {name}\n{out}"
+    recursive = explain("trainingjobs", "--recursive") or ""
+    assert "killWaitSeconds" in recursive and "sigtermToExitSeconds" in recursive, recursive
+
+
 # ------------------------------------------------------------------------- server-side dry run
 
 
@@ -234,81 +257,6 @@ def test_examples_pass_server_side_dry_run(
 # ---------------------------------------------------------- the operator under the chart's RBAC
 
 
-class ChartOperator:
-    """`preemptible-operator run` with the arguments of the chart's Deployment, as a subprocess
-    authenticated with a token of the chart's ServiceAccount. Stopped by its own PID."""
-
-    def __init__(self, container: dict[str, Any], kubeconfig: Path, log: Path) -> None:
-        self.health_port = free_port()
-        self.metrics_port = free_port()
-        args = []
-        for arg in container["args"]:
-            # Loopback ports of our own: several test sessions may share this machine.
-            if arg.startswith("--liveness="):
-                arg = f"--liveness=http://127.0.0.1:{self.health_port}/healthz"
-            elif arg.startswith("--metrics-port="):
-                arg = f"--metrics-port={self.metrics_port}"
-            args.append(arg)
-        assert container["command"] == ["preemptible-operator"]
-        self.argv = [sys.executable, "-m", "preemptible_operator.cli", *args]
-        self.argv += ["--kubeconfig", str(kubeconfig)]
-        self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with self.log.open("ab") as fh:
-            env = {**client_environment(), "PYTHONUNBUFFERED": "1"}
-            self.proc = subprocess.Popen(self.argv, stdout=fh, stderr=subprocess.STDOUT, env=env)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-    def healthy(self) -> bool:
-        assert self.proc is not None
-        assert self.proc.poll() is None, f"operator exited {self.proc.returncode}:\n{self.tail()}"
-        return http_ok(f"http://127.0.0.1:{self.health_port}/healthz")
-
-    def tail(self, lines: int = 80) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no operator log)"
-
-
-@contextlib.contextmanager
-def helm_release(
-    cp: ControlPlane, helm: str, namespace: str, values: dict[str, Any], tmp_path: Path
-) -> Iterator[list[dict[str, Any]]]:
-    """`helm install` of the chart into ``namespace``; yields the release's objects. The release
-    is not called "preemptible": its cluster-scoped objects must not collide with the plain
-    install of the other tests in this module."""
-    values_file = tmp_path / "release-values.yaml"
-    values_file.write_text(yaml.safe_dump(values))
-    base = [helm, "--kubeconfig", str(cp.kubeconfig), "--namespace", namespace]
-    install = subprocess.run(
-        [*base, "install", RELEASE, str(CHART_DIR), "--values", str(values_file)],
-        capture_output=True, text=True, timeout=300, check=False, env=client_environment(),
-    )  # fmt: skip
-    assert install.returncode == 0, install.stdout + install.stderr
-    try:
-        manifest = subprocess.run(
-            [*base, "get", "manifest", RELEASE],
-            capture_output=True, text=True, timeout=120, check=True, env=client_environment(),
-        ).stdout  # fmt: skip
-        yield [d for d in yaml.safe_load_all(manifest) if d]
-    finally:
-        subprocess.run(
-            [*base, "uninstall", RELEASE, "--wait", "--timeout", "120s"],
-            capture_output=True, text=True, timeout=180, check=False, env=client_environment(),
-        )  # fmt: skip
-
-
 @pytest.mark.parametrize("preemption", ["eviction", "kueue"])
 def test_operator_with_chart_rbac_survives_a_preemption(
     control_plane: ControlPlane,
@@ -339,7 +287,7 @@ def test_operator_with_chart_rbac_survives_a_preemption(
         (deployment,) = find_objects(objects, "Deployment")
         sa = deployment["spec"]["template"]["spec"]["serviceAccountName"]
         sa_kubeconfig = control_plane.service_account_kubeconfig(namespace, sa)
-        init = _run_init_container(_init_container(objects), sa_kubeconfig)
+        init = run_init_container(init_container(objects), sa_kubeconfig)
         assert init.returncode == 0, init.stdout + init.stderr
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
         operator = ChartOperator(container, sa_kubeconfig, tmp_path / "operator.log")

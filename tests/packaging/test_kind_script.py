@@ -44,7 +44,9 @@ def test_dry_run_prints_every_step_in_order() -> None:
     out = _dry_run()
     steps = [
         "+ kind create cluster --name preemptible",
-        "+ docker build",
+        "+ docker build --target operator -t preemptible-operator:0.1.0",
+        "+ docker build --build-arg",
+        "+ kind load docker-image preemptible-operator:0.1.0 --name preemptible",
         "+ kind load docker-image preemptible:0.1.0 --name preemptible",
         "+ kubectl apply --server-side -f https://github.com/kubernetes-sigs/kueue/releases/download/v0.19.2/manifests.yaml",
         "+ wait until Kueue accepts its objects",
@@ -62,10 +64,17 @@ def test_dry_run_prints_every_step_in_order() -> None:
 
 
 def test_dry_run_honours_overrides() -> None:
-    out = _dry_run(CLUSTER_NAME="ci", IMAGE="example/preemptible:dev", KUEUE_VERSION="v9.9.9")
+    out = _dry_run(
+        CLUSTER_NAME="ci",
+        IMAGE="example/preemptible:dev",
+        OPERATOR_IMAGE="example/preemptible-operator:dev",
+        KUEUE_VERSION="v9.9.9",
+    )
     assert "kind create cluster --name ci" in out
     assert "kind load docker-image example/preemptible:dev --name ci" in out
-    assert "--set image.repository=example/preemptible --set image.tag=dev" in out
+    assert "kind load docker-image example/preemptible-operator:dev --name ci" in out
+    # the chart runs the operator image; the examples' TrainingJobs name the runtime image
+    assert "--set image.repository=example/preemptible-operator --set image.tag=dev" in out
     assert "download/v9.9.9/manifests.yaml" in out
 
 
