@@ -257,6 +257,16 @@ class TrainingArgumentsSchema(FeatureArguments, DataArguments, DdpArguments, Fsd
         description="On SIGTERM, finish the optimizer step in flight, save a checkpoint and stop. "
         "Default: True when $PREEMPTIBLE_OUTPUT_DIR is set, else False.",
     )
+    save_async: bool | None = Field(
+        None,
+        description="preemptible only: write periodic checkpoints in the background. The state is "
+        "copied to host memory at the step boundary (one extra host copy of model and optimizer "
+        "state while the write is in flight), training continues while a writer thread writes, "
+        "fsyncs and commits it (manifest last); at most one write in flight; a JIT stop cancels "
+        "it (or waits, when it is of the same step). None: on under the operator's environment "
+        "for a single process without FSDP, save_on_each_node, save_strategy='best', "
+        "load_best_model_at_end or push_to_hub, else off.",
+    )
     ignore_data_skip: bool = Field(
         False,
         description="On resume, do not restore the data position (start the epoch over instead of "
