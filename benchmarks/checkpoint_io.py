@@ -162,8 +162,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     ends = {s: t for n, s, t in ev if n == "step_end"}
     if mode == "resume":
         result["resume_s"] = begins[SAVE_STEP] - started
-        result["cold_start_s"] = time.time() - (time.perf_counter() - begins[SAVE_STEP]) - float(
-            spec["spawned_at"]
+        result["cold_start_s"] = (
+            time.time() - (time.perf_counter() - begins[SAVE_STEP]) - float(spec["spawned_at"])
         )
     else:
         # steps/s over the steps that neither follow a save nor are the first
@@ -318,14 +318,22 @@ def _bench(params: int, repeats: int, workdir: Path, threads: int) -> None:
         cells = [_fmt(f.get(k, []), scale=scale) if k else "" for k in (a, b, c)]
         print(f"| {label:36s} | {cells[0]:24s} | {cells[1]:24s} | {cells[2]:22s} |")
     print("ratios (medians):")
-    print(f"  resume ours / transformers:                 {_ratio(f['ours_resume_s'], f['hf_resume_s'])}")  # noqa: E501
-    print(f"  blocking save bandwidth ours / raw fsynced: {_ratio(f['ours_sync_mb_s'], f['raw_mb_s'])}")  # noqa: E501
-    print(f"  async stall / blocking save:                {_ratio(f['ours_async_stall_s'], f['ours_sync_save_s'])}")  # noqa: E501
-    print(f"  peak RSS with a save / without (ours):      {_ratio(f['ours_sync_rss_save'], f['ours_rss_nosave'])}")  # noqa: E501
-    print(f"  peak RSS async save / without (ours):       {_ratio(f['ours_async_rss_save'], f['ours_rss_nosave'])}")  # noqa: E501
-    print(f"  peak RSS with a save / without (transf.):   {_ratio(f['hf_rss_save'], f['hf_rss_nosave'])}")  # noqa: E501
-    print(f"  training steps/s ours / transformers:       {_ratio(f['ours_nosave_steps_per_s'], f['hf_nosave_steps_per_s'])}")  # noqa: E501
-    print(f"  save time ours (fsynced) / transformers:    {_ratio(f['ours_sync_save_s'], f['hf_save_s'])}")  # noqa: E501
+    ratios = [
+        ("resume ours / transformers", "ours_resume_s", "hf_resume_s"),
+        ("blocking save bandwidth ours / raw fsynced", "ours_sync_mb_s", "raw_mb_s"),
+        ("async stall / blocking save", "ours_async_stall_s", "ours_sync_save_s"),
+        ("peak RSS with a save / without (ours)", "ours_sync_rss_save", "ours_rss_nosave"),
+        ("peak RSS async save / without (ours)", "ours_async_rss_save", "ours_rss_nosave"),
+        ("peak RSS with a save / without (transformers)", "hf_rss_save", "hf_rss_nosave"),
+        (
+            "training steps/s ours / transformers",
+            "ours_nosave_steps_per_s",
+            "hf_nosave_steps_per_s",
+        ),
+        ("save time ours (fsynced) / transformers", "ours_sync_save_s", "hf_save_s"),
+    ]
+    for label, a, b in ratios:
+        print(f"  {label + ':':48s} {_ratio(f.get(a, []), f.get(b, []))}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
