@@ -174,7 +174,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         ]
         result["steps_per_s"] = 1.0 / statistics.median(steps)
     if save:
-        saves = [t for n, s, t in ev if n == "save" and s == SAVE_STEP]
+        # (an asynchronous save's on_save comes at the step boundary that commits it)
+        saves = [t for n, s, t in ev if n == "save" and s >= SAVE_STEP]
         result["save_s"] = saves[0] - ends[SAVE_STEP]
         # the training stall: end of the saving step to the next step's begin
         result["stall_s"] = begins[SAVE_STEP] - ends[SAVE_STEP]
