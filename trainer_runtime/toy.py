@@ -168,6 +168,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="TrainingArguments.full_determinism (bit-identical resume with 3+ DDP ranks)",
     )
     p.add_argument(
+        "--save-async",
+        choices=("auto", "true", "false"),
+        default="auto",
+        help="TrainingArguments.save_async (auto: None, the default)",
+    )
+    p.add_argument(
         "--fsdp", default=None, help="shard with FSDP: TrainingArguments.fsdp, e.g. full_shard"
     )
     p.add_argument(
@@ -281,6 +287,7 @@ def build_trainer(args: argparse.Namespace) -> Any:
         report_to="none",
         fsdp=args.fsdp,
         fsdp_config=args.fsdp_config,
+        save_async={"auto": None, "true": True, "false": False}[args.save_async],
         per_device_eval_batch_size=args.eval_batch_size,
         **({"accelerator_config": args.accelerator_config} if args.accelerator_config else {}),
     )

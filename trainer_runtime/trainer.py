@@ -33,6 +33,7 @@ from trainer_runtime.callbacks import (
 from trainer_runtime.checkpoint import per_node
 from trainer_runtime.checkpoint.background import (
     BackgroundSave,
+    SnapshotBuffers,
     resolve_save_async,
     snapshot_entry,
 )
@@ -60,7 +61,6 @@ from trainer_runtime.checkpoint.layout import (
     CheckpointInfo,
     CheckpointStore,
     attempt_from_env,
-    inspect_checkpoint,
 )
 from trainer_runtime.checkpoint.model_state import (
     OPTIMIZER_NAME,
@@ -260,8 +260,10 @@ class Trainer(
         self.train_dataloader: DataLoader | None = None
         self.train_sampler: ResumableBatchSampler | None = None
         self.last_checkpoint: CheckpointInfo | None = None
-        # the periodic checkpoint a writer thread is writing (save_async), at most one
+        # the periodic checkpoint a writer thread is writing (save_async), at most one, and the
+        # host buffers its snapshots are copied into (kept between saves)
         self._async_save: BackgroundSave | None = None
+        self._snapshot_buffers = SnapshotBuffers()
         self.preempted = False
         self._position = _DataPosition()
         self._data_iter: Iterator[Any] | None = None
@@ -1376,7 +1378,8 @@ class Trainer(
             record = lambda: _json_bytes(self._preemptible_record(jit))  # noqa: E731
             entries.append((RUNTIME_STATE_NAME, record() if snapshot else record, False))
         if snapshot:
-            entries = [(n, snapshot_entry(d), r) for n, d, r in entries]
+            buffers = self._snapshot_buffers
+            entries = [(n, snapshot_entry(n, d, buffers), r) for n, d, r in entries]
         return entries
 
     def _after_checkpoint_commit(self, info: CheckpointInfo, seconds: float) -> None:
@@ -1408,15 +1411,28 @@ class Trainer(
         started = time.perf_counter()
         step = self.state.global_step
         writer = self._new_checkpoint_writer(step)
-        writer.begin()  # sentinel first, on every rank together
+        # Sentinel first. Several ranks create it together (a barrier) here; one rank lets the
+        # writer thread create it before its first file.
+        alone = writer.world_size == 1
+        if not alone:
+            writer.begin()
         entries = self._checkpoint_entries(writer.is_coordinator, False, snapshot=True)
-        self._async_save = BackgroundSave(writer, entries)
+        self._async_save = BackgroundSave(writer, entries, begin=alone)
         logger.info(
             "checkpoint %s: state copied in %.3f s, written in the background",
             writer.path,
             time.perf_counter() - started,
         )
-        return inspect_checkpoint(writer.root, writer.name)
+        return CheckpointInfo(
+            path=writer.path,
+            name=writer.name,
+            step=step,
+            complete=False,
+            reason="being written in the background (save_async)",
+            size_bytes=0,
+            manifest=None,
+            attempt=writer.attempt,
+        )
 
     def _poll_async_save(self) -> None:
         """At a step boundary: commit the background checkpoint once every rank wrote its files

@@ -32,6 +32,7 @@ from trainer_runtime.errors import ConfigurationError
 
 __all__ = [
     "BackgroundSave",
+    "SnapshotBuffers",
     "json_bytes",
     "resolve_save_async",
     "snapshot_entry",
@@ -45,21 +46,39 @@ def json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.device.type == "cpu":
-        return t.clone(memory_format=torch.contiguous_format)
-    # pinned host memory makes the device-to-host copy fast (and is what a snapshot must hold)
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-    out.copy_(t, non_blocking=False)
-    return out
+class SnapshotBuffers:
+    """Host buffers the state is copied into at each background save, kept between saves.
+
+    The first snapshot allocates (and the kernel zero-fills) its memory; later ones copy into
+    the same buffers, which is a plain memory copy. Reused only once the write that used them is
+    over (at most one write is in flight). Tensors on an accelerator get pinned buffers, so the
+    device-to-host copy runs at full speed.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+
+    def copy(self, key: tuple[str, str], t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        out = self._buffers.get(key)
+        if out is None or out.shape != t.shape or out.dtype != t.dtype:
+            pin = t.device.type != "cpu" and torch.cuda.is_available()
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            self._buffers[key] = out
+        out.copy_(t)
+        return out
+
+    def clear(self) -> None:
+        self._buffers.clear()
 
 
-def snapshot_entry(data: Any) -> Any:
-    """A checkpoint entry training may no longer change: tensors copied to host memory, a
-    record (callable) built now; bytes are immutable already."""
+def snapshot_entry(name: str, data: Any, buffers: SnapshotBuffers | None = None) -> Any:
+    """A checkpoint entry training may no longer change: tensors copied to host memory (into
+    ``buffers`` when given), a record (callable) built now; bytes are immutable already."""
     if isinstance(data, TensorFile):
-        return TensorFile({k: _host_copy(t) for k, t in data.tensors.items()}, data.metadata)
+        pool = buffers if buffers is not None else SnapshotBuffers()
+        copied = {k: pool.copy((name, k), t) for k, t in data.tensors.items()}
+        return TensorFile(copied, data.metadata)
     if callable(data):
         return data()
     return data
@@ -101,9 +120,12 @@ class BackgroundSave:
 
     ``entries``: (name, data, per_rank) with data bytes or a snapshotted TensorFile. The thread
     never commits (that is collective: the training thread calls ``writer.commit()``).
+    ``begin``: the thread calls ``writer.begin()`` first (one rank only: no barrier).
     """
 
-    def __init__(self, writer: Any, entries: list[tuple[str, Any, bool]]) -> None:
+    def __init__(
+        self, writer: Any, entries: list[tuple[str, Any, bool]], *, begin: bool = False
+    ) -> None:
         self.writer = writer
         self.step: int = writer.step
         self.error: BaseException | None = None
@@ -112,6 +134,7 @@ class BackgroundSave:
         self._finished: float | None = None
         self._cancel = threading.Event()
         writer.cancel = self._cancel
+        self._begin = begin
         self._thread = threading.Thread(
             target=self._run,
             args=(entries,),
@@ -123,6 +146,10 @@ class BackgroundSave:
 
     def _run(self, entries: list[tuple[str, Any, bool]]) -> None:
         try:
+            if self._begin:
+                # one rank: the sentinel (fsynced) needs no barrier, so it is created here,
+                # still before any file of the checkpoint
+                self.writer.begin()
             for name, data, per_rank in entries:
                 self.writer.write_entry(name, data, per_rank=per_rank)
         except Cancelled:
