@@ -61,6 +61,7 @@ from trainer_runtime.checkpoint.layout import (
     CheckpointInfo,
     CheckpointStore,
     attempt_from_env,
+    inspect_checkpoint,
 )
 from trainer_runtime.checkpoint.model_state import (
     OPTIMIZER_NAME,
@@ -263,6 +264,7 @@ class Trainer(
         # the periodic checkpoint a writer thread is writing (save_async), at most one, and the
         # host buffers its snapshots are copied into (kept between saves)
         self._async_save: BackgroundSave | None = None
+        self._superseded: BackgroundSave | None = None
         self._snapshot_buffers = SnapshotBuffers()
         self.preempted = False
         self._position = _DataPosition()
@@ -1314,6 +1316,7 @@ class Trainer(
         seconds = info.save_seconds if info.save_seconds is not None else None
         if seconds is None:
             seconds = time.perf_counter() - started
+        self._remove_superseded(writer.is_coordinator)
         self._after_checkpoint_commit(info, seconds + waited)
         return info
 
@@ -1472,15 +1475,32 @@ class Trainer(
         if jit and save.step != self.state.global_step:
             save.cancel()
             self._async_save = None
+            self._superseded = save
             logger.warning(
-                "JIT checkpoint of step %d supersedes the background checkpoint %s (cancelled, "
-                "left incomplete)",
+                "JIT checkpoint of step %d supersedes the background checkpoint %s (cancelled; "
+                "removed once the JIT checkpoint is committed)",
                 self.state.global_step,
                 save.writer.path,
             )
         else:
             self._commit_async_save()
         return time.perf_counter() - started
+
+    def _remove_superseded(self, coordinator: bool) -> None:
+        """After the JIT checkpoint is committed: the coordinator removes the directory of the
+        background write it cancelled (an abandoned write older than a complete checkpoint;
+        every rank's writer thread ended before the JIT save began). A crash before this point
+        leaves it incomplete, which resume skips."""
+        save, self._superseded = self._superseded, None
+        if save is None or not coordinator:
+            return
+        writer = save.writer
+        try:
+            if not inspect_checkpoint(writer.root, writer.name).complete:
+                writer.root.rm_tree(writer.name)
+                writer.root.fsync_dir("")
+        except Exception as exc:  # the JIT checkpoint is committed: never fail the stop here
+            logger.warning("could not remove the superseded checkpoint %s: %s", writer.path, exc)
 
     def _finish_async_save(self) -> None:
         """End of training: the checkpoint in flight is committed before train() returns."""
