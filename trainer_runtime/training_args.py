@@ -45,6 +45,7 @@ __all__ = [
     "DEBUG_OPTIONS",
     "HUB_STRATEGIES",
     "OPTIMIZER_NAMES",
+    "RUNTIME_ONLY_FIELDS",
     "SAMPLING_STRATEGIES",
     "SCHEDULER_TYPES",
     "ParallelMode",
@@ -54,6 +55,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# Fields transformers' TrainingArguments does not have (docs/trainer.md, differences).
+RUNTIME_ONLY_FIELDS: tuple[str, ...] = ("save_async",)
 
 # Batch orders the trainer can build (trainer_runtime.data.samplers and length_sampling).
 SAMPLING_STRATEGIES: tuple[str, ...] = ALL_SAMPLING_STRATEGIES
