@@ -1466,8 +1466,8 @@ class Trainer(
     def _settle_async_save(self, *, jit: bool) -> float:
         """Before a save: at most one write in flight. A periodic save waits for the one in
         flight and commits it; a JIT save does the same when it is of the same step, and
-        otherwise cancels it (the newer state supersedes it; its directory stays incomplete,
-        which resume skips and rotation removes). Returns the seconds spent."""
+        otherwise cancels it (the newer state supersedes it; its directory, incomplete, is
+        removed once the JIT checkpoint is committed). Returns the seconds spent."""
         save = self._async_save
         if save is None:
             return 0.0

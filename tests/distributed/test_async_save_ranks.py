@@ -37,7 +37,9 @@ def test_two_ranks_background_writes_jit_supersedes_and_resume_is_bit_identical(
     target = random.Random(seed).randrange(WORLD_SIZE)
     print(f"PREEMPTIBLE_TEST_SEED={seed}: SIGTERM to rank {target}")
     out = tmp_path / "out"
-    args = [*toy_args(step_sleep=0.05, save_sleep=0.4), *ASYNC]
+    args = [*toy_args(step_sleep=0.05, save_sleep=1.5), *ASYNC]
+    # Each file of a checkpoint takes 1.5 s to close (slowfile://): checkpoint-4's background
+    # write lasts over 10 s, so the SIGTERM surely lands while it is in flight.
     with RankedRun(out, tmp_path, world_size=WORLD_SIZE, args=args) as run:
         run.ranks[0].wait_for_event("save_begin", step=SAVE_STEPS, timeout=RUN_TIMEOUT)
         # both ranks train on while checkpoint-4 is written

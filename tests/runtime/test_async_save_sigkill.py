@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.runtime, pytest.mark.timeout(600)]
 
 # Every file of a checkpoint takes this long to close (slowfile://): a background write of the
 # toy's ~10 files lasts seconds, while its steps take milliseconds.
-SAVE_SLEEP = 0.4
+SAVE_SLEEP = 0.8
 
 
 def _kill_during_background_write(
@@ -51,7 +51,7 @@ def _kill_during_background_write(
         run.wait_for_event("save_begin", step=step, timeout=RUN_TIMEOUT)
         # Training goes on while checkpoint-<step> is written: the next step begins.
         run.wait_for_event("step_begin", step=step + 1, timeout=RUN_TIMEOUT)
-        time.sleep(rng.uniform(0.0, 1.5))
+        time.sleep(rng.uniform(0.0, 1.0))
         run.send(signal.SIGKILL)
         code = run.wait(RUN_TIMEOUT)
     finally:
