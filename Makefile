@@ -36,6 +36,7 @@ bench: setup
 	$(PY) benchmarks/resume_time.py
 	$(PY) benchmarks/agreement_overhead.py
 	$(PY) benchmarks/sampling_balance.py
+	$(PY) -P benchmarks/checkpoint_io.py
 
 # Regenerate the CRD from the operator's models and the plain install YAML from the chart.
 manifests: setup cluster-binaries

@@ -184,6 +184,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="TrainingArguments.full_determinism (bit-identical resume with 3+ DDP ranks)",
     )
     p.add_argument(
+        "--save-async",
+        choices=("auto", "true", "false"),
+        default="auto",
+        help="TrainingArguments.save_async (auto: None, the default)",
+    )
+    p.add_argument(
         "--fsdp", default=None, help="shard with FSDP: TrainingArguments.fsdp, e.g. full_shard"
     )
     p.add_argument(
@@ -314,6 +320,7 @@ def build_trainer(args: argparse.Namespace) -> Any:
         report_to="none",
         fsdp=args.fsdp,
         fsdp_config=args.fsdp_config,
+        save_async={"auto": None, "true": True, "false": False}[args.save_async],
         per_device_eval_batch_size=args.eval_batch_size,
         **({"jit_stop_policy": args.stop_policy} if args.stop_policy else {}),
         **({"eval_strategy": "steps", "eval_steps": args.eval_steps} if args.eval_steps else {}),

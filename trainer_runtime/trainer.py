@@ -31,6 +31,13 @@ from trainer_runtime.callbacks import (
     TrainerCallback,
 )
 from trainer_runtime.checkpoint import per_node
+from trainer_runtime.checkpoint.background import (
+    BackgroundSave,
+    SnapshotBuffers,
+    resolve_save_async,
+    snapshot_entry,
+)
+from trainer_runtime.checkpoint.background import json_bytes as _json_bytes
 from trainer_runtime.checkpoint.hf_format import (
     HF_OPTIMIZER_NAME,
     HF_SCHEDULER_NAME,
@@ -38,17 +45,23 @@ from trainer_runtime.checkpoint.hf_format import (
     hf_rng_file_name,
     load_hf_rng_state,
     load_model_files,
-    model_files,
+    model_file_entries,
     side_files,
     torch_load,
 )
-from trainer_runtime.checkpoint.io import CheckpointReader
+from trainer_runtime.checkpoint.io import (
+    OPTIMIZER_META_KEY,
+    CheckpointReader,
+    optimizer_state_to_tensors,
+    write_entry,
+)
 from trainer_runtime.checkpoint.layout import (
     RUNTIME_STATE_NAME,
     TRAINER_STATE_NAME,
     CheckpointInfo,
     CheckpointStore,
     attempt_from_env,
+    inspect_checkpoint,
 )
 from trainer_runtime.checkpoint.model_state import (
     OPTIMIZER_NAME,
@@ -58,6 +71,7 @@ from trainer_runtime.checkpoint.model_state import (
 )
 from trainer_runtime.checkpoint.resharding import DataShape, reshard_position
 from trainer_runtime.checkpoint.rng import restore_rng_state
+from trainer_runtime.checkpoint.safetensors_stream import TensorFile
 from trainer_runtime.checkpoint.storage import Storage
 from trainer_runtime.data.arguments import (
     build_train_dataloader,
@@ -89,7 +103,7 @@ from trainer_runtime.distributed.ddp_args import (
     per_rank_batch_size,
 )
 from trainer_runtime.distributed.trainer_fsdp import FsdpTrainerMixin
-from trainer_runtime.errors import ConfigurationError, ResumeError
+from trainer_runtime.errors import CheckpointError, ConfigurationError, ResumeError
 from trainer_runtime.features import losses
 from trainer_runtime.features.hub import HubMixin
 from trainer_runtime.features.hyperparameter_search import HyperparameterSearchMixin
@@ -252,6 +266,11 @@ class Trainer(
         self.train_dataloader: DataLoader | None = None
         self.train_sampler: ResumableBatchSampler | None = None
         self.last_checkpoint: CheckpointInfo | None = None
+        # the periodic checkpoint a writer thread is writing (save_async), at most one, and the
+        # host buffers its snapshots are copied into (kept between saves)
+        self._async_save: BackgroundSave | None = None
+        self._superseded: BackgroundSave | None = None
+        self._snapshot_buffers = SnapshotBuffers()
         self.preempted = False
         self._position = _DataPosition()
         self._data_iter: Iterator[Any] | None = None
@@ -769,6 +788,7 @@ class Trainer(
                     if self.preempted:
                         break  # the step was dropped at a micro-batch boundary and saved
                     self._after_step()
+                self._finish_async_save()
             # As transformers: the summary goes through log() (on_log, trackers) before the best
             # model is loaded and on_train_end is called.
             output = self._train_output(self._train_start)
@@ -776,6 +796,7 @@ class Trainer(
                 self._load_best_model_at_end()
             self._event("on_train_end")
         finally:
+            self._abandon_async_save()
             self.is_in_train = False
             if self.metrics is not None:
                 self.metrics.close()
@@ -1164,6 +1185,7 @@ class Trainer(
         if self.control.should_evaluate:
             # Sets should_save when save_strategy="best" and the metric improved.
             self._evaluate_during_training()
+        self._poll_async_save()
         if self.control.should_save:
             self.save_checkpoint()
         self.control.should_log = False
@@ -1310,64 +1332,101 @@ class Trainer(
         return layout
 
     def save_checkpoint(self, jit: bool = False) -> CheckpointInfo:
-        """Write ``checkpoint-<global_step>`` (all ranks); a step is never saved twice."""
+        """Write ``checkpoint-<global_step>`` (all ranks); a step is never saved twice.
+
+        With save_async a periodic save (``jit=False``) only snapshots the state and returns the
+        in-flight checkpoint (incomplete until committed at a later step boundary); a JIT save
+        first settles a write in flight (waits for it when it is of this step, else cancels it)
+        and the time that takes counts as part of the JIT save's measured time."""
+        started = time.perf_counter()
+        waited = self._settle_async_save(jit=jit)
         step = self.state.global_step
         if self.last_checkpoint is not None and self.last_checkpoint.step == step:
             return self.last_checkpoint
-        started = time.perf_counter()
-        rank, world = collectives.rank(), collectives.world_size()
-        writer = self._checkpoint_writer_class()(
+        if not jit and self._save_async_active():
+            return self._start_async_save()
+        writer = self._new_checkpoint_writer(step)
+        writer.begin()
+        # fsdp: model and optimizer go into every rank's shards (manifest entry "sharding").
+        sharding = self._write_model_shards(writer) if self._fsdp is not None else {}
+        for name, data, per_rank in self._checkpoint_entries(writer.is_coordinator, jit):
+            writer.write_entry(name, data() if callable(data) else data, per_rank=per_rank)
+        info = writer.commit(sharding)
+        seconds = info.save_seconds if info.save_seconds is not None else None
+        if seconds is None:
+            seconds = time.perf_counter() - started
+        self._remove_superseded(writer.is_coordinator)
+        self._after_checkpoint_commit(info, seconds + waited)
+        return info
+
+    def _new_checkpoint_writer(self, step: int) -> Any:
+        return self._checkpoint_writer_class()(
             str(self.args.output_dir),
             step,
-            rank=rank,
-            world_size=world,
+            rank=collectives.rank(),
+            world_size=collectives.world_size(),
             barrier=collectives.barrier,
             # save_on_each_node: every node's main process writes a full copy on its own disk
             **per_node.writer_options(self.args),
         )
-        writer.begin()
-        main = writer.is_coordinator
-        # fsdp: model and optimizer go into every rank's shards (manifest entry "sharding").
-        sharding = self._write_model_shards(writer) if self._fsdp is not None else {}
+
+    def _checkpoint_entries(
+        self, main: bool, jit: bool, *, snapshot: bool = False
+    ) -> list[tuple[str, Any, bool]]:
+        """The files of a checkpoint, in write order: (name, data, per_rank). ``data`` is bytes,
+        a TensorFile (written as it is serialised), or a callable returning bytes (our record,
+        built when written: it holds the JIT save's SIGTERM-to-exit time). ``snapshot``: for a
+        background write, every tensor is copied to host memory and every record built now, so
+        training may go on changing the originals."""
+        entries: list[tuple[str, Any, bool]] = []
+        rank, world = collectives.rank(), collectives.world_size()
         if main:
             # The model as transformers saves it (a PreTrainedModel opens with from_pretrained, a
             # PEFT model's checkpoint holds the adapter only) and the processing class's files.
             processing = self._processing_class_to_save()
             if self._fsdp is None:
-                files = model_files(self.model, processing)
+                # the weights stay tensors: written as they are serialised, no file in memory
+                entries += [(n, d, False) for n, d in model_file_entries(self.model, processing)]
             else:
-                files = side_files(self.model, processing)
-            for name, data in files:
-                writer.write_bytes(name, data)
+                entries += [(n, d, False) for n, d in side_files(self.model, processing)]
         if not self.args.save_only_model:
             assert self.optimizer is not None and self.lr_scheduler is not None
             if main:
                 if self._fsdp is None:
-                    writer.write_optimizer_state(OPTIMIZER_NAME, self.optimizer.state_dict())
-                writer.write_json(SCHEDULER_NAME, self.lr_scheduler.state_dict())
+                    tensors, meta = optimizer_state_to_tensors(self.optimizer.state_dict())
+                    entries.append(
+                        (OPTIMIZER_NAME, TensorFile(tensors, {OPTIMIZER_META_KEY: meta}), False)
+                    )
+                entries.append((SCHEDULER_NAME, _json_bytes(self.lr_scheduler.state_dict()), False))
             rng_tensors, rng_meta = self._checkpoint_rng_state()
-            writer.write_tensors(rng_file_name(rank, world), rng_tensors, rng_meta, per_rank=True)
+            entries.append((rng_file_name(rank, world), TensorFile(rng_tensors, rng_meta), True))
             if self._is_iterable():
                 dataset_state = iterable_dataset_state(
                     self.train_dataset, self.args.dataloader_num_workers
                 )
                 if dataset_state is not None:
-                    writer.write_json(
-                        dataset_state_file_name(rank, world), dataset_state, per_rank=True
+                    entries.append(
+                        (dataset_state_file_name(rank, world), _json_bytes(dataset_state), True)
                     )
         # Every rank records the best checkpoint, so every rank loads it at the end.
         self._before_checkpoint_write()
         if main:
-            writer.write_json(TRAINING_ARGS_NAME, self.args.to_dict())
+            entries.append((TRAINING_ARGS_NAME, _json_bytes(self.args.to_dict()), False))
             # trainer_state.json holds transformers' TrainerState fields only (its Trainer loads
             # the file with TrainerState(**json)); our record is a file of its own.
             state = self.state.to_dict()
             state.pop(PREEMPTIBLE_KEY, None)
-            writer.write_json(TRAINER_STATE_NAME, state)
-            writer.write_json(RUNTIME_STATE_NAME, self._preemptible_record(jit))
-        info = writer.commit(sharding)
-        seconds = info.save_seconds if info.save_seconds is not None else None
-        self.save_timer.record(seconds if seconds is not None else time.perf_counter() - started)
+            entries.append((TRAINER_STATE_NAME, _json_bytes(state), False))
+            record = lambda: _json_bytes(self._preemptible_record(jit))  # noqa: E731
+            entries.append((RUNTIME_STATE_NAME, record() if snapshot else record, False))
+        if snapshot:
+            buffers = self._snapshot_buffers
+            entries = [(n, snapshot_entry(n, d, buffers), r) for n, d, r in entries]
+        return entries
+
+    def _after_checkpoint_commit(self, info: CheckpointInfo, seconds: float) -> None:
+        """Every rank, once a checkpoint is committed: timings, rotation, on_save."""
+        self.save_timer.record(seconds)
         self.last_checkpoint = info
         logger.info("saved %s in %.3f s", info.path, self.save_timer.last or 0.0)
         # save_total_limit keeps the best checkpoint too; save_strategy="best" drops stale bests.
@@ -1376,7 +1435,123 @@ class Trainer(
         collectives.barrier()
         self._event("on_save", checkpoint=info.path)
         self._publish_metrics()
-        return info
+
+    # -- asynchronous periodic checkpoints (save_async) --------------------------------------------
+    def _save_async_active(self) -> bool:
+        """save_async, resolved: None means on under the operator for a plain single process."""
+        return resolve_save_async(
+            self.args,
+            operator=under_operator(),
+            world_size=collectives.world_size(),
+            fsdp=self._fsdp is not None,
+        )
+
+    def _start_async_save(self) -> CheckpointInfo:
+        """Snapshot the state (the training stall) and hand it to a writer thread."""
+        if self._async_save is not None:
+            raise CheckpointError("a background checkpoint is already in flight")
+        started = time.perf_counter()
+        step = self.state.global_step
+        writer = self._new_checkpoint_writer(step)
+        # Sentinel first. Several ranks create it together (a barrier) here; one rank lets the
+        # writer thread create it before its first file.
+        alone = writer.world_size == 1
+        if not alone:
+            writer.begin()
+        entries = self._checkpoint_entries(writer.is_coordinator, False, snapshot=True)
+        self._async_save = BackgroundSave(writer, entries, begin=alone)
+        logger.info(
+            "checkpoint %s: state copied in %.3f s, written in the background",
+            writer.path,
+            time.perf_counter() - started,
+        )
+        return CheckpointInfo(
+            path=writer.path,
+            name=writer.name,
+            step=step,
+            complete=False,
+            reason="being written in the background (save_async)",
+            size_bytes=0,
+            manifest=None,
+            attempt=writer.attempt,
+        )
+
+    def _poll_async_save(self) -> None:
+        """At a step boundary: commit the background checkpoint once every rank wrote its files
+        (one all-reduce per step while a write is in flight, none otherwise)."""
+        save = self._async_save
+        if save is None:
+            return
+        if collectives.agree_to_stop(not save.done()):
+            return  # some rank is still writing
+        self._commit_async_save()
+
+    def _commit_async_save(self) -> None:
+        save = self._async_save
+        assert save is not None
+        save.wait()
+        self._async_save = None
+        failed = collectives.agree_to_stop(save.error is not None)
+        if failed:
+            if save.error is not None:
+                raise save.error
+            raise CheckpointError(
+                f"the background write of {save.writer.path} failed on another rank"
+            )
+        committing = time.perf_counter()
+        info = save.writer.commit({})
+        self._after_checkpoint_commit(info, save.seconds + time.perf_counter() - committing)
+
+    def _settle_async_save(self, *, jit: bool) -> float:
+        """Before a save: at most one write in flight. A periodic save waits for the one in
+        flight and commits it; a JIT save does the same when it is of the same step, and
+        otherwise cancels it (the newer state supersedes it; its directory, incomplete, is
+        removed once the JIT checkpoint is committed). Returns the seconds spent."""
+        save = self._async_save
+        if save is None:
+            return 0.0
+        started = time.perf_counter()
+        if jit and save.step != self.state.global_step:
+            save.cancel()
+            self._async_save = None
+            self._superseded = save
+            logger.warning(
+                "JIT checkpoint of step %d supersedes the background checkpoint %s (cancelled; "
+                "removed once the JIT checkpoint is committed)",
+                self.state.global_step,
+                save.writer.path,
+            )
+        else:
+            self._commit_async_save()
+        return time.perf_counter() - started
+
+    def _remove_superseded(self, coordinator: bool) -> None:
+        """After the JIT checkpoint is committed: the coordinator removes the directory of the
+        background write it cancelled (an abandoned write older than a complete checkpoint;
+        every rank's writer thread ended before the JIT save began). A crash before this point
+        leaves it incomplete, which resume skips."""
+        save, self._superseded = self._superseded, None
+        if save is None or not coordinator:
+            return
+        writer = save.writer
+        try:
+            if not inspect_checkpoint(writer.root, writer.name).complete:
+                writer.root.rm_tree(writer.name)
+                writer.root.fsync_dir("")
+        except Exception as exc:  # the JIT checkpoint is committed: never fail the stop here
+            logger.warning("could not remove the superseded checkpoint %s: %s", writer.path, exc)
+
+    def _finish_async_save(self) -> None:
+        """End of training: the checkpoint in flight is committed before train() returns."""
+        if self._async_save is not None:
+            self._commit_async_save()
+
+    def _abandon_async_save(self) -> None:
+        """train() is leaving on an error: stop the writer thread (its checkpoint stays
+        incomplete; no collective is attempted on a failing run)."""
+        save, self._async_save = self._async_save, None
+        if save is not None:
+            save.cancel()
 
     def _processing_class_to_save(self) -> Any:
         """The processing class, else the data collator's tokenizer (as transformers saves)."""
@@ -1414,10 +1589,10 @@ class Trainer(
             return None
         storage = Storage(target)
         storage.makedirs("")
-        for name, data in model_files(
+        for name, data in model_file_entries(
             self.model, self._processing_class_to_save(), gathered=gathered
         ):
-            storage.write_bytes(name, data)
+            write_entry(storage, name, data)
         storage.write_json(TRAINING_ARGS_NAME, self.args.to_dict())
         storage.fsync_dir("")
         collectives.barrier()
@@ -1540,7 +1715,15 @@ class Trainer(
                 "(model.safetensors, its shards, or a PEFT adapter; pickled weights are not read)"
             )
         if sharded_optimizer is None:
-            load_model_files(self.model, reader.load_bytes, has, info.path)
+            # memory-mapped: copied from the file's pages into the parameters (checksums are
+            # computed on helper threads meanwhile; reader.wait_verified below)
+            load_model_files(
+                self.model,
+                reader.load_bytes,
+                has,
+                info.path,
+                load=reader.load_tensors_and_metadata,
+            )
         state = reader.load_json(TRAINER_STATE_NAME)
         # Our record; checkpoints of earlier versions kept it in trainer_state.json; a
         # transformers.Trainer checkpoint has none.
@@ -1665,6 +1848,8 @@ class Trainer(
             # Saved right at the end of an epoch (its end was already handled): next epoch.
             self._position.epoch += 1
             self._position.batch = 0
+        # Nothing trains on the state before its checksums matched the manifest.
+        reader.wait_verified()
         self.last_checkpoint = info
         logger.info(
             "resumed from %s: step %d, epoch %d, batch %d of the epoch",

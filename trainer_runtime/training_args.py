@@ -45,6 +45,7 @@ __all__ = [
     "DEBUG_OPTIONS",
     "HUB_STRATEGIES",
     "OPTIMIZER_NAMES",
+    "RUNTIME_ONLY_FIELDS",
     "SAMPLING_STRATEGIES",
     "SCHEDULER_TYPES",
     "ParallelMode",
@@ -54,6 +55,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# Fields transformers' TrainingArguments does not have (docs/trainer.md, differences).
+RUNTIME_ONLY_FIELDS: tuple[str, ...] = ("jit_stop_policy", "save_async")
 
 # Batch orders the trainer can build (trainer_runtime.data.samplers and length_sampling).
 SAMPLING_STRATEGIES: tuple[str, ...] = ALL_SAMPLING_STRATEGIES
@@ -271,6 +275,16 @@ class TrainingArgumentsSchema(FeatureArguments, DataArguments, DdpArguments, Fsd
         "boundary, drops the partial gradient accumulation and saves the last completed step at "
         "once (the dropped micro-batches are trained again after resume). Default: "
         "$PREEMPTIBLE_STOP_POLICY, else 'finish_step'.",
+    )
+    save_async: bool | None = Field(
+        None,
+        description="preemptible only: write periodic checkpoints in the background. The state is "
+        "copied to host memory at the step boundary (one extra host copy of model and optimizer "
+        "state while the write is in flight), training continues while a writer thread writes, "
+        "fsyncs and commits it (manifest last); at most one write in flight; a JIT stop cancels "
+        "it (or waits, when it is of the same step). None: on under the operator's environment "
+        "for a single process without FSDP, save_on_each_node, save_strategy='best', "
+        "load_best_model_at_end or push_to_hub, else off.",
     )
     ignore_data_skip: bool = Field(
         False,

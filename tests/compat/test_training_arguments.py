@@ -34,6 +34,7 @@ from trainer_runtime.features.optim import (  # noqa: E402
 from trainer_runtime.protocol import ENV_OUTPUT_DIR  # noqa: E402
 from trainer_runtime.training_args import (  # noqa: E402
     OPTIMIZER_NAMES,
+    RUNTIME_ONLY_FIELDS,
     SCHEDULER_TYPES,
     TrainingArguments,
     check_runtime_support,
@@ -94,6 +95,7 @@ def test_values_after_construction_match_transformers() -> None:
 def test_our_own_fields_are_still_there() -> None:
     names = {f.name for f in dataclasses.fields(TrainingArguments)}
     assert {"enable_jit_checkpoint", "train_sampling_strategy", "length_column_name"} <= names
+    assert set(RUNTIME_ONLY_FIELDS) <= names
 
 
 def test_enum_and_literal_choices_cover_transformers() -> None:
@@ -362,7 +364,7 @@ def test_members_match_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
     with ours.main_process_first(desc="map"):
         pass
     sanitized = ours.to_sanitized_dict()
-    assert set(sanitized) == set(theirs.to_sanitized_dict())
+    assert set(sanitized) == set(theirs.to_sanitized_dict()) | set(RUNTIME_ONLY_FIELDS)
     assert all(type(v) in (bool, int, float, str) for v in sanitized.values())
     assert json.loads(ours.to_json_string()) == ours.to_dict()
     assert "<HUB_TOKEN>" in str(TrainingArguments(output_dir="o", hub_token="secret"))

@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 from torch import nn
 
 from trainer_runtime.checkpoint.model_state import (
@@ -44,6 +43,7 @@ from trainer_runtime.checkpoint.model_state import (
     model_state_tensors,
     storage_key,
 )
+from trainer_runtime.checkpoint.safetensors_stream import TensorFile
 from trainer_runtime.errors import CheckpointError, ResumeError
 
 __all__ = [
@@ -60,6 +60,7 @@ __all__ = [
     "is_pretrained_model",
     "load_hf_rng_state",
     "load_model_files",
+    "model_file_entries",
     "model_files",
     "side_files",
     "torch_load",
@@ -77,6 +78,8 @@ HF_SCHEDULER_NAME = "scheduler.pt"
 
 # (filename, bytes) pairs, written in order
 Files = list[tuple[str, bytes]]
+# the same, with the weights still tensors: written as they are serialised (safetensors_stream)
+Entries = list[tuple[str, bytes | TensorFile]]
 
 
 def hf_rng_file_name(rank: int, world_size: int) -> str:
@@ -107,10 +110,25 @@ def model_files(
     *,
     gathered: dict[str, torch.Tensor] | None = None,
 ) -> Files:
-    """The files that hold ``model`` (see the module docstring) and the processing class.
+    """The files that hold ``model`` (see the module docstring) and the processing class, as
+    bytes (:func:`model_file_entries` keeps the weights as tensors, for streaming writers).
 
     ``gathered``: the full state_dict already gathered (FSDP); the model's own otherwise.
     """
+    return [
+        (name, data.to_bytes() if isinstance(data, TensorFile) else data)
+        for name, data in model_file_entries(model, processing_class, gathered=gathered)
+    ]
+
+
+def model_file_entries(
+    model: nn.Module,
+    processing_class: Any = None,
+    *,
+    gathered: dict[str, torch.Tensor] | None = None,
+) -> Entries:
+    """:func:`model_files` with ``model.safetensors`` as a :class:`TensorFile`: the tensors
+    are the model's own (on their device), serialised only as the file is written."""
     if is_peft_model(model):
         files = _saved_files(lambda d: model.save_pretrained(d))  # type: ignore[operator]
         if not any(name.split("/")[-1] == ADAPTER_WEIGHTS_NAME for name, _ in files):
@@ -118,12 +136,15 @@ def model_files(
                 f"PEFT's save_pretrained wrote no {ADAPTER_WEIGHTS_NAME} (files: "
                 f"{sorted(n for n, _ in files)}): cannot checkpoint this adapter"
             )
-        return files + processing_files(processing_class)
+        return [*files, *processing_files(processing_class)]
+    weights: TensorFile
     if is_pretrained_model(model):
         weights = _pretrained_weights(model, gathered)
+    elif gathered is not None:
+        weights = TensorFile(gathered)
     else:
-        tensors, meta = (gathered, {}) if gathered is not None else model_state_tensors(model)
-        weights = st_save(tensors, metadata=meta or None)
+        tensors, meta = model_state_tensors(model, to_cpu=False)
+        weights = TensorFile(tensors, meta or None)
     return [(MODEL_NAME, weights), *side_files(model, processing_class)]
 
 
@@ -170,7 +191,7 @@ def _save_configs(model: nn.Module, directory: str) -> None:
         model.generation_config.save_pretrained(directory)  # type: ignore[attr-defined, union-attr]
 
 
-def _pretrained_weights(model: nn.Module, gathered: dict[str, torch.Tensor] | None) -> bytes:
+def _pretrained_weights(model: nn.Module, gathered: dict[str, torch.Tensor] | None) -> TensorFile:
     """model.safetensors as ``save_pretrained`` writes it (one file, not sharded)."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
@@ -192,16 +213,18 @@ def _pretrained_weights(model: nn.Module, gathered: dict[str, torch.Tensor] | No
         for name, t in full.items()
         if name not in kept and isinstance(t, torch.Tensor) and storage_key(t) in by_storage
     }
-    tensors = {n: t.detach().to("cpu").contiguous() for n, t in kept.items()}
+    # Copied off the device one tensor at a time, as the file is written.
+    tensors = {n: t.detach() for n, t in kept.items()}
     meta = {"format": "pt"}
     if aliases:
         meta[ALIASES_KEY] = json.dumps(aliases, sort_keys=True)
-    return st_save(tensors, metadata=meta)
+    return TensorFile(tensors, meta)
 
 
 # -- reading ------------------------------------------------------------------------------------
 Read = Callable[[str], bytes]
 Has = Callable[[str], bool]
+LoadTensors = Callable[[str], tuple[dict[str, torch.Tensor], dict[str, str]]]
 
 
 def has_model_files(model: nn.Module, has: Has) -> bool:
@@ -210,24 +233,41 @@ def has_model_files(model: nn.Module, has: Has) -> bool:
     return has(MODEL_NAME) or has(WEIGHTS_INDEX_NAME)
 
 
-def load_model_files(model: nn.Module, read: Read, has: Has, where: str) -> None:
+def load_model_files(
+    model: nn.Module,
+    read: Read,
+    has: Has,
+    where: str,
+    *,
+    load: LoadTensors | None = None,
+) -> None:
     """Load the weights a checkpoint of ours or of transformers.Trainer holds into ``model``.
 
     PEFT: the adapter (the base model stays as built). Otherwise ``model.safetensors`` (or the
     shards of ``model.safetensors.index.json``); tied entries a writer dropped are taken from the
     tensor they share storage with, so nothing may be missing or unexpected.
+
+    ``load``: returns a safetensors file's (tensors, metadata) without reading it into bytes
+    first (e.g. :meth:`CheckpointReader.load_tensors_and_metadata`, memory-mapped); the weights
+    are then copied straight from the file's pages into the model's parameters.
     """
     if is_peft_model(model):
         _load_adapter(model, read, has, where)
         return
+
+    def tensors_of(name: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        if load is not None:
+            return load(name)
+        data = read(name)
+        return dict(st_load(data)), _metadata(data)
+
     if has(MODEL_NAME):
-        data = read(MODEL_NAME)
-        tensors, meta = dict(st_load(data)), _metadata(data)
+        tensors, meta = tensors_of(MODEL_NAME)
     elif has(WEIGHTS_INDEX_NAME):
         index = json.loads(read(WEIGHTS_INDEX_NAME))
         tensors, meta = {}, {}
         for shard in sorted(set(index.get("weight_map", {}).values())):
-            tensors.update(st_load(read(shard)))
+            tensors.update(tensors_of(shard)[0])
     else:
         raise ResumeError(
             f"cannot load the model from {where}: it has no {MODEL_NAME} nor {WEIGHTS_INDEX_NAME} "

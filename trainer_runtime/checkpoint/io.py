@@ -28,18 +28,21 @@ rank. A node's copy is valid only with its own manifest.
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import os
 import socket
 import struct
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 from safetensors.torch import load as _st_load
-from safetensors.torch import save as _st_save
+from safetensors.torch import load_file as _st_load_file
 
 from trainer_runtime.checkpoint.layout import (
     MANIFEST_FORMAT,
@@ -54,6 +57,16 @@ from trainer_runtime.checkpoint.layout import (
     inspect_checkpoint,
     rotation_victims,
 )
+from trainer_runtime.checkpoint.safetensors_stream import (
+    CHUNK_BYTES,
+    Cancelled,
+    TensorFile,
+    header_of,
+    read_header,
+    read_into_buffer,
+    tensors_from_buffer,
+    write_safetensors,
+)
 from trainer_runtime.checkpoint.storage import Storage
 from trainer_runtime.errors import CheckpointError, ConfigurationError, ResumeError, StorageError
 
@@ -64,6 +77,7 @@ __all__ = [
     "optimizer_state_from_tensors",
     "optimizer_state_to_tensors",
     "rotate_checkpoints",
+    "write_entry",
 ]
 
 # safetensors metadata key holding the non-tensor part of an optimizer state_dict
@@ -170,6 +184,8 @@ class CheckpointWriter:
         self._started: float | None = None
         self._token: str | None = None
         self._committed = False
+        # Set by another thread to stop a background write between blocks (Cancelled).
+        self.cancel: threading.Event | None = None
 
     @property
     def is_coordinator(self) -> bool:
@@ -261,6 +277,8 @@ class CheckpointWriter:
         self._write_file(name, data)
 
     def _write_file(self, name: str, data: bytes) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise Cancelled()
         size, sha = self.root.write_bytes(self._rel(name), data)
         self._files[name] = {"path": name, "size": size, "sha256": sha}
 
@@ -272,15 +290,42 @@ class CheckpointWriter:
         *,
         per_rank: bool = False,
     ) -> None:
-        """Write tensors as one safetensors file (``per_rank``: see :meth:`write_bytes`)."""
-        prepared = {k: t.detach().contiguous() for k, t in tensors.items()}
+        """Write tensors as one safetensors file (``per_rank``: see :meth:`write_bytes`).
+
+        The file is written as it is serialised, tensor by tensor from the tensors' own memory
+        (safetensors_stream): no copy of the file is built in memory; tensors on an accelerator
+        are copied to the host one at a time."""
+        self._require_open()
+        name = _check_filename(filename)
+        if name in self._files or name in self._rank_files:
+            raise CheckpointError(f"{name} written twice to {self.path}")
+        meta = dict(metadata) if metadata else None
+        if self.each_node and (per_rank or not self.is_coordinator):
+            try:
+                self._rank_files[name] = TensorFile(tensors, meta).to_bytes()
+            except CheckpointError as exc:
+                raise CheckpointError(
+                    f"cannot serialise tensors for {self._rel(name)}: {exc}"
+                ) from exc
+            return
         try:
-            data = _st_save(prepared, metadata=dict(metadata) if metadata else None)
-        except Exception as exc:
-            raise CheckpointError(
-                f"cannot serialise tensors for {self._rel(filename)}: {exc}"
-            ) from exc
-        self.write_bytes(filename, data, per_rank=per_rank)
+            with self.root.open_write(self._rel(name)) as fh:
+                write_safetensors(fh.write, tensors, meta, cancel=self.cancel)
+        except StorageError:
+            raise
+        except CheckpointError as exc:
+            raise CheckpointError(f"cannot serialise tensors for {self._rel(name)}: {exc}") from exc
+        self._files[name] = {"path": name, "size": fh.size, "sha256": fh.sha256}
+
+    def write_entry(
+        self, filename: str, data: bytes | TensorFile, *, per_rank: bool = False
+    ) -> None:
+        """Write bytes or a :class:`TensorFile` (e.g. an entry of
+        :func:`~trainer_runtime.checkpoint.hf_format.model_file_entries`)."""
+        if isinstance(data, TensorFile):
+            self.write_tensors(filename, data.tensors, data.metadata, per_rank=per_rank)
+        else:
+            self.write_bytes(filename, data, per_rank=per_rank)
 
     def write_json(self, filename: str, obj: Any, *, per_rank: bool = False) -> None:
         data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")
@@ -577,10 +622,95 @@ class CheckpointReader:
         self.info = info
         listed = (info.manifest or {}).get("files", [])
         self._sha = {e["path"]: e.get("sha256") for e in listed}
+        # checksums computed on helper threads while the tensors are loaded (wait_verified)
+        self._checks: list[tuple[str, Future[str], str]] = []
+        self._pool: ThreadPoolExecutor | None = None
 
     @property
     def step(self) -> int:
         return self.info.step
+
+    def _helpers(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-verify")
+        return self._pool
+
+    def _expected(self, filename: str) -> str | None:
+        return self._sha.get(filename) if self.verify else None
+
+    def _local_path(self, filename: str) -> str | None:
+        return self.storage._path(filename) if self.storage.is_local else None
+
+    def load_tensors_and_metadata(
+        self, filename: str, *, owned: bool = False
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """A safetensors file's tensors and ``__metadata__``, without reading it into bytes.
+
+        Local storage: ``owned=False`` memory-maps the file (the tensors are copy-on-write views
+        of its pages: for weights that are copied into parameters right away); ``owned=True``
+        reads it with large reads into one host buffer the tensors are views of (for state kept
+        as is, e.g. the optimizer's). The sha256 listed in the manifest is computed on a helper
+        thread meanwhile; :meth:`wait_verified` waits for it and raises ResumeError on a
+        mismatch. Object stores: downloaded and checked inline.
+        """
+        path = self._local_path(filename)
+        if path is None:
+            data = self.load_bytes(filename)
+            return dict(_st_load(data)), _safetensors_metadata(data)
+        expected = self._expected(filename)
+        try:
+            if not owned:
+                tensors = dict(_st_load_file(path))
+                with open(path, "rb") as fh:
+                    header, _ = read_header(fh)
+                if expected:
+                    self._checks.append(
+                        (filename, self._helpers().submit(_sha256_of_file, path), expected)
+                    )
+            else:
+                sha = hashlib.sha256() if expected else None
+                pending: list[Future[None]] = []
+
+                def on_block(block: memoryview) -> None:
+                    # in order: each block waits for the previous one's update
+                    if sha is not None:
+                        if pending:
+                            pending.pop().result()
+                        pending.append(self._helpers().submit(sha.update, block))
+
+                size = os.path.getsize(path)
+                with open(path, "rb", buffering=0) as fh:
+                    buf = read_into_buffer(fh, size, on_block)
+                header, base = header_of(memoryview(buf.numpy()))
+                tensors = tensors_from_buffer(buf, header, base)
+                if sha is not None:
+                    done: Future[str] = self._helpers().submit(_finish_hash, pending, sha)
+                    assert expected is not None
+                    self._checks.append((filename, done, expected))
+        except (OSError, ValueError, CheckpointError) as exc:
+            raise ResumeError(f"cannot read {filename} of {self.path}: {exc}") from exc
+        except Exception as exc:  # safetensors' own errors (a corrupt header)
+            raise ResumeError(f"cannot read {filename} of {self.path}: {exc}") from exc
+        return tensors, dict(header.get("__metadata__") or {})
+
+    def wait_verified(self) -> None:
+        """Wait for the checksums computed beside the loading; ResumeError on a mismatch."""
+        checks, self._checks = self._checks, []
+        try:
+            for filename, future, expected in checks:
+                try:
+                    actual = future.result()
+                except OSError as exc:
+                    raise ResumeError(f"cannot read {filename} of {self.path}: {exc}") from exc
+                if actual != expected:
+                    raise ResumeError(
+                        f"{filename} of {self.path} is corrupt: sha256 {actual} != {expected} "
+                        "(listed in manifest.json); resume from an earlier checkpoint"
+                    )
+        finally:
+            if self._pool is not None and not self._checks:
+                self._pool.shutdown(wait=True)
+                self._pool = None
 
     def exists(self, filename: str) -> bool:
         return self.storage.exists(filename)
@@ -604,11 +734,17 @@ class CheckpointReader:
         return data
 
     def load_tensors(self, filename: str) -> dict[str, torch.Tensor]:
+        """A (small) safetensors file's tensors, read whole and checked before returning."""
         return dict(_st_load(self.load_bytes(filename)))
 
     def load_metadata(self, filename: str) -> dict[str, str]:
-        """The ``__metadata__`` of a safetensors file."""
-        return _safetensors_metadata(self.load_bytes(filename))
+        """The ``__metadata__`` of a safetensors file (its header only is read)."""
+        try:
+            with self.storage.open_read(filename) as fh:
+                header, _ = read_header(fh)
+        except (StorageError, OSError, ValueError, CheckpointError) as exc:
+            raise ResumeError(f"cannot read {filename} of {self.path}: {exc}") from exc
+        return dict(header.get("__metadata__") or {})
 
     def load_json(self, filename: str) -> Any:
         try:
@@ -617,12 +753,41 @@ class CheckpointReader:
             raise ResumeError(f"{filename} of {self.path} is not valid JSON: {exc}") from exc
 
     def load_optimizer_state(self, filename: str) -> dict[str, Any]:
-        """The optimizer state_dict written by :meth:`CheckpointWriter.write_optimizer_state`."""
-        data = self.load_bytes(filename)
-        meta = _safetensors_metadata(data).get(OPTIMIZER_META_KEY)
+        """The optimizer state_dict written by :meth:`CheckpointWriter.write_optimizer_state`.
+
+        Its tensors are views of one host buffer the file was read into (no further copy when
+        ``optimizer.load_state_dict`` keeps them, as torch does for tensors already of the
+        parameters' dtype and device); the checksum is computed beside the reading: call
+        :meth:`wait_verified` before relying on the state."""
+        tensors, metadata = self.load_tensors_and_metadata(filename, owned=True)
+        meta = metadata.get(OPTIMIZER_META_KEY)
         if meta is None:
             raise ResumeError(f"{filename} of {self.path} has no {OPTIMIZER_META_KEY} metadata")
-        return optimizer_state_from_tensors(dict(_st_load(data)), meta)
+        return optimizer_state_from_tensors(tensors, meta)
+
+
+def write_entry(storage: Storage, rel: str, data: bytes | TensorFile) -> tuple[int, str]:
+    """Write bytes, or a safetensors file as it is serialised, durably to ``storage``; returns
+    (size, sha256)."""
+    if not isinstance(data, TensorFile):
+        return storage.write_bytes(rel, data)
+    with storage.open_write(rel) as fh:
+        write_safetensors(fh.write, data.tensors, data.metadata)
+    return fh.size, fh.sha256
+
+
+def _sha256_of_file(path: str) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb", buffering=0) as fh:
+        while block := fh.read(CHUNK_BYTES):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def _finish_hash(pending: list[Future[None]], sha: Any) -> str:
+    for future in pending:
+        future.result()
+    return str(sha.hexdigest())
 
 
 def _safetensors_metadata(data: bytes) -> dict[str, str]:

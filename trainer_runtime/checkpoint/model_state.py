@@ -49,8 +49,11 @@ def storage_key(tensor: torch.Tensor) -> tuple[Any, ...]:
     )
 
 
-def model_state_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The state_dict as CPU tensors, tied (storage-sharing) entries stored once.
+def model_state_tensors(
+    model: nn.Module, *, to_cpu: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The state_dict as CPU tensors (``to_cpu=False``: on their device, for a streaming writer
+    that copies one at a time), tied (storage-sharing) entries stored once.
 
     safetensors refuses shared storage; the dropped names are kept in the metadata as aliases.
     """
@@ -63,7 +66,7 @@ def model_state_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict
             aliases[name] = seen[key]
             continue
         seen[key] = name
-        tensors[name] = tensor.detach().to("cpu").contiguous()
+        tensors[name] = tensor.detach().to("cpu").contiguous() if to_cpu else tensor.detach()
     return tensors, {ALIASES_KEY: json.dumps(aliases)} if aliases else {}
 
 

@@ -18,6 +18,7 @@ import json
 import os
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from typing import Any, BinaryIO
 
@@ -29,10 +30,22 @@ from trainer_runtime.errors import StorageError
 __all__ = ["HashingWriter", "Storage"]
 
 
+# Blocks at least this large are hashed on a helper thread while the next one is written.
+_PIPELINE_MIN = 1 << 20
+# Local files: ask the kernel to start writing back every this many bytes, so the final fsync
+# waits for the tail only (writeback overlaps the serialisation instead of following it).
+_WRITEBACK_EVERY = 128 << 20
+
+
 class HashingWriter:
     """A write-only file handle that counts bytes and computes sha256 while writing.
 
-    Checksums are computed from the bytes as they go out, never by reading the file back.
+    Checksums are computed from the bytes as they go out, never by reading the file back. Large
+    blocks are hashed on a helper thread while the next block is written (hashlib and file
+    writes release the GIL); the caller must not modify a block it passed until the next
+    ``write`` or the end of the file (tensors of a checkpoint are not modified while saved).
+    On local files, writeback to disk is started every 128 MiB (``fdatasync`` on a helper
+    thread), so the fsync at the end of the file only waits for the tail.
     """
 
     def __init__(self, handle: BinaryIO, storage: Storage, rel: str) -> None:
@@ -41,16 +54,64 @@ class HashingWriter:
         self._rel = rel
         self._sha = hashlib.sha256()
         self.size = 0
+        self._pending: Future[None] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._flushing: Future[None] | None = None
+        self._since_flush = 0
+        self._fd: int | None = None
+        if storage.is_local:
+            with suppress(Exception):
+                self._fd = handle.fileno()
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
+        n = len(data)
+        if n >= _PIPELINE_MIN:
+            self._wait_hash()
+            self._pending = self._helpers().submit(self._sha.update, data)
+        else:
+            self._wait_hash()
+            self._sha.update(data)
         with self._storage._op("write", self._rel):
             self._handle.write(data)
-        self._sha.update(data)
-        self.size += len(data)
-        return len(data)
+        self.size += n
+        self._since_flush += n
+        if self._fd is not None and self._since_flush >= _WRITEBACK_EVERY:
+            self._start_writeback()
+        return n
+
+    def _helpers(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-io")
+        return self._pool
+
+    def _wait_hash(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def _start_writeback(self) -> None:
+        if self._flushing is not None and not self._flushing.done():
+            return  # the previous one still runs: it will be followed by the final fsync
+        assert self._fd is not None
+        self._handle.flush()
+        self._since_flush = 0
+        self._flushing = self._helpers().submit(os.fdatasync, self._fd)
+
+    def finish(self) -> None:
+        """Wait for the helper threads (hash, writeback); called before the final fsync."""
+        try:
+            self._wait_hash()
+            if self._flushing is not None:
+                with self._storage._op("write back", self._rel):
+                    self._flushing.result()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
 
     @property
     def sha256(self) -> str:
+        self._wait_hash()
         return self._sha.hexdigest()
 
 
@@ -200,7 +261,10 @@ class Storage:
         writer = HashingWriter(handle, self, rel)
         try:
             yield writer
+            writer.finish()
         except BaseException:
+            with suppress(Exception):
+                writer.finish()
             with suppress(Exception):
                 handle.close()
             raise

@@ -1,0 +1,380 @@
+"""Checkpoint I/O against transformers' Trainer and the disk's limit (``make bench``).
+
+For each model size (four square ``nn.Linear`` layers trained with AdamW, through the HF-named
+API of both Trainers), in one run, alternating transformers' Trainer and ours:
+
+* save: from the end of the saving step (``on_step_end``) to ``on_save``. transformers writes
+  into the page cache (no fsync); ours is durable (fsynced, manifest last). Ours is measured as a
+  blocking save (``save_async=False``, what a JIT stop pays) and as an asynchronous periodic save
+  (``save_async=True``: the training stall, from the saving step's end to the next step's begin,
+  of the first save, which allocates the snapshot buffers, and of a later one, and the background
+  write's own duration);
+* raw write + fsync of the same number of bytes, sequential, 16 MiB blocks: the disk's limit;
+* resume: from the ``train(resume_from_checkpoint=...)`` call to the first step's
+  ``on_step_begin``, in a fresh process (files in the page cache for both);
+* training steps/s (steps without a save);
+* peak RSS (``ru_maxrss``) of each child process: training with a save, the same run without
+  saving, and a resume.
+
+Every run is a child process of its own, so peak RSS is per run.
+
+    python benchmarks/checkpoint_io.py [--params 20M,100M] [--repeats 2] [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+BATCH = 8
+TRAIN_STEPS = 6  # steps of a training child; the save happens at SAVE_STEP
+SAVE_STEP = 3
+
+
+# -- the child process -------------------------------------------------------------------------
+def _model(width: int) -> Any:
+    import torch
+    from torch import nn
+
+    class FourLinear(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(4)))
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
+            out = self.layers(x)
+            loss = nn.functional.mse_loss(out, labels) if labels is not None else None
+            return {"loss": loss, "logits": out}
+
+    torch.manual_seed(0)
+    return FourLinear()
+
+
+class _Data:
+    def __init__(self, width: int, n: int = 4096) -> None:
+        self.width, self.n = width, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        import torch
+
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(self.width, generator=g)
+        return {"x": x, "labels": x.flip(0)}
+
+
+def _clock_callback(base: type) -> Any:
+    class Clock(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            self.events: list[tuple[str, int, float]] = []
+
+        def _mark(self, name: str, state: Any) -> None:
+            self.events.append((name, int(state.global_step), time.perf_counter()))
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self._mark("step_begin", state)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self._mark("step_end", state)
+
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self._mark("save", state)
+
+    return Clock()
+
+
+def _child(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(int(spec.get("threads") or 1))
+    for key in [k for k in os.environ if k.startswith("PREEMPTIBLE_")]:
+        del os.environ[key]
+    mode, impl, width, out = spec["mode"], spec["impl"], spec["width"], spec["output_dir"]
+    if impl == "hf":
+        from transformers import Trainer, TrainerCallback, TrainingArguments
+    else:
+        from trainer_runtime import Trainer, TrainerCallback, TrainingArguments
+    save = mode == "train"
+    kwargs: dict[str, Any] = dict(
+        output_dir=out,
+        per_device_train_batch_size=BATCH,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        logging_steps=1000,
+        save_strategy="steps" if save else "no",
+        save_steps=SAVE_STEP,
+        use_cpu=True,
+        report_to="none",
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    if mode == "resume":
+        kwargs["max_steps"] = SAVE_STEP + 2
+    else:
+        kwargs["max_steps"] = SAVE_STEP if save else TRAIN_STEPS
+        if save:
+            # one save, at the last step, then the process ends: nothing else is measured
+            kwargs["max_steps"] = TRAIN_STEPS
+    if impl == "ours":
+        kwargs["enable_jit_checkpoint"] = False
+        kwargs["save_async"] = bool(spec.get("async"))
+    clock = _clock_callback(TrainerCallback)
+    trainer = Trainer(
+        model=_model(width),
+        args=TrainingArguments(**kwargs),
+        train_dataset=_Data(width),
+        callbacks=[clock],
+    )
+    result: dict[str, Any] = {}
+    background = save and bool(spec.get("async"))
+    # an asynchronous run saves twice: at step 1 (its snapshot buffers are allocated then) and at
+    # SAVE_STEP (copied into the same buffers), the first write finished in between
+    save_steps = {1, SAVE_STEP} if background else {SAVE_STEP}
+    if save:
+
+        class Saves(TrainerCallback):  # type: ignore[misc, valid-type]
+            def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                if background and state.global_step == SAVE_STEP - 1:
+                    # harness only: let the first background write finish before SAVE_STEP
+                    while trainer._async_save is not None and not trainer._async_save.done():
+                        time.sleep(0.01)
+
+            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+                control.should_save = state.global_step in save_steps
+                return control
+
+        trainer.add_callback(Saves())
+    if mode == "resume":
+        # Warm the imports torch defers to the first optimizer (torch._dynamo, seconds in a fresh
+        # process; transformers imports it at import time): the resume row times the checkpoint,
+        # the "process start" row the whole cold start.
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    started = time.perf_counter()
+    if mode == "resume":
+        trainer.train(resume_from_checkpoint=spec["checkpoint"])
+    else:
+        trainer.train()
+    ev = clock.events
+    begins = {s: t for n, s, t in ev if n == "step_begin"}  # step number before the step
+    ends = {s: t for n, s, t in ev if n == "step_end"}
+    if mode == "resume":
+        result["resume_s"] = begins[SAVE_STEP] - started
+        result["cold_start_s"] = (
+            time.time() - (time.perf_counter() - begins[SAVE_STEP]) - float(spec["spawned_at"])
+        )
+    else:
+        # steps/s over the steps that are not the first (the no-save run's is the one reported)
+        steps = [ends[s] - begins[s - 1] for s in range(2, TRAIN_STEPS + 1) if s in ends]
+        result["steps_per_s"] = 1.0 / statistics.median(steps)
+    if save:
+        # (an asynchronous save's on_save comes at the step boundary that commits it)
+        saves = [t for n, s, t in ev if n == "save" and s >= SAVE_STEP]
+        result["save_s"] = saves[0] - ends[SAVE_STEP]
+        # the training stall: end of the saving step to the next step's begin
+        result["stall_s"] = begins[SAVE_STEP] - ends[SAVE_STEP]
+        if background:
+            result["first_stall_s"] = begins[1] - ends[1]
+        path = Path(out) / f"checkpoint-{SAVE_STEP}"
+        result["bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        manifest = path / "manifest.json"
+        if manifest.exists():
+            result["write_s"] = float(json.loads(manifest.read_text())["save_seconds"])
+    result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return result
+
+
+def _raw_write(spec: dict[str, Any]) -> dict[str, Any]:
+    block = os.urandom(16 << 20)
+    total = int(spec["bytes"])
+    path = Path(spec["output_dir"]) / "raw.bin"
+    started = time.perf_counter()
+    with open(path, "wb") as fh:
+        left = total
+        while left > 0:
+            n = min(left, len(block))
+            fh.write(memoryview(block)[:n])
+            left -= n
+        fh.flush()
+        os.fsync(fh.fileno())
+    seconds = time.perf_counter() - started
+    path.unlink()
+    return {"raw_s": seconds, "raw_mb_s": total / seconds / 1e6}
+
+
+# -- the parent --------------------------------------------------------------------------------
+def _run(spec: dict[str, Any]) -> dict[str, Any]:
+    spec = {**spec, "spawned_at": time.time()}
+    cmd = [sys.executable, "-P", __file__, "--child", json.dumps(spec)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec.get("threads") or 1)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"child {spec['impl']}/{spec['mode']} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _parse_params(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().upper()
+        if not part:
+            continue
+        scale = {"K": 1e3, "M": 1e6, "B": 1e9}.get(part[-1], 1)
+        out.append(int(float(part.rstrip("KMB")) * scale))
+    return out
+
+
+def _fmt(values: list[float], unit: str = "", scale: float = 1.0, digits: int = 2) -> str:
+    if not values:
+        return "-"
+    vals = sorted(v * scale for v in values)
+    med = statistics.median(vals)
+    if len(vals) == 1:
+        return f"{med:.{digits}f}{unit}"
+    return f"{med:.{digits}f}{unit} ({vals[0]:.{digits}f}-{vals[-1]:.{digits}f})"
+
+
+def _ratio(a: list[float], b: list[float]) -> str:
+    if not a or not b:
+        return "-"
+    return f"{statistics.median(a) / statistics.median(b):.2f}x"
+
+
+def _bench(params: int, repeats: int, workdir: Path, threads: int) -> None:
+    width = int(math.sqrt(params / 4))
+    real = 4 * width * width
+    print(f"\n== {real / 1e6:.0f}M parameters (4 x Linear({width}, {width}), AdamW) ==", flush=True)
+    figures: dict[str, list[float]] = {}
+
+    def add(key: str, value: float | None) -> None:
+        if value is not None:
+            figures.setdefault(key, []).append(value)
+
+    ckpt_bytes = 0
+    for rep in range(repeats):
+        for impl, variant in (("hf", ""), ("ours", "sync"), ("ours", "async"), ("raw", "")):
+            out = Path(tempfile.mkdtemp(dir=workdir, prefix=f"{impl}{variant}-"))
+            base = {"impl": impl, "width": width, "output_dir": str(out), "threads": threads}
+            if impl == "raw":
+                r = _raw_write({**base, "bytes": ckpt_bytes})
+                add("raw_s", r["raw_s"])
+                add("raw_mb_s", r["raw_mb_s"])
+                shutil.rmtree(out, ignore_errors=True)
+                print(f"  rep {rep}: raw write+fsync {r['raw_mb_s']:.0f} MB/s", flush=True)
+                continue
+            name = impl + (f"_{variant}" if variant else "")
+            t = _run({**base, "mode": "train", "async": variant == "async"})
+            ckpt_bytes = max(ckpt_bytes, int(t["bytes"]))
+            add(f"{name}_save_s", t["save_s"])
+            add(f"{name}_stall_s", t["stall_s"])
+            add(f"{name}_first_stall_s", t.get("first_stall_s"))
+            add(f"{name}_write_s", t.get("write_s"))
+            add(f"{name}_mb_s", t["bytes"] / t["save_s"] / 1e6)
+            add(f"{name}_steps_per_s", t["steps_per_s"])
+            add(f"{name}_rss_save", t["peak_rss"])
+            line = (
+                f"  rep {rep}: {name:10s} save {t['save_s']:.2f}s stall {t['stall_s']:.2f}s "
+                f"{t['bytes'] / t['save_s'] / 1e6:.0f} MB/s, {t['steps_per_s']:.2f} steps/s, "
+                f"peak RSS {t['peak_rss'] / 1e9:.2f} GB"
+            )
+            if variant != "async":
+                ckpt = str(out / f"checkpoint-{SAVE_STEP}")
+                r = _run({**base, "mode": "resume", "checkpoint": ckpt,
+                          "output_dir": str(out / "resumed")})  # fmt: skip
+                add(f"{impl}_resume_s", r["resume_s"])
+                add(f"{impl}_rss_resume", r["peak_rss"])
+                add(f"{impl}_cold_s", r["cold_start_s"])
+                n = _run({**base, "mode": "nosave", "output_dir": str(out / "nosave")})
+                add(f"{impl}_rss_nosave", n["peak_rss"])
+                add(f"{impl}_nosave_steps_per_s", n["steps_per_s"])
+                line += (
+                    f"; resume {r['resume_s']:.2f}s (peak RSS {r['peak_rss'] / 1e9:.2f} GB); "
+                    f"no-save peak RSS {n['peak_rss'] / 1e9:.2f} GB"
+                )
+            print(line, flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+
+    f = figures
+    gb = 1e-9
+    print(f"\ncheckpoint size {ckpt_bytes / 1e9:.2f} GB; median (min-max) of {repeats} runs")
+    rows = [
+        ("save s (step end -> on_save)", "hf_save_s", "ours_sync_save_s", "raw_s"),
+        ("save MB/s", "hf_mb_s", "ours_sync_mb_s", "raw_mb_s"),
+        ("async save: training stall s", None, "ours_async_stall_s", None),
+        ("async save: stall of the first s", None, "ours_async_first_stall_s", None),
+        ("async save: background write s", None, "ours_async_write_s", None),
+        ("resume s (train() -> first step)", "hf_resume_s", "ours_resume_s", None),
+        ("resume: process start -> first step s", "hf_cold_s", "ours_cold_s", None),
+        ("training steps/s", "hf_nosave_steps_per_s", "ours_nosave_steps_per_s", None),
+        ("peak RSS GB, run with a save", "hf_rss_save", "ours_sync_rss_save", None),
+        ("peak RSS GB, async save", None, "ours_async_rss_save", None),
+        ("peak RSS GB, same run without saving", "hf_rss_nosave", "ours_rss_nosave", None),
+        ("peak RSS GB, resume", "hf_rss_resume", "ours_rss_resume", None),
+    ]
+    print(f"| {'':36s} | {'transformers.Trainer':24s} | {'trainer_runtime':24s} | {'raw':22s} |")
+    for label, a, b, c in rows:
+        scale = gb if "RSS" in label else 1.0
+        cells = [_fmt(f.get(k, []), scale=scale) if k else "" for k in (a, b, c)]
+        print(f"| {label:36s} | {cells[0]:24s} | {cells[1]:24s} | {cells[2]:22s} |")
+    print("ratios (medians):")
+    ratios = [
+        ("resume ours / transformers", "ours_resume_s", "hf_resume_s"),
+        ("blocking save bandwidth ours / raw fsynced", "ours_sync_mb_s", "raw_mb_s"),
+        ("async stall / blocking save", "ours_async_stall_s", "ours_sync_save_s"),
+        (
+            "async stall (first save) / blocking save",
+            "ours_async_first_stall_s",
+            "ours_sync_save_s",
+        ),
+        ("peak RSS with a save / without (ours)", "ours_sync_rss_save", "ours_rss_nosave"),
+        ("peak RSS async save / without (ours)", "ours_async_rss_save", "ours_rss_nosave"),
+        ("peak RSS with a save / without (transformers)", "hf_rss_save", "hf_rss_nosave"),
+        (
+            "training steps/s ours / transformers",
+            "ours_nosave_steps_per_s",
+            "hf_nosave_steps_per_s",
+        ),
+        ("save time ours (fsynced) / transformers", "ours_sync_save_s", "hf_save_s"),
+    ]
+    for label, a, b in ratios:
+        print(f"  {label + ':':48s} {_ratio(f.get(a, []), f.get(b, []))}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--params", default="20M,100M", help="model sizes, e.g. 20M,100M")
+    p.add_argument("--repeats", type=int, default=2, help="alternating runs per size")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per child")
+    p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child is not None:
+        print(json.dumps(_child(json.loads(args.child))))
+        return 0
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ckpt-io-bench-")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        for params in _parse_params(args.params):
+            _bench(params, args.repeats, workdir, args.threads)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""save_async: periodic checkpoints written by a background thread, in process.
+
+The real-process counterpart (SIGKILLs during background writes) is
+tests/runtime/test_async_save_sigkill.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from trainer_runtime.callbacks import TrainerCallback
+from trainer_runtime.checkpoint.background import resolve_save_async
+from trainer_runtime.checkpoint.io import CheckpointWriter
+from trainer_runtime.checkpoint.layout import CheckpointStore
+from trainer_runtime.errors import ConfigurationError
+from trainer_runtime.protocol import ENV_ATTEMPT, ENV_OUTPUT_DIR, ENV_RESUME_FROM
+
+from .test_jit import jit_trainer
+from .test_resume import assert_same_training, make_trainer
+
+# every file of every checkpoint but the records holding wall-clock timings (and the arguments,
+# which differ in save_async)
+_TIMED = {"manifest.json", "preemptible_state.json", "training_args.json"}
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (ENV_OUTPUT_DIR, ENV_RESUME_FROM, ENV_ATTEMPT):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def slow_writer(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
+    """Files written off the main thread take 0.1 s each; records (step, file) of those."""
+    written: list[tuple[int, str]] = []
+    real = CheckpointWriter.write_entry
+
+    def slow(self: CheckpointWriter, filename: str, data: Any, **kw: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.1)
+            written.append((self.step, filename))
+        real(self, filename, data, **kw)
+
+    monkeypatch.setattr(CheckpointWriter, "write_entry", slow)
+    return written
+
+
+class StepsDuringWrite(TrainerCallback):
+    """Records the steps that end while a background write is in flight."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.steps: list[int] = []
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        save = self.trainer._async_save
+        if save is not None and not save.done():
+            self.steps.append(state.global_step)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name not in _TIMED
+    }
+
+
+def test_background_checkpoints_are_byte_identical_to_blocking_ones(
+    tmp_path: Path, slow_writer: list[tuple[int, str]]
+) -> None:
+    blocking = make_trainer(tmp_path / "sync", save_async=False)
+    blocking.train()
+    assert not slow_writer
+    background = make_trainer(tmp_path / "async", save_async=True)
+    during = StepsDuringWrite(background)
+    background.add_callback(during)
+    background.train()
+    assert slow_writer, "no file was written by the background thread"
+    # training went on while checkpoints were written (the state was snapshotted)
+    assert during.steps, "no step ran while a checkpoint was being written"
+    assert_same_training(blocking, background)
+    ours = CheckpointStore(str(tmp_path / "async")).list()
+    assert [c.step for c in ours] == [
+        c.step for c in CheckpointStore(str(tmp_path / "sync")).list()
+    ]
+    assert all(c.complete for c in ours), ours
+    assert _files(tmp_path / "async") == _files(tmp_path / "sync")
+    assert background.save_timer.count == len(ours)
+
+
+def test_resume_from_a_background_checkpoint_is_bit_identical(tmp_path: Path) -> None:
+    full = make_trainer(tmp_path / "full", save_async=False)
+    full.train()
+    first = make_trainer(tmp_path / "run", save_async=True)
+    first.train()
+    assert_same_training(full, first)
+    resumed = make_trainer(tmp_path / "run", save_async=True)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-8"))
+    assert_same_training(full, resumed)
+
+
+def test_jit_stop_supersedes_a_background_write_of_an_earlier_step(
+    tmp_path: Path, slow_writer: list[tuple[int, str]]
+) -> None:
+    trainer, script = jit_trainer(tmp_path / "out", "on_step_end", 5, save_async=True)
+    trainer.train()
+    assert trainer.preempted and trainer.state.global_step == 5
+    store = CheckpointStore(str(tmp_path / "out"))
+    by_step = {c.step: c for c in store.list()}
+    # checkpoint-4's write was cancelled, its directory removed once checkpoint-5 was committed
+    assert 4 not in by_step, by_step.get(4)
+    assert any(step == 4 for step, _ in slow_writer), "checkpoint-4 was being written"
+    assert by_step[5].complete
+    assert store.latest_complete().step == 5  # type: ignore[union-attr]
+    assert script.saves == [5]
+    # the JIT save's measured time covers the cancellation of the write in flight
+    assert trainer.save_timer.last is not None
+    assert trainer.save_timer.last >= by_step[5].save_seconds  # type: ignore[operator]
+    # the resumed run continues exactly
+    full = make_trainer(tmp_path / "full", save_async=False)
+    full.train()
+    resumed = make_trainer(tmp_path / "out", save_async=True)
+    resumed.train(resume_from_checkpoint=True)
+    assert_same_training(full, resumed)
+
+
+def test_jit_stop_at_the_step_of_the_write_in_flight_waits_for_it(
+    tmp_path: Path, slow_writer: list[tuple[int, str]]
+) -> None:
+    trainer, script = jit_trainer(tmp_path / "out", "on_step_end", 4, save_async=True)
+    trainer.train()
+    assert trainer.preempted and trainer.state.global_step == 4
+    info = CheckpointStore(str(tmp_path / "out")).latest_complete()
+    assert info is not None and info.step == 4
+    assert script.saves == [4], "one checkpoint of step 4, committed once"
+    assert trainer.save_timer.count == 1
+
+
+def _args(**kw: Any) -> SimpleNamespace:
+    base = {
+        "save_async": None,
+        "save_on_each_node": False,
+        "save_strategy": "steps",
+        "load_best_model_at_end": False,
+        "push_to_hub": False,
+    }
+    return SimpleNamespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    ("args", "operator", "world", "fsdp", "expected"),
+    [
+        (_args(), True, 1, False, True),
+        (_args(), False, 1, False, False),  # plain library: transformers' on_save timing
+        (_args(), True, 2, False, False),
+        (_args(), True, 1, True, False),
+        (_args(save_strategy="best"), True, 1, False, False),
+        (_args(load_best_model_at_end=True), True, 1, False, False),
+        (_args(push_to_hub=True), True, 1, False, False),
+        (_args(save_async=True), False, 1, False, True),
+        (_args(save_async=True), False, 2, False, True),
+        (_args(save_async=False), True, 1, False, False),
+        (_args(save_async=False), True, 1, True, False),
+    ],
+)
+def test_resolve_save_async(
+    args: SimpleNamespace, operator: bool, world: int, fsdp: bool, expected: bool
+) -> None:
+    assert resolve_save_async(args, operator=operator, world_size=world, fsdp=fsdp) is expected
+
+
+@pytest.mark.parametrize(
+    ("args", "fsdp", "match"),
+    [
+        (_args(save_async=True), True, "fsdp"),
+        (_args(save_async=True, save_on_each_node=True), False, "save_on_each_node"),
+    ],
+)
+def test_save_async_refused_where_the_writer_is_collective(
+    args: SimpleNamespace, fsdp: bool, match: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=f"save_async=True.*{match}"):
+        resolve_save_async(args, operator=True, world_size=2, fsdp=fsdp)

@@ -1,0 +1,217 @@
+"""safetensors files written as they are serialised, and read without extra copies.
+
+The safetensors format is an 8-byte little-endian header length, a JSON header (padded with
+spaces to a multiple of 8 bytes) naming each tensor's dtype, shape and byte range, then the raw
+tensor bytes. :func:`write_safetensors` writes exactly that, one tensor after the other, straight
+from each tensor's memory: no whole-file buffer is ever built, so the extra host memory of a save
+is one tensor copied off the accelerator (CPU tensors: none). Tensors are ordered as safetensors
+orders them (larger element size first, then by name), so every tensor is aligned to its element
+size, and for a file of one dtype with at most one metadata key the bytes are identical to
+``safetensors.torch.save``'s. Any safetensors reader (``safe_open``, ``load_file``,
+``from_pretrained``) opens the files.
+
+:func:`read_into_buffer` reads a local file with large ``readinto`` calls into one host buffer
+(the tensors are views of it: one copy from the page cache, none afterwards), handing each block
+to a callback as soon as it is read (the checksum runs beside the reading).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import torch
+
+from trainer_runtime.errors import CheckpointError
+
+__all__ = [
+    "CHUNK_BYTES",
+    "Cancelled",
+    "TensorFile",
+    "header_of",
+    "plan",
+    "read_header",
+    "read_into_buffer",
+    "tensors_from_buffer",
+    "write_safetensors",
+]
+
+# Block size of writes and reads: large enough for full disk bandwidth, small enough that a
+# cancellation is seen quickly and the hashing thread keeps pace.
+CHUNK_BYTES = 64 << 20
+
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+}
+for _name, _code in (
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+):
+    if hasattr(torch, _name):
+        _DTYPES[getattr(torch, _name)] = _code
+_BY_CODE = {code: dtype for dtype, code in _DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorFile:
+    """A safetensors file still to be written: its tensors (any device) and metadata."""
+
+    tensors: Mapping[str, torch.Tensor]
+    metadata: Mapping[str, str] | None = None
+
+    def to_bytes(self) -> bytes:
+        """The whole file in memory (small files only: per-rank files held until a commit)."""
+        out = io.BytesIO()
+        write_safetensors(out.write, self.tensors, self.metadata)
+        return out.getvalue()
+
+
+class Cancelled(Exception):
+    """The write was cancelled (a JIT save superseded a background save)."""
+
+
+def plan(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
+    """The file's header (length prefix included) and the tensors in file order."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"{name!r} is a {type(t).__name__}, not a tensor")
+        if t.dtype not in _DTYPES:
+            raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}, which safetensors lacks")
+        if t.layout != torch.strided:
+            raise CheckpointError(f"tensor {name!r} is {t.layout}: only dense tensors are saved")
+    ordered = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for name, t in ordered:
+        nbytes = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, ordered
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes as a memoryview of host memory (a copy only off the CPU)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.contiguous()
+    if t.dtype == torch.bool:
+        t = t.view(torch.uint8)
+    flat = t.reshape(-1)
+    if flat.element_size() != 1:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def write_safetensors(
+    write: Callable[[Any], Any],
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    cancel: threading.Event | None = None,
+) -> int:
+    """Write a safetensors file through ``write`` (e.g. a HashingWriter's), tensor by tensor;
+    returns the bytes written. ``cancel``: checked between blocks, raises :class:`Cancelled`."""
+    head, ordered = plan(tensors, metadata)
+    write(head)
+    total = len(head)
+    for _name, t in ordered:
+        if t.numel() == 0:
+            continue
+        data = _host_bytes(t)
+        for start in range(0, len(data), CHUNK_BYTES):
+            if cancel is not None and cancel.is_set():
+                raise Cancelled()
+            write(data[start : start + CHUNK_BYTES])
+        total += len(data)
+    return total
+
+
+def header_of(data: bytes | memoryview) -> tuple[dict[str, Any], int]:
+    """The parsed header of a whole file held in memory, and where the tensor bytes start."""
+    (length,) = struct.unpack("<Q", bytes(data[:8]))
+    return json.loads(bytes(data[8 : 8 + length])), 8 + length
+
+
+def read_header(fh: BinaryIO) -> tuple[dict[str, Any], int]:
+    """The parsed header of an open file (read from its start), and where the bytes start."""
+    raw = fh.read(8)
+    if len(raw) != 8:
+        raise CheckpointError("not a safetensors file: shorter than 8 bytes")
+    (length,) = struct.unpack("<Q", raw)
+    if length > 100 << 20:
+        raise CheckpointError(f"not a safetensors file: header length {length}")
+    return json.loads(fh.read(length)), 8 + length
+
+
+def read_into_buffer(
+    fh: BinaryIO, size: int, on_block: Callable[[memoryview], None] | None = None
+) -> torch.Tensor:
+    """Read ``size`` bytes of ``fh`` (from its current position) into one new uint8 tensor,
+    calling ``on_block`` with each block right after it is read."""
+    buf = torch.empty(size, dtype=torch.uint8)
+    view = memoryview(buf.numpy()).cast("B")
+    done = 0
+    while done < size:
+        n = fh.readinto(view[done : done + CHUNK_BYTES])  # type: ignore[attr-defined]
+        if not n:
+            raise CheckpointError(f"file ended after {done} of {size} bytes")
+        if on_block is not None:
+            on_block(view[done : done + n])
+        done += n
+    return buf
+
+
+def tensors_from_buffer(
+    buf: torch.Tensor, header: Mapping[str, Any], base: int
+) -> dict[str, torch.Tensor]:
+    """The tensors of a whole file read into ``buf``, as views of it (no copy)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _BY_CODE.get(entry["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"tensor {name!r} has an unknown dtype {entry['dtype']!r}")
+        start, end = entry["data_offsets"]
+        shape = tuple(entry["shape"])
+        raw = buf[base + start : base + end]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if (base + start) % itemsize:
+            raw = raw.clone()  # a misaligned writer's file: views need aligned offsets
+        if dtype == torch.bool:
+            t = raw.view(torch.bool)
+        elif raw.numel() == 0:
+            t = torch.empty(shape, dtype=dtype)
+        else:
+            t = raw.view(dtype)
+        out[name] = t.reshape(shape)
+    return out
