@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -208,6 +209,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _checkpoint_step(checkpoint: Any, default: int) -> int:
+    """The step in a checkpoint directory's name (``.../checkpoint-12``), else ``default``."""
+    match = re.search(r"checkpoint-(\d+)/?$", str(checkpoint or ""))
+    return int(match.group(1)) if match else default
+
+
 def _fault_url(url: str, protocol: str) -> str:
     """Route a local output dir through one of the test filesystems."""
     if "://" in url and not url.startswith("file://"):
@@ -256,8 +263,11 @@ def _make_callback(args: argparse.Namespace) -> Any:
                 )
 
         def on_save(self, targs: Any, state: Any, control: Any, **kw: Any) -> None:
-            testing.append_event(events, "save", step=state.global_step)
-            print(f"[toy] checkpoint saved at step {state.global_step}", flush=True)
+            # The checkpoint's own step: a background save (save_async) commits, and calls
+            # on_save, a step or more after the step it holds.
+            step = _checkpoint_step(kw.get("checkpoint"), state.global_step)
+            testing.append_event(events, "save", step=step)
+            print(f"[toy] checkpoint saved at step {step}", flush=True)
 
         def on_train_end(self, targs: Any, state: Any, control: Any, **kw: Any) -> None:
             testing.append_event(events, "train_end", step=state.global_step)

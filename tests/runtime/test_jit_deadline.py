@@ -154,13 +154,14 @@ def test_sigterm_during_a_long_evaluation_is_met_within_the_grace(
 
 def test_grace_shorter_than_the_save_exits_without_writing(tmp_path: Path) -> None:
     # Each checkpoint file takes 0.3 s to write: the periodic save of step 4 takes seconds, the
-    # grace is 1 s, so the JIT save of step 6 cannot finish: it is not started.
+    # grace is 1 s, so the JIT save of step 6 cannot finish: it is not started. The periodic save
+    # blocks (save_async off) so that the SIGTERM lands after it, at a known step.
     grace = 1.0
     out = tmp_path / "out"
     run = ToyRun(
         out,
         tmp_path,
-        args=_args("--step-sleep", "0.1", "--save-sleep", "0.3"),
+        args=_args("--step-sleep", "0.1", "--save-sleep", "0.3", "--save-async", "false"),
         grace_seconds=grace,
     ).start()
     try:
