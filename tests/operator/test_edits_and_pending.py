@@ -57,9 +57,11 @@ def test_pending_says_why_the_pod_is_not_scheduled(
     tj.create(body)
     status = wait_for(
         "Pending with the scheduler's reason",
-        lambda: (s := tj.status(name)).get("phase") == "Pending"
-        and "does-not-exist" in (s.get("message") or "")
-        and s,
+        lambda: (
+            (s := tj.status(name)).get("phase") == "Pending"
+            and "does-not-exist" in (s.get("message") or "")
+            and s
+        ),
         on_timeout=lambda: tj.describe(name) + operator.tail(),
     )
     assert "Unschedulable" in status["message"], status["message"]
