@@ -54,8 +54,24 @@ from trainer_runtime.protocol import METRIC_NAMES  # noqa: E402
 
 TJ_ARGS = (models.GROUP, models.VERSION)
 CLK = os.sysconf("SC_CLK_TCK")
-OPERATOR_RESOURCES = frozenset(
-    {"trainingjobs", "jobs", "pods", "nodes", "workloads", "services", "customresourcedefinitions"}
+# Requests only the operator sends here (the node agent writes pods/status, controllers write
+# Jobs' status and events of their own).
+OPERATOR_REQUESTS = frozenset(
+    {
+        "GET trainingjobs",
+        "PATCH trainingjobs",
+        "PUT trainingjobs/status",
+        "GET nodes",
+        "POST jobs",
+        "GET jobs",
+        "DELETE jobs",
+        "GET pods",
+        "PATCH pods",
+        "DELETE pods",
+        "POST services",
+        "GET services",
+        "PATCH workloads",
+    }
 )
 
 
@@ -295,8 +311,7 @@ def bench_running(
     # What the operator itself sends. Excluded: the endpoint-slice controller's retries and the
     # Warning events it patches (the node agent's loopback pod IPs are invalid endpoints: a test
     # cluster artefact on its own backoff clock, not the operator's traffic).
-    own = sum(v for k, v in extra.items() if k.split()[1].split("/")[0] in OPERATOR_RESOURCES)
-    own += extra.get("POST events", 0.0)
+    own = sum(v for k, v in extra.items() if k in OPERATOR_REQUESTS)
     return {
         "n": n,
         "start_seconds": started,

@@ -44,8 +44,8 @@ NAMESPACED_RULES: list[dict[str, Any]] = [
         "verbs": ["get", "list", "watch", "patch", "delete"],
     },
     # The headless rendezvous Service: created once; on AlreadyExists read to check it is
-    # ours, and one left by a deleted TrainingJob of the same name is deleted.
-    {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "create", "delete"]},
+    # ours (one left by a deleted TrainingJob of the same name is left to garbage collection).
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "create"]},
     # Events on TrainingJobs (ours and kopf's warnings).
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     # Kueue Workloads: watched (a cache by job-uid label) to tell eviction from failure,

@@ -889,15 +889,14 @@ class Reconciler:
         refs = existing["metadata"].get("ownerReferences") or []
         name = existing["metadata"]["name"]
         if any(r.get("kind") == models.KIND and r.get("name") == meta["name"] for r in refs):
-            # Left by a deleted TrainingJob of the same name: remove it now (garbage collection
-            # would, later) and create ours on the next pass.
-            delete = (
-                self.core.delete_namespaced_service
-                if kind == "Service"
-                else self.batch.delete_namespaced_job
-            )
-            with contextlib.suppress(ApiException):
-                delete(name, meta["namespace"], propagation_policy="Background")
+            # Left by a deleted TrainingJob of the same name: garbage collection removes it (a
+            # Job we delete at once; a Service needs no delete permission, it is only waited
+            # for); ours is created on a later pass.
+            if kind == "Job":
+                with contextlib.suppress(ApiException):
+                    self.batch.delete_namespaced_job(
+                        name, meta["namespace"], propagation_policy="Background"
+                    )
             raise ChildConflict(f"{kind} {name} belongs to an earlier {meta['name']}; replacing it")
         raise ChildConflict(
             f"{kind} {meta['namespace']}/{name} exists and is not owned by TrainingJob "

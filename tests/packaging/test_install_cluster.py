@@ -280,7 +280,10 @@ def test_operator_with_chart_rbac_survives_a_preemption(
     values = {
         "watchNamespaces": [namespace],
         "replicaCount": 0,
-        "operator": {"logFormat": "text", "extraArgs": ["--poll-interval=1"]},
+        "operator": {
+            "logFormat": "text",
+            "extraArgs": ["--poll-interval=1", "--status-progress-interval=0"],
+        },
         "checkpointStorage": {"pathMap": {str(checkpoint_root): str(checkpoint_root)}},
     }
     with helm_release(control_plane, helm, namespace, values, tmp_path) as objects:

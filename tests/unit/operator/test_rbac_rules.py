@@ -26,4 +26,4 @@ def test_the_watch_caches_and_ownership_checks_are_allowed() -> None:
     for verb in ("list", "watch"):
         assert ("kueue.x-k8s.io", "workloads", verb) in grants
         assert ("batch", "jobs", verb) in grants and ("", "pods", verb) in grants
-    assert {("", "services", "get"), ("", "services", "delete")} <= grants
+    assert ("", "services", "get") in grants  # AlreadyExists: is it ours?
