@@ -1325,6 +1325,7 @@ def _apply_metrics(
     t.step_seconds_ema = measured("step_seconds_ema") or t.step_seconds_ema
     t.save_seconds_max = _max(t.save_seconds_max, measured("save_seconds_max"))
     t.save_seconds_last = measured("save_seconds_last") or t.save_seconds_last
+    t.micro_batch_seconds_max = _max(t.micro_batch_seconds_max, measured("micro_batch_seconds_max"))
     status.timings = t
     ckpt_step = m.int("last_complete_checkpoint_step")
     if ckpt_step is not None and ckpt_step > 0:

@@ -28,6 +28,8 @@ _HELP = {
     "step_seconds_max": "Longest optimizer step in wall seconds.",
     "save_seconds_last": "Wall seconds of the last checkpoint save.",
     "save_seconds_max": "Longest checkpoint save in wall seconds.",
+    "micro_batch_seconds_max": "Longest mean micro-batch wall seconds of a step (gradient "
+    "accumulation; 0: not measured).",
     "last_complete_checkpoint_step": "Global step of the newest complete checkpoint (-1: none).",
     "stop_requested": "1 once SIGTERM was received, else 0.",
 }
@@ -78,6 +80,7 @@ class TrainingMetrics:
         save_seconds: Any = None,
         last_complete_checkpoint_step: int | None = None,
         stop_requested: bool | None = None,
+        micro_batch_seconds: Any = None,
     ) -> None:
         """Set whichever values are given (StepTimings/SaveTimings models for the timings)."""
         self.set("step", step)
@@ -91,6 +94,8 @@ class TrainingMetrics:
         if save_seconds is not None:
             self.set("save_seconds_last", save_seconds.last)
             self.set("save_seconds_max", save_seconds.max)
+        if micro_batch_seconds is not None:
+            self.set("micro_batch_seconds_max", micro_batch_seconds.max)
         self.set("last_complete_checkpoint_step", last_complete_checkpoint_step)
         if stop_requested is not None:
             self.set("stop_requested", 1 if stop_requested else 0)

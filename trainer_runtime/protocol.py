@@ -83,6 +83,7 @@ METRIC_NAMES = {
     "step_seconds_max": "preemptible_step_seconds_max",
     "save_seconds_last": "preemptible_save_seconds_last",
     "save_seconds_max": "preemptible_save_seconds_max",
+    "micro_batch_seconds_max": "preemptible_micro_batch_seconds_max",
     "last_complete_checkpoint_step": "preemptible_last_complete_checkpoint_step",
     "stop_requested": "preemptible_stop_requested",
 }

@@ -1925,6 +1925,7 @@ class Trainer(
             epoch=self.state.epoch,
             step_seconds=self.step_timer.to_model(),
             save_seconds=self.save_timer.to_model(),
+            micro_batch_seconds=self.micro_batch_timer.to_model(),
             last_complete_checkpoint_step=self.last_checkpoint.step
             if self.last_checkpoint
             else None,

@@ -47,20 +47,20 @@ def test_two_ranks_drop_the_partial_step_together(tmp_path: Path) -> None:
         out, tmp_path / "logs", world_size=WORLD, args=[*ARGS, "--step-sleep", "0.3"]
     ) as run:
         # Rank 1 only: the agreement at the micro-batch boundary must carry it to rank 0.
-        run.ranks[1].wait_for_event("substep_end", step=5, timeout=RUN_TIMEOUT)
+        run.ranks[1].wait_for_event("substep_end", step=3, timeout=RUN_TIMEOUT)
         run.send(1, signal.SIGTERM)
         codes = run.wait(RUN_TIMEOUT)
     assert codes == [EXIT_PREEMPTED] * WORLD, f"exit codes {codes}\n{run.tails()}"
     msg = run.ranks[0].termination_message()
     assert msg.reason == "preempted" and msg.complete and msg.stop == "micro_batch", msg
-    assert msg.step == 4, msg
+    assert msg.step == 2, msg
     for rank in range(WORLD):
-        assert run.steps_ended(rank)[-1] == 4, f"rank {rank} finished a step after the stop"
-    info = CheckpointStore(str(out)).inspect("checkpoint-4")
+        assert run.steps_ended(rank)[-1] == 2, f"rank {rank} finished a step after the stop"
+    info = CheckpointStore(str(out)).inspect("checkpoint-2")
     assert info.complete and info.manifest is not None and info.manifest["world_size"] == WORLD
 
     resumed = _run_to_end(out, tmp_path / "logs", attempt=2, resume_from="latest")
-    assert all(resumed.steps_begun(r)[0] == 5 for r in range(WORLD)), resumed.tails()
+    assert all(resumed.steps_begun(r)[0] == 3 for r in range(WORLD)), resumed.tails()
     same, detail = weights_identical(
         out / f"checkpoint-{MAX_STEPS}", tmp_path / "reference" / f"checkpoint-{MAX_STEPS}"
     )

@@ -81,24 +81,24 @@ def test_micro_batch_policy_saves_the_previous_step_within_one_micro_batch(
         out, tmp_path, args=_args("--step-sleep", str(micro), "--stop-policy", "micro_batch")
     ).start()
     try:
-        # After the first micro-batch of step 6: three more would follow under finish_step.
-        _sigterm_at(run, "substep_end", step=6)
+        # After the first micro-batch of step 3: three more would follow under finish_step.
+        _sigterm_at(run, "substep_end", step=3)
         code = run.wait(RUN_TIMEOUT)
     finally:
         run.kill()
     assert code == EXIT_PREEMPTED, run.tail()
     msg = run.termination_message()
     assert msg.reason == "preempted" and msg.complete and msg.stop == "micro_batch", msg
-    assert msg.step == 5, f"the last completed step is 5, the JIT checkpoint is {msg.step}"
-    assert 6 not in [e["step"] for e in run.events() if e["event"] == "step_end"]
+    assert msg.step == 2, f"the last completed step is 2, the JIT checkpoint is {msg.step}"
+    assert 3 not in [e["step"] for e in run.events() if e["event"] == "step_end"]
     # Acted at the first boundary after kill_wait (0.2 s < one micro-batch): one more
-    # micro-batch of step 6 at most ran after the SIGTERM, then step 5 was saved at once.
-    substeps = [e for e in run.events() if e["event"] == "substep_end" and e["step"] == 6]
-    assert len(substeps) <= 2, f"{len(substeps)} micro-batches of step 6 ended: not stopped"
+    # micro-batch of step 3 at most ran after the SIGTERM, then step 2 was saved at once.
+    substeps = [e for e in run.events() if e["event"] == "substep_end" and e["step"] == 3]
+    assert len(substeps) <= 2, f"{len(substeps)} micro-batches of step 3 ended: not stopped"
     assert msg.sigterm_to_exit_seconds is not None
     assert msg.sigterm_to_exit_seconds < 0.2 + 2 * micro + 1.5, msg
     assert msg.micro_batch_seconds is not None and msg.micro_batch_seconds.max >= micro, msg
-    _resume_and_compare(out, tmp_path, reference, first_step=6)
+    _resume_and_compare(out, tmp_path, reference, first_step=3)
 
 
 def test_finish_step_falls_back_to_the_micro_batch_stop_when_the_step_cannot_fit(
@@ -117,16 +117,16 @@ def test_finish_step_falls_back_to_the_micro_batch_stop_when_the_step_cannot_fit
         grace_seconds=grace,
     ).start()
     try:
-        _sigterm_at(run, "substep_end", step=6)
+        _sigterm_at(run, "substep_end", step=3)
         code = run.wait(RUN_TIMEOUT)
     finally:
         run.kill()
     assert code == EXIT_PREEMPTED, run.tail()
     msg = run.termination_message()
     assert msg.reason == "preempted" and msg.complete, msg
-    assert msg.step == 5 and msg.stop == "micro_batch", msg
+    assert msg.step == 2 and msg.stop == "micro_batch", msg
     assert msg.sigterm_to_exit_seconds is not None and msg.sigterm_to_exit_seconds < grace, msg
-    _resume_and_compare(out, tmp_path, reference, first_step=6)
+    _resume_and_compare(out, tmp_path, reference, first_step=3)
 
 
 def test_sigterm_during_a_long_evaluation_is_met_within_the_grace(

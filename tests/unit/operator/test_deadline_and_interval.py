@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
 
 from preemptible_operator import models
 from preemptible_operator.classify import classify_interruption
@@ -17,9 +18,12 @@ from preemptible_operator.interval import (
     recommend_interval,
     running_seconds,
 )
+from preemptible_operator.reconcile import _apply_metrics
 from preemptible_operator.render import AttemptParams, render_job
+from preemptible_operator.scrape import parse_metrics
 from tests.unit.operator.builders import cond, make_job, make_pod
 from trainer_runtime import protocol
+from trainer_runtime.metrics import TrainingMetrics
 
 TOO_SHORT_MSG = protocol.TerminationMessage(
     reason="deadline_too_short",
@@ -224,3 +228,13 @@ def test_bad_deadline_settings_are_refused(grace: dict, field: str) -> None:
     with pytest.raises(models.ValidationError) as err:
         models.GracePeriodSpec.model_validate(grace)
     assert field in models.format_validation_error(err.value, "spec.gracePeriod")
+
+
+def test_micro_batch_timings_flow_from_metrics_to_status() -> None:
+
+    runtime = TrainingMetrics()
+    runtime.update(micro_batch_seconds=protocol.StepTimings(max=7.5, count=3))
+    scraped = parse_metrics(generate_latest(runtime.registry).decode())
+    status = models.TrainingJobStatus()
+    _apply_metrics(status, scraped, _spec())
+    assert status.timings is not None and status.timings.micro_batch_seconds_max == 7.5
