@@ -228,6 +228,8 @@ def test_no_hostnames_in_dockerfile() -> None:
 
 
 @pytest.mark.slow
+# Two images, torch download included: longer than the suite's default 600 s on a loaded machine.
+@pytest.mark.timeout(3600)
 def test_image_builds_and_runs() -> None:
     """Opt-in: builds both images for real and runs them (tests/packaging/docker_smoke.sh). Needs
     a Docker daemon and downloads torch (several GB); `.ci/run` turns it on when it can start
