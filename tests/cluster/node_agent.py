@@ -923,6 +923,7 @@ class NodeAgent:
         self.provision_volumes = provision_volumes
         self.provisioner: LocalDirProvisioner | None = None
         self._silenced: set[str] = set()  # nodes whose heartbeat is stopped (node loss)
+        self._relist: set[str] = set()  # nodes whose pods must be listed again
         self._hosts_lock = threading.Lock()
         self.log_file = workdir / "node-agent.log"
         self.log = logging.getLogger(f"tests.cluster.node_agent.{id(self):x}")
@@ -998,9 +999,24 @@ class NodeAgent:
         self.log.info("node %s: silenced (no heartbeats, no pod updates)", node)
 
     def unsilence_node(self, node: str) -> None:
+        """The node is back: heartbeats resume and its pods are listed again (what happened to
+        them meanwhile, e.g. a deletion, is acted on now)."""
         with self.lock:
             self._silenced.discard(node)
+            self._relist.add(node)
         self.log.info("node %s: heartbeats resumed", node)
+
+    def cut_pod_network(self, namespace: str, name: str) -> None:
+        """Take the pod's interface down: its processes run on but reach nobody (as on a node
+        that lost its network)."""
+        record = self.record(namespace, name)
+        if record is None or record.netns is None:
+            raise KeyError(f"no running pod {namespace}/{name} with its own network namespace")
+        subprocess.run(
+            ["ip", "-n", record.netns, "link", "set", "eth0", "down"],
+            check=True, capture_output=True, timeout=30,
+        )  # fmt: skip
+        self.log.info("pod %s/%s: network cut", namespace, name)
 
     def stop(self) -> None:
         """Stop watching, end every pod process (SIGTERM, 5 s, SIGKILL); no status reports."""
@@ -1198,6 +1214,10 @@ class NodeAgent:
         selector = f"spec.nodeName={node}"
         resource_version: str | None = None
         while not self.stopping.is_set():
+            with self.lock:
+                if node in self._relist:
+                    self._relist.discard(node)
+                    resource_version = None
             try:
                 if resource_version is None:
                     listing = core.list_pod_for_all_namespaces(field_selector=selector)
