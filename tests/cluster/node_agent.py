@@ -1006,6 +1006,35 @@ class NodeAgent:
             self._relist.add(node)
         self.log.info("node %s: heartbeats resumed", node)
 
+    def kill_node(self, node: str) -> list[PodRecord]:
+        """The machine dies: no more heartbeats or status, and every process of its pods is
+        SIGKILLed at once (nothing is reported: the API keeps the pods as they were). Returns
+        the records of the pods that were running."""
+        self.silence_node(node)
+        with self.lock:
+            workers = [w for w in self._workers.values()
+                       if w.record.node == node and not w.finished]  # fmt: skip
+        for worker in workers:
+            for c in worker.inits + worker.mains:
+                worker._kill_group(c)
+        self.log.info("node %s: killed %d pods", node, len(workers))
+        return [w.record for w in workers]
+
+    def restore_node(self, node: str, timeout: float = 120.0) -> None:
+        """Bring a node back (registered again if its Node object was deleted) and wait until
+        it is schedulable."""
+        self.unsilence_node(node)
+        self._register(node)
+        deadline = time.monotonic() + timeout
+        core = kubernetes.client.CoreV1Api(self.client)
+        while True:
+            taints = core.read_node(node).spec.taints or []
+            if not any(t.key.startswith("node.kubernetes.io/") for t in taints):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node {node} still tainted {taints} after {timeout:.0f} s")
+            time.sleep(0.5)
+
     def cut_pod_network(self, namespace: str, name: str) -> None:
         """Take the pod's interface down: its processes run on but reach nobody (as on a node
         that lost its network)."""
