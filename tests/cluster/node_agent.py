@@ -9,14 +9,21 @@ restart policies, $(VAR) expansion, downward-API env, and deletion: SIGTERM to t
 process, wait the deletion grace period (at least 2 s), SIGKILL everything left in the container,
 report the terminal status, then delete the pod with gracePeriodSeconds=0.
 
-Deviations, because processes share the host's filesystem and network namespace (see
-docs/cluster-tests.md):
-- each pod gets its own loopback address (127.X.Y.Z) as status.podIP; nothing isolates ports;
+Where network namespaces can be made (pod_network.py): each pod has its own network, mount and
+UTS namespace, a 10.X.a.b address on a bridge in a namespace of the tier's own (reachable from the
+host through an address-less veth and a route), /etc/hosts in place of cluster DNS, the apiserver
+at 10.0.0.1:443, projected service-account tokens, and volumes bind-mounted at their mountPath;
+PersistentVolumeClaims of the default StorageClass are provisioned as directories
+(provisioner.py).
+
+Deviations, because processes share the host's filesystem (see docs/cluster-tests.md):
+- without network namespaces, each pod gets its own loopback address (127.X.Y.Z) as status.podIP;
+  nothing isolates ports;
 - the termination-message file is a host file passed as $PREEMPTIBLE_TERMINATION_LOG;
 - env values, command, args and workingDir that start with a volume's mountPath are rewritten to
   the host directory of that volume (hostPath: the path itself; emptyDir: a per-pod directory;
   configMap/secret: a per-pod directory with the keys as files);
-- no images, probes, lifecycle hooks, resource limits, service links or service-account tokens.
+- no images, probes, lifecycle hooks, resource limits, service links or kube-proxy.
 """
 
 from __future__ import annotations
