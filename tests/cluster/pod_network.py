@@ -137,14 +137,24 @@ class ClusterNetwork:
         self._pods: dict[str, str] = {}  # pod key -> netns name
 
     # ------------------------------------------------------------------------------ lifecycle
-    def create(self) -> None:
+    def create(self, tries: int = 5) -> None:
         _remove_stale()
-        used = _used_networks()
-        candidates = [o for o in range(100, 250) if not any(
-            n.overlaps(ipaddress.ip_network(f"10.{o}.0.0/16")) for n in used)]  # fmt: skip
-        if not candidates:
-            raise NetworkUnavailableError("no free 10.X.0.0/16 subnet for pods on this machine")
-        self.octet = random.choice(candidates)
+        for attempt in range(tries):
+            used = _used_networks()
+            candidates = [o for o in range(100, 250) if not any(
+                n.overlaps(ipaddress.ip_network(f"10.{o}.0.0/16")) for n in used)]  # fmt: skip
+            if not candidates:
+                raise NetworkUnavailableError("no free 10.X.0.0/16 subnet for pods on this machine")
+            try:
+                self._create(random.choice(candidates))
+                return
+            except NetworkUnavailableError:
+                # Another session may have taken the same subnet in the meantime: pick again.
+                if attempt == tries - 1:
+                    raise
+
+    def _create(self, octet: int) -> None:
+        self.octet = octet
         self.subnet = ipaddress.ip_network(f"10.{self.octet}.0.0/16")
         self.gateway = f"10.{self.octet}.0.1"
         c = self.cluster_ns
@@ -215,12 +225,14 @@ class ClusterNetwork:
 
 
 def _nsenter_write(ns: str, path: str, value: str) -> None:
-    subprocess.run(
+    result = subprocess.run(
         ["nsenter", f"--net={NETNS_DIR / ns}", "sh", "-c", f"echo {value} > {path}"],
-        check=True,
         capture_output=True,
+        text=True,
         timeout=30,
     )
+    if result.returncode != 0:
+        raise NetworkUnavailableError(f"{path} in netns {ns}: {result.stderr.strip()}")
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from .pod_network import network_unavailable_reason, pod_address
 from .pod_runtime import (
     ContainerConfigError,
     ContainerExit,
@@ -225,3 +226,20 @@ def test_hosts_file(name: str, addresses: list[str]) -> None:
 def test_hosts_file_without_subdomain_names_the_pod_by_hostname_only() -> None:
     own = HostsPod("ns1", "solo", "", "10.9.0.4")
     assert hosts_file(own, [own], []).splitlines()[-1] == "10.9.0.4\tsolo"
+
+
+def test_without_root_the_pod_network_is_unavailable_with_a_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    assert network_unavailable_reason() == (
+        "network namespaces need root (CAP_SYS_ADMIN, CAP_NET_ADMIN)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("index", "address"),
+    [(0, "10.7.0.2"), (252, "10.7.0.254"), (253, "10.7.1.2"), (600, "10.7.2.96")],
+)
+def test_pod_address_skips_network_gateway_and_broadcast(index: int, address: str) -> None:
+    assert pod_address(7, index) == address
