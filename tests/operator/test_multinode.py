@@ -2,10 +2,10 @@
 own network namespace, form one process group through the attempt's headless Service (names
 from the node agent in place of cluster DNS) and train with real torch processes.
 
-- Kueue preempts a numNodes: 2 job mid-run: both ranks stop at the same step, one complete JIT
-  checkpoint, the next attempt resumes with no lost steps, and the final weights are
-  bit-identical to an uninterrupted 2-node run (which also shows it trains to completion);
-- the Eviction API on one node's pod only stops the whole attempt at one step and requeues;
+- Kueue preempts a numNodes: 2 job mid-run, then the Eviction API takes one node's pod of the
+  next attempt: each time both ranks stop at the same step, one complete JIT checkpoint, the
+  next attempt resumes with no lost steps, and the final weights are bit-identical to an
+  uninterrupted 2-node run (which also shows it trains to completion);
 - a real failure of one rank (exit 1) fails the attempt promptly;
 - node loss: one stand-in node stops renewing its Lease (and its pods lose the network).
 """
@@ -29,7 +29,7 @@ from trainer_runtime.protocol import read_termination_message
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
-STEPS = 24
+STEPS = 40
 
 
 @pytest.fixture
@@ -88,7 +88,7 @@ def _final_weights(root: Path, name: str) -> dict[str, torch.Tensor]:
     return weights
 
 
-def test_two_nodes_preempted_by_kueue_resume_bit_identical(
+def test_two_nodes_preempted_by_kueue_then_one_pod_evicted_resume_bit_identical(
     control_plane: ControlPlane,
     netns_agent: NodeAgent,
     kueue: Kueue,
@@ -96,9 +96,12 @@ def test_two_nodes_preempted_by_kueue_resume_bit_identical(
     operator: OperatorProcess,
     checkpoint_root: Path,
 ) -> None:
+    """Attempt 1 is preempted by Kueue, attempt 2 loses one node's pod to the Eviction API;
+    each time both ranks stop at one step, and attempt 3 ends bit-identical to a 2-node run that
+    was never interrupted (which also shows 2-node training runs to completion)."""
     kueue.create_local_queue(tj.ns)
     per_node = str(int(kueue.quota["cpu"]) // 2)  # the two pods take the whole quota
-    common = {"max_steps": STEPS, "step_sleep": 0.25, "save_steps": STEPS}
+    common = {"max_steps": STEPS, "step_sleep": 0.3, "save_steps": STEPS}
     # The uninterrupted reference, outside Kueue, at the same time.
     tj.create(_two_nodes("ref", checkpoint_root, **common))
     tj.create(
@@ -119,6 +122,19 @@ def test_two_nodes_preempted_by_kueue_resume_bit_identical(
     )
     with control_plane.api_client() as client:
         kubernetes.client.BatchV1Api(client).create_namespaced_job(tj.ns, high)
+
+    def attempt_2_training() -> int | None:
+        s = tj.status("mn")
+        attempts = s.get("attempts") or []
+        if s.get("attempt") != 2 or s.get("phase") != "Running" or not attempts:
+            return None
+        step = (s.get("progress") or {}).get("step", 0)
+        return step if step >= (attempts[0].get("endStep") or 0) + 2 else None
+
+    wait_for("attempt 2 training past its start", attempt_2_training, on_timeout=describe)
+    # SIGTERM to one node's pod only.
+    (victim,) = [p for p in tj.pods("mn", 2) if p.metadata.name.startswith("mn-a2-1-")]
+    tj.evict(victim.metadata.name)
     for name in ("mn", "ref"):
         status = wait_for(
             f"{name} finished",
@@ -129,43 +145,23 @@ def test_two_nodes_preempted_by_kueue_resume_bit_identical(
     ref = tj.status("ref")
     assert ref["attempt"] == 1 and ref["progress"]["step"] == STEPS, describe()
     status = tj.status("mn")
-    first, second = status["attempts"][:2]
+    first, second, third = status["attempts"]
     assert (first["outcome"], first["reason"]) == ("Preempted", "KueuePreempted"), describe()
-    assert first["exitCodes"] == [75, 75] and first["lostSteps"] == 0, describe()
-    # Both nodes stopped at the same step, the one the complete JIT checkpoint holds.
-    stops = _stop_steps(netns_agent, tj.ns, "mn", 1)
-    assert sorted(node for node, _, _ in stops) == ["node-1", "node-2"], stops
-    assert {(code, step) for _, code, step in stops} == {(75, first["endStep"])}, stops
-    assert first["checkpoint"].endswith(f"checkpoint-{first['endStep']}"), first
-    assert second["resumeFrom"] == first["checkpoint"] and second["startStep"] == first["endStep"]
-    assert (status["preemptions"], status.get("lostSteps", 0)) == (1, 0), describe()
+    assert (second["outcome"], second["reason"]) == ("Preempted", "PodEvicted"), describe()
+    for attempt, record in ((1, first), (2, second)):
+        assert record["exitCodes"] == [75, 75] and record["lostSteps"] == 0, describe()
+        # Both nodes stopped at the same step, the one the complete JIT checkpoint holds.
+        stops = _stop_steps(netns_agent, tj.ns, "mn", attempt)
+        assert sorted(node for node, _, _ in stops) == ["node-1", "node-2"], stops
+        assert {(code, step) for _, code, step in stops} == {(75, record["endStep"])}, stops
+        assert record["checkpoint"].endswith(f"checkpoint-{record['endStep']}"), record
+    for before, after in ((first, second), (second, third)):
+        assert after["resumeFrom"] == before["checkpoint"], describe()
+        assert after["startStep"] == before["endStep"], describe()
+    assert (status["preemptions"], status.get("lostSteps", 0)) == (2, 0), describe()
     ours, theirs = _final_weights(checkpoint_root, "mn"), _final_weights(checkpoint_root, "ref")
     assert sorted(ours) == sorted(theirs)
     assert all(torch.equal(ours[k], theirs[k]) for k in ours), "weights differ"
-
-
-def test_evicting_one_nodes_pod_stops_the_whole_attempt_at_one_step(
-    netns_agent: NodeAgent, tj: TJClient, operator: OperatorProcess, checkpoint_root: Path
-) -> None:
-    tj.create(_two_nodes("ev", checkpoint_root, max_steps=16, step_sleep=0.25, save_steps=100))
-    describe = _describe(tj, operator, "ev")
-    wait_for(
-        "ev training (step >= 3)",
-        lambda: (tj.status("ev").get("progress") or {}).get("step", 0) >= 3,
-        on_timeout=describe,
-    )
-    (victim,) = [p for p in tj.pods("ev", 1) if p.metadata.name.startswith("ev-a1-1-")]
-    tj.evict(victim.metadata.name)
-    status = wait_for(
-        "ev finished", lambda: tj.phase_is("ev", "Succeeded", "Failed"), on_timeout=describe
-    )
-    assert status["phase"] == "Succeeded", describe()
-    first, second = status["attempts"][:2]
-    assert first["outcome"] == "Preempted", describe()
-    stops = _stop_steps(netns_agent, tj.ns, "ev", 1)
-    # The other pod got no signal of its own, yet stopped at the same step with exit 75.
-    assert {(code, step) for _, code, step in stops} == {(75, first["endStep"])}, stops
-    assert second["startStep"] == first["endStep"] and status.get("lostSteps", 0) == 0
 
 
 def test_a_real_failure_of_one_rank_fails_the_attempt_promptly(
