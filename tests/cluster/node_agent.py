@@ -1338,7 +1338,9 @@ class NodeAgent:
                     self.delete_now(pod)
                 return
             netns = None
-            if self.network is not None:
+            if self.network is not None and pod["spec"].get("hostNetwork"):
+                ip = "127.0.0.1"  # the host's network: the node's address, as kubelet reports
+            elif self.network is not None:
                 try:
                     netns, ip = self.network.attach(uid)
                 except NetworkUnavailableError as exc:
