@@ -29,7 +29,7 @@ from trainer_runtime.protocol import read_termination_message
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
-STEPS = 40
+STEPS = 48
 
 
 @pytest.fixture
