@@ -1011,7 +1011,12 @@ class NodeAgent:
         with self.lock:
             self._silenced.discard(node)
             self._relist.add(node)
+            ended = [w for w in self._workers.values() if w.record.node == node and w.finished]
         self.log.info("node %s: heartbeats resumed", node)
+        # What happened meanwhile is reported now, as a kubelet does when it reconnects.
+        for worker in ended:
+            with contextlib.suppress(Exception):
+                worker._report()
 
     def kill_node(self, node: str) -> list[PodRecord]:
         """The machine dies: no more heartbeats or status, and every process of its pods is
