@@ -175,8 +175,15 @@ class ControlPlane:
             "apiserver",
             "kube-apiserver",
             server=True,
-            ips=("127.0.0.1",),
-            dns_names=("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"),
+            # 10.0.0.1: the "kubernetes" Service IP, where pods reach the apiserver (ApiProxy).
+            ips=("127.0.0.1", "10.0.0.1"),
+            dns_names=(
+                "localhost",
+                "kubernetes",
+                "kubernetes.default",
+                "kubernetes.default.svc",
+                "kubernetes.default.svc.cluster.local",
+            ),
         )
         self.ca.issue("admin", ADMIN_USER, organizations=("system:masters",), client=True)
         write_signing_key(self.pki_dir / "sa.key", self.pki_dir / "sa.pub")

@@ -335,9 +335,10 @@ class Kueue:
             self._create(
                 client,
                 "workloadpriorityclasses",
+                # No description: manifests/examples/kueue/setup.yaml (same names and values)
+                # then applies server-side without a conflict.
                 {"apiVersion": KUEUE_API, "kind": "WorkloadPriorityClass",
-                 "metadata": {"name": name}, "value": value,
-                 "description": f"preemptible tests: {name} priority"},
+                 "metadata": {"name": name}, "value": value},
             )  # fmt: skip
 
         def active() -> bool:

@@ -9,14 +9,21 @@ restart policies, $(VAR) expansion, downward-API env, and deletion: SIGTERM to t
 process, wait the deletion grace period (at least 2 s), SIGKILL everything left in the container,
 report the terminal status, then delete the pod with gracePeriodSeconds=0.
 
-Deviations, because processes share the host's filesystem and network namespace (see
-docs/cluster-tests.md):
-- each pod gets its own loopback address (127.X.Y.Z) as status.podIP; nothing isolates ports;
+Where network namespaces can be made (pod_network.py): each pod has its own network, mount and
+UTS namespace, a 10.X.a.b address on a bridge in a namespace of the tier's own (reachable from the
+host through an address-less veth and a route), /etc/hosts in place of cluster DNS, the apiserver
+at 10.0.0.1:443, projected service-account tokens, and volumes bind-mounted at their mountPath;
+PersistentVolumeClaims of the default StorageClass are provisioned as directories
+(provisioner.py).
+
+Deviations, because processes share the host's filesystem (see docs/cluster-tests.md):
+- without network namespaces, each pod gets its own loopback address (127.X.Y.Z) as status.podIP;
+  nothing isolates ports;
 - the termination-message file is a host file passed as $PREEMPTIBLE_TERMINATION_LOG;
 - env values, command, args and workingDir that start with a volume's mountPath are rewritten to
   the host directory of that volume (hostPath: the path itself; emptyDir: a per-pod directory;
   configMap/secret: a per-pod directory with the keys as files);
-- no images, probes, lifecycle hooks, resource limits, service links or service-account tokens.
+- no images, probes, lifecycle hooks, resource limits, service links or kube-proxy.
 """
 
 from __future__ import annotations
@@ -45,17 +52,29 @@ from kubernetes.client.exceptions import ApiException
 from trainer_runtime.protocol import ENV_TERMINATION_LOG
 
 from .kubeconfig import api_client_from
+from .pod_network import (
+    KUBERNETES_SERVICE_IP,
+    KUBERNETES_SERVICE_PORT,
+    ApiProxy,
+    ClusterNetwork,
+    NetworkUnavailableError,
+    network_unavailable_reason,
+)
 from .pod_runtime import (
     MIN_GRACE_SECONDS,
     ContainerConfigError,
     ContainerExit,
+    HostsPod,
     MountMap,
+    ServiceRecord,
     container_exit,
     expand,
     field_value,
+    hosts_file,
     pod_phase,
     termination_message,
 )
+from .provisioner import LocalDirProvisioner
 
 __all__ = ["DEFAULT_CAPACITY", "ContainerRun", "NodeAgent", "PodRecord"]
 
@@ -66,6 +85,24 @@ IMAGE_ID = "preemptible-node-agent://venv"
 _SMP = "application/strategic-merge-patch+json"
 _SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _TERMINAL = ("Succeeded", "Failed")
+HOSTS_REFRESH_SECONDS = 1.0
+
+# Runs as the container's first program inside its pod's namespaces, then execs the container.
+# Arguments: hosts file, resolv.conf, hostname, (source, target, ro|rw)*, "--", argv...
+_WRAPPER = r"""
+set -e
+mount --bind "$1" /etc/hosts
+if [ -e /etc/resolv.conf ]; then mount --bind "$2" /etc/resolv.conf; fi
+hostname "$3"
+shift 3
+while [ "$1" != "--" ]; do
+  mount --bind "$1" "$2"
+  if [ "$3" = ro ]; then mount -o remount,bind,ro "$2"; fi
+  shift 3
+done
+shift
+exec "$@"
+"""
 
 
 def _now() -> dt.datetime:
@@ -110,6 +147,7 @@ class PodRecord:
     node: str
     ip: str
     directory: Path
+    netns: str | None = None  # the pod's network namespace (None: loopback mode)
     runs: list[ContainerRun] = field(default_factory=list)
     phase: str = "Pending"
     grace_seconds: float | None = None  # deletion grace the agent honoured, if deleted
@@ -159,7 +197,9 @@ class _Container:
 class _PodWorker(threading.Thread):
     """Runs one pod from start to removal."""
 
-    def __init__(self, agent: NodeAgent, pod: dict[str, Any], ip: str) -> None:
+    def __init__(
+        self, agent: NodeAgent, pod: dict[str, Any], ip: str, netns: str | None = None
+    ) -> None:
         meta = pod["metadata"]
         super().__init__(name=f"pod-{meta['namespace']}/{meta['name']}", daemon=True)
         self.agent = agent
@@ -179,7 +219,11 @@ class _PodWorker(threading.Thread):
             node=self.spec["nodeName"],
             ip=ip,
             directory=directory,
+            netns=netns,
         )
+        self.hostname: str = (self.spec.get("hostname") or meta["name"])[:63]
+        self.subdomain: str = self.spec.get("subdomain") or ""
+        self.hosts_path = directory / "etc" / "hosts"
         self.inits = [_Container(c, init=True) for c in self.spec.get("initContainers") or []]
         self.mains = [_Container(c, init=False) for c in self.spec["containers"]]
         self.initialized = not self.inits
@@ -190,6 +234,7 @@ class _PodWorker(threading.Thread):
         self._gone = False
         self._transitions: dict[str, tuple[str, str]] = {}
         self._volumes: dict[str, str] = {}
+        self._read_only: set[str] = set()
         self._config_error: str | None = None
 
     # ----------------------------------------------------------------------- control from agent
@@ -207,6 +252,8 @@ class _PodWorker(threading.Thread):
         log = self.agent.log
         try:
             self._setup_volumes()
+            if self.record.netns is not None:
+                self._setup_etc()
             self._report()
             if self._run_inits():
                 self._run_mains()
@@ -222,6 +269,9 @@ class _PodWorker(threading.Thread):
         with self.agent.lock:
             self.finished = True
             delete = self._term.is_set() and not self._gone
+        if self.agent.network is not None:
+            with contextlib.suppress(Exception):
+                self.agent.network.detach(self.record.uid)
         self.record.done.set()
         if delete:
             self.agent.delete_now(self.pod)
@@ -244,10 +294,23 @@ class _PodWorker(threading.Thread):
                     self._config_error = f"hostPath type check failed: {path} is not a directory"
                 self._volumes[name] = str(path)
                 continue
+            if "persistentVolumeClaim" in volume:
+                ref = volume["persistentVolumeClaim"]
+                try:
+                    self._volumes[name] = self._claim_directory(core, namespace, ref["claimName"])
+                except (ApiException, ContainerConfigError) as exc:
+                    self._config_error = f"volume {name!r}: {getattr(exc, 'reason', exc)}"
+                if ref.get("readOnly"):
+                    self._read_only.add(name)
+                continue
             local.mkdir(exist_ok=True)
             self._volumes[name] = str(local)
             try:
-                if "configMap" in volume:
+                if "projected" in volume:
+                    self._write_projected(core, local, volume["projected"])
+                elif "downwardAPI" in volume:
+                    self._write_downward(local, volume["downwardAPI"].get("items") or [])
+                elif "configMap" in volume:
                     ref = volume["configMap"]
                     cm = core.read_namespaced_config_map(ref["name"], namespace)
                     self._write_items(local, cm.data or {}, ref.get("items"))
@@ -259,7 +322,105 @@ class _PodWorker(threading.Thread):
             except ApiException as exc:
                 if not (volume.get("configMap") or volume.get("secret") or {}).get("optional"):
                     self._config_error = f"volume {name!r}: {exc.reason}"
-            # emptyDir and everything else (projected service-account token, ...): a directory.
+            # emptyDir and everything else: an empty directory.
+
+    def _claim_directory(self, core: Any, namespace: str, claim: str) -> str:
+        """The host directory of the PersistentVolume bound to ``claim``."""
+        pvc = core.read_namespaced_persistent_volume_claim(claim, namespace)
+        if not pvc.spec.volume_name or pvc.status.phase != "Bound":
+            raise ContainerConfigError(f"PersistentVolumeClaim {claim!r} is not bound")
+        pv = core.read_persistent_volume(pvc.spec.volume_name)
+        source = pv.spec.host_path or pv.spec.local
+        if source is None:
+            raise ContainerConfigError(
+                f"PersistentVolume {pv.metadata.name!r} is neither hostPath nor local; the test "
+                "node agent can only mount directories"
+            )
+        Path(source.path).mkdir(parents=True, exist_ok=True)
+        return str(source.path)
+
+    def _write_projected(self, core: Any, directory: Path, projected: Mapping[str, Any]) -> None:
+        """kubelet's projected volume: service-account token, configMap, secret, downwardAPI."""
+        namespace = self.record.namespace
+        for source in projected.get("sources") or []:
+            if "serviceAccountToken" in source:
+                sat = source["serviceAccountToken"]
+                token = self._service_account_token(
+                    core, sat.get("audience"), int(sat.get("expirationSeconds") or 3600)
+                )
+                target = directory / sat["path"]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(token)
+            elif "configMap" in source:
+                ref = source["configMap"]
+                try:
+                    data = core.read_namespaced_config_map(ref["name"], namespace).data or {}
+                except ApiException:
+                    if ref.get("optional"):
+                        continue
+                    raise
+                self._write_items(directory, data, ref.get("items"))
+            elif "secret" in source:
+                ref = source["secret"]
+                try:
+                    raw = core.read_namespaced_secret(ref["name"], namespace).data or {}
+                except ApiException:
+                    if ref.get("optional"):
+                        continue
+                    raise
+                data = {k: base64.b64decode(v).decode() for k, v in raw.items()}
+                self._write_items(directory, data, ref.get("items"))
+            elif "downwardAPI" in source:
+                self._write_downward(directory, source["downwardAPI"].get("items") or [])
+
+    def _write_downward(self, directory: Path, items: Iterable[Mapping[str, Any]]) -> None:
+        for item in items:
+            if "fieldRef" not in item:
+                raise ContainerConfigError(
+                    f"downwardAPI item {item.get('path')!r}: only fieldRef is supported"
+                )
+            target = directory / item["path"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(field_value(self.pod, item["fieldRef"]["fieldPath"]))
+
+    def _service_account_token(self, core: Any, audience: str | None, seconds: int) -> str:
+        """A token bound to this pod (TokenRequest), as kubelet projects it."""
+        meta = self.pod["metadata"]
+        request = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {
+                "audiences": [audience] if audience else [],
+                "expirationSeconds": max(seconds, 600),
+                "boundObjectRef": {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "name": meta["name"],
+                    "uid": meta["uid"],
+                },
+            },
+        }
+        account = self.spec.get("serviceAccountName") or "default"
+        result = core.create_namespaced_service_account_token(
+            account, self.record.namespace, request
+        )
+        return str(result.status.token)
+
+    def _setup_etc(self) -> None:
+        """The pod's /etc/hosts (names in place of cluster DNS) and /etc/resolv.conf (no server:
+        unknown names fail at once instead of waiting for a DNS timeout)."""
+        etc = self.hosts_path.parent
+        etc.mkdir(parents=True, exist_ok=True)
+        (etc / "resolv.conf").write_text(
+            f"# test node agent: names come from /etc/hosts\nnameserver 127.0.0.1\n"
+            f"search {self.record.namespace}.svc.cluster.local svc.cluster.local cluster.local\n"
+            "options ndots:5 timeout:1 attempts:1\n"
+        )
+        self.hosts_path.write_text("")
+        self.agent.refresh_hosts()
+
+    def hosts_entry(self) -> HostsPod:
+        return HostsPod(self.record.namespace, self.hostname, self.subdomain, self.record.ip)
 
     @staticmethod
     def _write_items(
@@ -280,9 +441,67 @@ class _PodWorker(threading.Thread):
                 continue
             if mount.get("subPath"):
                 host = os.path.join(host, mount["subPath"])
-                Path(host).mkdir(parents=True, exist_ok=True)
+                if not Path(host).exists():
+                    Path(host).mkdir(parents=True, exist_ok=True)
             pairs.append((mount["mountPath"], host))
         return MountMap.of(pairs)
+
+    def _bind_mounts(self, spec: Mapping[str, Any]) -> list[str]:
+        """(source, target, ro|rw) triples for the wrapper: each volume at its mountPath, in the
+        pod's own mount namespace. Skipped: identity mounts, and mountPaths that would hide the
+        agent's or the image's files (``protected_paths``; e.g. an emptyDir at /tmp when the
+        agent works under /tmp): those rely on path rewriting alone."""
+        triples: list[str] = []
+        protected = self.agent.protected_paths()
+        for mount in sorted(spec.get("volumeMounts") or [], key=lambda m: m["mountPath"]):
+            host = self._volumes.get(mount["name"])
+            if host is None:
+                continue
+            if mount.get("subPath"):
+                host = os.path.join(host, mount["subPath"])
+            target = Path(mount["mountPath"])
+            if not target.is_absolute() or str(target) in ("/", "/proc", "/sys", "/dev"):
+                continue
+            if target == Path(host) or any(target == p or target in p.parents for p in protected):
+                continue
+            if not target.exists():
+                # A mount point must exist; on the machine it is an empty directory (or file).
+                if Path(host).is_dir():
+                    target.mkdir(parents=True, exist_ok=True)
+                else:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.touch()
+            ro = mount.get("readOnly") or mount["name"] in self._read_only
+            triples += [host, str(target), "ro" if ro else "rw"]
+        return triples
+
+    def _wrap(self, argv: list[str], spec: Mapping[str, Any]) -> list[str]:
+        """Run ``argv`` in the pod's network namespace and in its own mount and UTS namespaces
+        (hostname, /etc/hosts, /etc/resolv.conf, volumes at their mountPaths). nsenter and
+        unshare exec (no fork), so the container's process keeps the PID the agent started."""
+        assert self.record.netns is not None
+        etc = self.hosts_path.parent
+        return [
+            "nsenter",
+            f"--net={ClusterNetwork.netns_path(self.record.netns)}",
+            "--",
+            "unshare",
+            "--mount",
+            "--uts",
+            "--propagation",
+            "private",
+            "--",
+            "/bin/sh",
+            "-c",
+            _WRAPPER,
+            "pod-setup",
+            str(self.hosts_path),
+            str(etc / "resolv.conf"),
+            self.hostname,
+            *self._bind_mounts(spec),
+            "--",
+            *argv,
+        ]
 
     def _environment(self, spec: Mapping[str, Any], mounts: MountMap, message_file: Path) -> dict:
         core = kubernetes.client.CoreV1Api(self.agent.client)
@@ -295,7 +514,12 @@ class _PodWorker(threading.Thread):
             "PYTHONUNBUFFERED": "1",
             "HOSTNAME": self.spec.get("hostname") or self.record.name,
         }
-        if self.agent.apiserver_port:
+        if self.record.netns is not None and self.agent.api_proxy is not None:
+            # The "kubernetes" Service, as kubelet's service env gives it (see ApiProxy).
+            env["KUBERNETES_SERVICE_HOST"] = KUBERNETES_SERVICE_IP
+            env["KUBERNETES_SERVICE_PORT"] = str(KUBERNETES_SERVICE_PORT)
+            env["KUBERNETES_SERVICE_PORT_HTTPS"] = str(KUBERNETES_SERVICE_PORT)
+        elif self.agent.apiserver_port:
             env["KUBERNETES_SERVICE_HOST"] = "127.0.0.1"
             env["KUBERNETES_SERVICE_PORT"] = str(self.agent.apiserver_port)
         for source in spec.get("envFrom") or []:
@@ -383,6 +607,10 @@ class _PodWorker(threading.Thread):
         else:
             workdir = self.record.directory / "rootfs"
         workdir.mkdir(parents=True, exist_ok=True)
+        shown = " ".join(argv)
+        if self.record.netns is not None:
+            argv = self._wrap(argv, spec)
+            shown += f" (netns {self.record.netns})"
         with log.open("ab") as out:
             popen = subprocess.Popen(
                 argv,
@@ -407,7 +635,7 @@ class _PodWorker(threading.Thread):
         self.record.runs.append(c.run)
         self.agent.log.info(
             "pod %s/%s: started %s pid %d: %s", self.record.namespace, self.record.name,
-            c.name, popen.pid, " ".join(argv),
+            c.name, popen.pid, shown,
         )  # fmt: skip
 
     def _reap(self, c: _Container) -> bool:
@@ -667,7 +895,16 @@ class NodeAgent:
         apiserver_port: int = 0,
         k8s_version: str = "v0.0.0",
         ip_second_octet: int | None = None,
+        network: str = "auto",
+        provision_volumes: bool = True,
     ) -> None:
+        """``network``: "netns" (a network, mount and UTS namespace per pod; fails where they
+        cannot be made), "loopback" (processes share the host's namespaces; pod IPs 127.X.Y.Z),
+        or "auto" (netns where possible, else loopback with ``network_unavailable`` saying why).
+        ``provision_volumes``: run the directory-backed provisioner of the default
+        StorageClass."""
+        if network not in ("auto", "netns", "loopback"):
+            raise ValueError(f"network={network!r}: use 'auto', 'netns' or 'loopback'")
         self.kubeconfig = kubeconfig
         self.workdir = workdir
         self.nodes = list(nodes)
@@ -686,6 +923,15 @@ class NodeAgent:
         self._finalized: set[str] = set()
         self._threads: list[threading.Thread] = []
         self.client: kubernetes.client.ApiClient | None = None
+        self.network_mode = network
+        self.network: ClusterNetwork | None = None
+        self.network_unavailable: str | None = None
+        self.api_proxy: ApiProxy | None = None
+        self.provision_volumes = provision_volumes
+        self.provisioner: LocalDirProvisioner | None = None
+        self._silenced: set[str] = set()  # nodes whose heartbeat is stopped (node loss)
+        self._relist: set[str] = set()  # nodes whose pods must be listed again
+        self._hosts_lock = threading.Lock()
         self.log_file = workdir / "node-agent.log"
         self.log = logging.getLogger(f"tests.cluster.node_agent.{id(self):x}")
         self._handler: logging.Handler | None = None
@@ -701,13 +947,117 @@ class NodeAgent:
         self.log.setLevel(logging.INFO)
         self.log.propagate = False
         self.client = api_client_from(self.kubeconfig)
+        self._start_network()
+        if self.provision_volumes:
+            self.provisioner = LocalDirProvisioner(self.client, self.workdir / "volumes", self.log)
+            self.provisioner.start()
         for node in self.nodes:
             self._register(node)
         self._spawn("heartbeat", self._heartbeat_loop)
         for node in self.nodes:
             self._spawn(f"watch-{node}", self._watch_loop, node)
+        if self.network is not None:
+            self._spawn("hosts", self._hosts_loop)
         self._wait_schedulable(timeout)
-        self.log.info("agent ready: nodes %s, pod IPs 127.%d.x.y", self.nodes, self._octet)
+        pods = str(self.network.subnet) if self.network else f"127.{self._octet}.x.y"
+        self.log.info("agent ready: nodes %s, pod IPs %s", self.nodes, pods)
+
+    def _start_network(self) -> None:
+        if self.network_mode == "loopback":
+            self.network_unavailable = "the agent was started with network='loopback'"
+            return
+        reason = network_unavailable_reason()
+        if reason is None:
+            network = ClusterNetwork(self.log)
+            try:
+                network.create()
+                if self.apiserver_port:
+                    self.api_proxy = ApiProxy(network.cluster_ns, self.apiserver_port, self.log)
+            except (NetworkUnavailableError, OSError) as exc:
+                network.destroy()
+                reason = f"pod network setup failed: {exc}"
+            else:
+                self.network = network
+                return
+        if self.network_mode == "netns":
+            raise NetworkUnavailableError(reason)
+        self.network_unavailable = reason
+        self.log.warning("pods share the host's network (loopback addresses): %s", reason)
+
+    def protected_paths(self) -> list[Path]:
+        """Host paths a pod's processes need (the agent's files, the "image": venv, Python,
+        this repository): a volume mounted over one of them, or over a parent, would hide them,
+        so such a mount is left to path rewriting."""
+        paths = {
+            self.workdir,
+            self.image_bin.parent,
+            Path(sys.prefix),
+            Path(sys.base_prefix),
+            Path(__file__).parents[2],
+        }
+        return [p.resolve() for p in paths]
+
+    def silence_node(self, node: str) -> None:
+        """Stop renewing ``node``'s Lease and status and stop acting on its pods' updates (the
+        node is cut off from the control plane); its processes keep running, as on a node that
+        lost its network."""
+        with self.lock:
+            self._silenced.add(node)
+        self.log.info("node %s: silenced (no heartbeats, no pod updates)", node)
+
+    def unsilence_node(self, node: str) -> None:
+        """The node is back: heartbeats resume and its pods are listed again (what happened to
+        them meanwhile, e.g. a deletion, is acted on now)."""
+        with self.lock:
+            self._silenced.discard(node)
+            self._relist.add(node)
+            ended = [w for w in self._workers.values() if w.record.node == node and w.finished]
+        self.log.info("node %s: heartbeats resumed", node)
+        # What happened meanwhile is reported now, as a kubelet does when it reconnects.
+        for worker in ended:
+            with contextlib.suppress(Exception):
+                worker._report()
+
+    def kill_node(self, node: str) -> list[PodRecord]:
+        """The machine dies: no more heartbeats or status, and every process of its pods is
+        SIGKILLed at once (nothing is reported: the API keeps the pods as they were). Returns
+        the records of the pods that were running."""
+        self.silence_node(node)
+        with self.lock:
+            workers = [w for w in self._workers.values()
+                       if w.record.node == node and not w.finished]  # fmt: skip
+        for worker in workers:
+            for c in worker.inits + worker.mains:
+                worker._kill_group(c)
+        self.log.info("node %s: killed %d pods", node, len(workers))
+        return [w.record for w in workers]
+
+    def restore_node(self, node: str, timeout: float = 120.0) -> None:
+        """Bring a node back (registered again if its Node object was deleted) and wait until
+        it is schedulable."""
+        self.unsilence_node(node)
+        self._register(node)
+        deadline = time.monotonic() + timeout
+        core = kubernetes.client.CoreV1Api(self.client)
+        while True:
+            taints = core.read_node(node).spec.taints or []
+            if not any(t.key.startswith("node.kubernetes.io/") for t in taints):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node {node} still tainted {taints} after {timeout:.0f} s")
+            time.sleep(0.5)
+
+    def cut_pod_network(self, namespace: str, name: str) -> None:
+        """Take the pod's interface down: its processes run on but reach nobody (as on a node
+        that lost its network)."""
+        record = self.record(namespace, name)
+        if record is None or record.netns is None:
+            raise KeyError(f"no running pod {namespace}/{name} with its own network namespace")
+        subprocess.run(
+            ["ip", "-n", record.netns, "link", "set", "eth0", "down"],
+            check=True, capture_output=True, timeout=30,
+        )  # fmt: skip
+        self.log.info("pod %s/%s: network cut", namespace, name)
 
     def stop(self) -> None:
         """Stop watching, end every pod process (SIGTERM, 5 s, SIGKILL); no status reports."""
@@ -719,6 +1069,13 @@ class NodeAgent:
                 worker.request_termination(min(5.0, worker._term_grace or 5.0), gone=True)
         for worker in workers:
             worker.join(15)
+        if self.provisioner is not None:
+            self.provisioner.stop()
+        if self.api_proxy is not None:
+            with contextlib.suppress(Exception):
+                self.api_proxy.close()
+        if self.network is not None:
+            self.network.destroy()
         # Watch threads notice `stopping` when their (short) watch request ends; they are daemons
         # and make no further requests, so do not wait for them.
         for thread in self._threads:
@@ -866,6 +1223,8 @@ class NodeAgent:
     def _heartbeat_loop(self) -> None:
         while not self.stopping.wait(HEARTBEAT_SECONDS):
             for node in self.nodes:
+                if node in self._silenced:
+                    continue
                 try:
                     self._renew_lease(node)
                     self._node_status(node)
@@ -896,6 +1255,10 @@ class NodeAgent:
         selector = f"spec.nodeName={node}"
         resource_version: str | None = None
         while not self.stopping.is_set():
+            with self.lock:
+                if node in self._relist:
+                    self._relist.discard(node)
+                    resource_version = None
             try:
                 if resource_version is None:
                     listing = core.list_pod_for_all_namespaces(field_selector=selector)
@@ -935,6 +1298,8 @@ class NodeAgent:
         """After a (re-)list: stop the pods of ``node`` whose objects are gone. A pod deleted
         while the watch was down never sends its DELETED event; without this its process would
         run on. Returns the UIDs stopped."""
+        if node in self._silenced:
+            return []
         with self.lock:
             gone = [
                 worker
@@ -956,6 +1321,8 @@ class NodeAgent:
         meta = pod["metadata"]
         uid = meta["uid"]
         deleting = meta.get("deletionTimestamp") is not None
+        if pod.get("spec", {}).get("nodeName") in self._silenced:
+            return  # a node cut off from the control plane sees no updates
         with self.lock:
             worker = self._workers.get(uid)
             if kind == "DELETED":
@@ -975,12 +1342,79 @@ class NodeAgent:
                 if deleting:
                     self.delete_now(pod)
                 return
-            ip = self._allocate_ip()
-            worker = _PodWorker(self, pod, ip)
+            netns = None
+            if self.network is not None and pod["spec"].get("hostNetwork"):
+                ip = "127.0.0.1"  # the host's network: the node's address, as kubelet reports
+            elif self.network is not None:
+                try:
+                    netns, ip = self.network.attach(uid)
+                except NetworkUnavailableError as exc:
+                    self.log.error("pod %s/%s: no network: %s", meta["namespace"],
+                                   meta["name"], exc)  # fmt: skip
+                    return  # retried at the next event or listing
+            else:
+                ip = self._allocate_ip()
+            worker = _PodWorker(self, pod, ip, netns)
             self._workers[uid] = worker
             self._records.append(worker.record)
         self.log.info("pod %s/%s: admitted, IP %s", meta["namespace"], meta["name"], ip)
         worker.start()
+
+    # ------------------------------------------------------------------------ name resolution
+    def _hosts_loop(self) -> None:
+        while not self.stopping.wait(HOSTS_REFRESH_SECONDS):
+            try:
+                self.refresh_hosts()
+            except Exception as exc:
+                self.log.warning("hosts refresh: %r", exc)
+
+    def _services(self) -> list[ServiceRecord]:
+        core = kubernetes.client.CoreV1Api(self.client)
+        discovery = kubernetes.client.DiscoveryV1Api(self.client)
+        ready: dict[tuple[str, str], list[str]] = {}
+        for eps in discovery.list_endpoint_slice_for_all_namespaces().items:
+            service = (eps.metadata.labels or {}).get("kubernetes.io/service-name")
+            if not service:
+                continue
+            for endpoint in eps.endpoints or []:
+                if endpoint.conditions is None or endpoint.conditions.ready is not False:
+                    ready.setdefault((eps.metadata.namespace, service), []).extend(
+                        endpoint.addresses or []
+                    )
+        records = []
+        for svc in core.list_service_for_all_namespaces().items:
+            key = (svc.metadata.namespace, svc.metadata.name)
+            cluster_ip = svc.spec.cluster_ip or ""
+            if cluster_ip == "None":
+                ips = tuple(sorted(set(ready.get(key, []))))
+                records.append(ServiceRecord(*key, ips=ips, headless=True))
+            elif cluster_ip:
+                records.append(ServiceRecord(*key, ips=(cluster_ip,)))
+        return records
+
+    def refresh_hosts(self) -> None:
+        """Rewrite every running pod's /etc/hosts from the pods here and the API's Services and
+        EndpointSlices. Written in place (same inode: the file is bind-mounted), one write."""
+        with self._hosts_lock:
+            with self.lock:
+                workers = [w for w in self._workers.values() if not w.finished]
+            workers = [w for w in workers if w.record.netns is not None]
+            if not workers:
+                return
+            services = self._services()
+            pods = [w.hosts_entry() for w in workers]
+            for worker in workers:
+                content = hosts_file(worker.hosts_entry(), pods, services).encode()
+                path = worker.hosts_path
+                with contextlib.suppress(FileNotFoundError):
+                    if path.read_bytes() == content:
+                        continue
+                    fd = os.open(path, os.O_WRONLY)
+                    try:
+                        os.pwrite(fd, content, 0)
+                        os.ftruncate(fd, len(content))
+                    finally:
+                        os.close(fd)
 
     def _allocate_ip(self) -> str:
         n = self._next_ip
@@ -992,6 +1426,8 @@ class NodeAgent:
 
     def patch_status(self, pod: Mapping[str, Any], status: dict[str, Any]) -> None:
         meta = pod["metadata"]
+        if pod.get("spec", {}).get("nodeName") in self._silenced:
+            return  # cut off from the control plane
         body = {"metadata": {"uid": meta["uid"]}, "status": status}
         try:
             kubernetes.client.CoreV1Api(self.client).patch_namespaced_pod_status(
@@ -1005,6 +1441,8 @@ class NodeAgent:
     def delete_now(self, pod: Mapping[str, Any]) -> None:
         """kubelet's last step: remove the pod object (gracePeriodSeconds=0, this UID only)."""
         meta = pod["metadata"]
+        if pod.get("spec", {}).get("nodeName") in self._silenced:
+            return
         with self.lock:
             if meta["uid"] in self._finalized:
                 return

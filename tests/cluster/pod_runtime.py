@@ -13,16 +13,20 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "CLUSTER_DOMAIN",
     "MAX_FALLBACK_LOG_BYTES",
     "MAX_FALLBACK_LOG_LINES",
     "MAX_TERMINATION_MESSAGE_BYTES",
     "MIN_GRACE_SECONDS",
     "ContainerConfigError",
     "ContainerExit",
+    "HostsPod",
     "MountMap",
+    "ServiceRecord",
     "container_exit",
     "expand",
     "field_value",
+    "hosts_file",
     "pod_phase",
     "termination_message",
 ]
@@ -34,6 +38,9 @@ MAX_FALLBACK_LOG_LINES = 80
 MAX_FALLBACK_LOG_BYTES = 2048
 # kubelet never kills a container with less than 2 s of grace.
 MIN_GRACE_SECONDS = 2
+
+
+CLUSTER_DOMAIN = "cluster.local"
 
 
 class ContainerConfigError(ValueError):
@@ -175,3 +182,74 @@ def pod_phase(restart_policy: str, exits: Sequence[int | None], *, terminating: 
     if restart_policy == "Never" or terminating:
         return "Failed"
     return "Running"
+
+
+@dataclass(frozen=True)
+class HostsPod:
+    """What name resolution needs to know about one pod."""
+
+    namespace: str
+    hostname: str
+    subdomain: str
+    ip: str
+
+
+@dataclass(frozen=True)
+class ServiceRecord:
+    """A Service as cluster DNS answers it: its ClusterIP, or for a headless Service (``headless``)
+    the addresses of its ready endpoints."""
+
+    namespace: str
+    name: str
+    ips: tuple[str, ...]
+    headless: bool = False
+
+
+def _names(stem: str, namespace: str, own_namespace: str, domain: str) -> list[str]:
+    """The names a DNS client of ``own_namespace`` resolves to ``stem.namespace.svc.domain``:
+    the FQDN, and the forms its search path (``<ns>.svc.<domain> svc.<domain> <domain>``)
+    completes."""
+    names = [f"{stem}.{namespace}.svc.{domain}", f"{stem}.{namespace}.svc", f"{stem}.{namespace}"]
+    if namespace == own_namespace:
+        names.append(stem)
+    return names
+
+
+def hosts_file(
+    own: HostsPod,
+    pods: Sequence[HostsPod],
+    services: Sequence[ServiceRecord],
+    *,
+    domain: str = CLUSTER_DOMAIN,
+) -> str:
+    """The /etc/hosts a pod gets in place of cluster DNS.
+
+    - kubelet's own entries: localhost, and ``<podIP> <fqdn> <hostname>`` (fqdn
+      ``<hostname>.<subdomain>.<ns>.svc.<domain>`` when the pod has a subdomain);
+    - a pod with ``hostname`` and ``subdomain`` where a headless Service named ``subdomain`` exists
+      in its namespace: ``<hostname>.<subdomain>.<ns>.svc.<domain>`` (DNS's pod A record) and the
+      shorter forms the search path gives (``<hostname>.<subdomain>`` from the same namespace);
+    - a Service: ``<svc>.<ns>.svc.<domain>`` and its search-path forms, to its ClusterIP, or to
+      each ready endpoint address when headless.
+    """
+    lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
+    headless = {(s.namespace, s.name) for s in services if s.headless}
+    if own.subdomain:
+        stem = f"{own.hostname}.{own.subdomain}"
+        names = [f"{stem}.{own.namespace}.svc.{domain}"]
+        if (own.namespace, own.subdomain) in headless:
+            names = _names(stem, own.namespace, own.namespace, domain)
+        lines.append(f"{own.ip}\t{' '.join(names)} {own.hostname}")
+    else:
+        lines.append(f"{own.ip}\t{own.hostname}")
+    for pod in sorted(pods, key=lambda p: (p.namespace, p.subdomain, p.hostname, p.ip)):
+        if pod.ip == own.ip:
+            continue  # named in the pod's own line above
+        if not pod.subdomain or (pod.namespace, pod.subdomain) not in headless:
+            continue
+        stem = f"{pod.hostname}.{pod.subdomain}"
+        lines.append(f"{pod.ip}\t" + " ".join(_names(stem, pod.namespace, own.namespace, domain)))
+    for svc in sorted(services, key=lambda s: (s.namespace, s.name)):
+        names = " ".join(_names(svc.name, svc.namespace, own.namespace, domain))
+        lines.extend(f"{ip}\t{names}" for ip in svc.ips)
+    return "\n".join(lines) + "\n"

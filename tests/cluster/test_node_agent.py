@@ -3,6 +3,7 @@ rewriting, restarts, and deletion with SIGTERM, grace period and SIGKILL."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -200,3 +201,37 @@ def test_relist_stops_pods_deleted_while_the_watch_was_down(
     assert run is not None and run.exit is not None and run.seconds_after_sigterm is not None
     # A listing that still holds every pod stops nothing.
     assert node_agent.forget_missing(record.node, {r.uid for r in node_agent.records()}) == []
+
+
+def test_a_killed_node_stops_heartbeating_and_reports_its_pods_when_restored(
+    control_plane: ControlPlane, node_agent: NodeAgent, namespace: str
+) -> None:
+    node = "node-2"
+    pod = _pod("doomed", [python_container("import time; time.sleep(600)")], nodeName=node)
+    with control_plane.api_client() as client:
+        core = kubernetes.client.CoreV1Api(client)
+        coordination = kubernetes.client.CoordinationV1Api(client)
+        core.create_namespaced_pod(namespace, pod)
+        eventually(
+            "pod Running", lambda: _read(client, namespace, "doomed")["status"].get("phase")
+            == "Running",
+        )  # fmt: skip
+        (record,) = node_agent.kill_node(node)
+        try:
+            assert record.done.wait(30), "the pod's process was not killed"
+            run = record.last_run()
+            assert run is not None and run.exit is not None and run.exit.signal == 9
+            renewed = coordination.read_namespaced_lease(node, "kube-node-lease").spec.renew_time
+            time.sleep(12)  # longer than a heartbeat: nothing is reported any more
+            lease = coordination.read_namespaced_lease(node, "kube-node-lease")
+            assert lease.spec.renew_time == renewed
+            assert _read(client, namespace, "doomed")["status"]["phase"] == "Running"
+        finally:
+            node_agent.restore_node(node)
+        # Back again, the node reports what happened to its pod.
+        status = _terminal(client, namespace, "doomed")["status"]
+        assert status["phase"] == "Failed"
+        (container,) = status["containerStatuses"]
+        assert container["state"]["terminated"]["exitCode"] == 137
+        lease = coordination.read_namespaced_lease(node, "kube-node-lease")
+        assert lease.spec.renew_time != renewed

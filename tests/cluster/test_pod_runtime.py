@@ -6,13 +6,17 @@ from pathlib import Path
 
 import pytest
 
+from .pod_network import network_unavailable_reason, pod_address
 from .pod_runtime import (
     ContainerConfigError,
     ContainerExit,
+    HostsPod,
     MountMap,
+    ServiceRecord,
     container_exit,
     expand,
     field_value,
+    hosts_file,
     pod_phase,
     termination_message,
 )
@@ -166,3 +170,76 @@ def test_termination_message(
     assert (
         termination_message(message_file, log_file, policy=policy, exit_code=exit_code) == expected
     )
+
+
+_OWN = HostsPod("ns1", "job-1", "workers", "10.9.0.3")
+_PEER = HostsPod("ns1", "job-0", "workers", "10.9.0.2")
+_OTHER_NS = HostsPod("ns2", "job-0", "workers", "10.9.0.7")
+_NO_SERVICE = HostsPod("ns1", "lonely", "nosvc", "10.9.0.8")
+_SERVICES = [
+    ServiceRecord("ns1", "workers", ("10.9.0.2", "10.9.0.3"), headless=True),
+    ServiceRecord("ns2", "workers", ("10.9.0.7",), headless=True),
+    ServiceRecord("default", "kubernetes", ("10.0.0.1",)),
+]
+
+
+def _lookup(text: str, name: str) -> list[str]:
+    """What a files-backed resolver returns for ``name``: every address listing it."""
+    found = []
+    for line in text.splitlines():
+        address, *names = line.split()
+        if name in names:
+            found.append(address)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("name", "addresses"),
+    [
+        # kubelet's own line: the pod's FQDN and hostname.
+        ("job-1", ["10.9.0.3"]),
+        ("job-1.workers.ns1.svc.cluster.local", ["10.9.0.3"]),
+        ("localhost", ["127.0.0.1", "::1"]),
+        # A peer behind a headless Service: the FQDN and every search-path form.
+        ("job-0.workers", ["10.9.0.2"]),
+        ("job-0.workers.ns1", ["10.9.0.2"]),
+        ("job-0.workers.ns1.svc", ["10.9.0.2"]),
+        ("job-0.workers.ns1.svc.cluster.local", ["10.9.0.2"]),
+        # Another namespace: only qualified names reach it.
+        ("job-0.workers.ns2.svc.cluster.local", ["10.9.0.7"]),
+        ("job-0.workers.ns2", ["10.9.0.7"]),
+        # No headless Service named like the subdomain: DNS has no record for the pod.
+        ("lonely.nosvc", []),
+        # Services: headless -> its endpoints; ClusterIP -> the ClusterIP.
+        ("workers", ["10.9.0.2", "10.9.0.3"]),
+        ("workers.ns2.svc.cluster.local", ["10.9.0.7"]),
+        ("kubernetes.default.svc.cluster.local", ["10.0.0.1"]),
+        ("kubernetes.default", ["10.0.0.1"]),
+        ("kubernetes", []),  # a short name only resolves within the pod's own namespace
+    ],
+)
+def test_hosts_file(name: str, addresses: list[str]) -> None:
+    text = hosts_file(_OWN, [_OWN, _PEER, _OTHER_NS, _NO_SERVICE], _SERVICES)
+    assert _lookup(text, name) == addresses, text
+
+
+def test_hosts_file_without_subdomain_names_the_pod_by_hostname_only() -> None:
+    own = HostsPod("ns1", "solo", "", "10.9.0.4")
+    assert hosts_file(own, [own], []).splitlines()[-1] == "10.9.0.4\tsolo"
+
+
+def test_without_root_the_pod_network_is_unavailable_with_a_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    assert network_unavailable_reason() == (
+        "network namespaces need root (CAP_SYS_ADMIN, CAP_NET_ADMIN)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("index", "address"),
+    [(0, "10.7.0.2"), (252, "10.7.0.254"), (253, "10.7.1.2"), (600, "10.7.2.96")],
+)
+def test_pod_address_skips_network_gateway_and_broadcast(index: int, address: str) -> None:
+    assert pod_address(7, index) == address

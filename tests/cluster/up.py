@@ -97,6 +97,13 @@ def _banner(plane: ControlPlane, kueue: Kueue | None, agent: NodeAgent) -> None:
         f"cluster up: Kubernetes {version} at {plane.server} "
         f"(control plane ready in {plane.started_seconds:.1f} s)",
         f"nodes (node agent): {', '.join(agent.nodes)}; pod logs under {agent.workdir / 'pods'}",
+        (
+            f"pod network: {agent.network.subnet} in netns {agent.network.cluster_ns}; pods reach "
+            "the apiserver at 10.0.0.1:443; names from per-pod /etc/hosts"
+            if agent.network is not None
+            else f"pod network: loopback addresses only ({agent.network_unavailable})"
+        ),
+        f"storage: default StorageClass 'standard' (directories under {agent.workdir / 'volumes'})",
         f"component logs: {plane.logs_dir}",
         f"admin kubeconfig: {plane.kubeconfig}",
         f"restricted identity ({plane.restricted_user}, no RBAC grants): "
