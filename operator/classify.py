@@ -6,7 +6,6 @@ Inputs are plain dicts in the apiserver's JSON shape (camelCase), as the Kuberne
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -16,7 +15,6 @@ from preemptible_operator.render import CONTAINER_NAME
 from trainer_runtime import protocol
 
 __all__ = [
-    "NODE_LOST_KILL_MARGIN",
     "ContainerEnd",
     "Interruption",
     "Outcome",
@@ -172,30 +170,19 @@ def container_end(pod: Mapping[str, Any]) -> ContainerEnd | None:
     return None
 
 
-NODE_LOST_KILL_MARGIN = 30.0
-"""Seconds past a pod's deletion deadline after which a pod on a NotReady node is taken as
-stopped: a partitioned kubelet still SIGKILLs it at the deadline; the margin covers clock skew."""
-
-
-def _timestamp(value: str | None) -> float | None:
-    if not value:
-        return None
-    try:
-        return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
 def pod_finished(
     pod: Mapping[str, Any],
     node_ready: Mapping[str, bool] | None = None,
     now: float | None = None,
 ) -> bool:
     """Whether a pod can no longer run or write: terminal phase, every container terminated,
-    deleted before it was bound, or deleted on a lost node once its deletion deadline
-    (``deletionTimestamp``, the request time plus the grace period) is ``NODE_LOST_KILL_MARGIN``
-    seconds past at ``now``. A NotReady node may only be cut off from the API server while its
-    kubelet still runs the pod, which can then still write checkpoints until the deadline."""
+    deleted before it was bound, or deleted while bound to a node that no longer exists (absent
+    from ``node_ready``: the pod garbage collector removes such pods). A pod deleted on a node
+    that is NotReady but still there is not finished, however long ago its deadline passed: the
+    node may be partitioned, not dead, and a kubelet that never received the deletion still runs
+    the pod and writes checkpoints. As with StatefulSets, only the node's return (its kubelet
+    reports the pod) or its removal (by the cloud provider or an administrator) settles it.
+    ``now`` is kept for callers; the decision does not depend on it."""
     status = pod.get("status") or {}
     if status.get("phase") in ("Succeeded", "Failed"):
         return True
@@ -206,10 +193,9 @@ def pod_finished(
     node = (pod.get("spec") or {}).get("nodeName")
     if deletion is not None and not node:
         return True
-    if deletion is None or node_ready is None or node_ready.get(node, False) or now is None:
+    if deletion is None or node_ready is None:
         return False
-    deadline = _timestamp(deletion)
-    return deadline is not None and now >= deadline + NODE_LOST_KILL_MARGIN
+    return node not in node_ready
 
 
 def pending_detail(pods: Iterable[Mapping[str, Any]]) -> str | None:

@@ -267,8 +267,7 @@ class Reconciler:
             try:
                 node = self._json(self.core.read_node(node_name, _preload_content=False))
             except ApiException as exc:
-                if exc.status == 404:
-                    ready[node_name] = False
+                if exc.status == 404:  # gone: absent from the map (pod_finished, _node_lost)
                     continue
                 if exc.status == 403:  # no permission: do not guess node loss
                     ready[node_name] = True

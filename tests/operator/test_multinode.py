@@ -195,12 +195,6 @@ def test_a_real_failure_of_one_rank_fails_the_attempt_promptly(
     assert len(finished) == 2 and max(finished) - min(finished) < 30, (codes, finished)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 17: a pod being deleted on a NotReady node counts as finished, so the operator "
-    "starts the next attempt next to the lost node's pod (seen: attempt 2 created while the pod "
-    "was still bound to the NotReady node)",
-)
 def test_node_loss_waits_for_the_lost_pod_then_resumes_from_the_last_complete_checkpoint(
     control_plane: ControlPlane,
     netns_agent: NodeAgent,

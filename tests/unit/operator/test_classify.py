@@ -7,7 +7,6 @@ from typing import Any
 import pytest
 
 from preemptible_operator.classify import (
-    NODE_LOST_KILL_MARGIN,
     classify_interruption,
     container_end,
     killed_at_grace,
@@ -342,13 +341,14 @@ DELETED = 1767225600.0  # make_pod's deletionTimestamp, 2026-01-01T00:00:00Z
         (make_pod(phase="Failed", exit_code=75), None, None, True),
         (make_pod(phase="Succeeded", exit_code=0), None, None, True),
         (make_pod(deleting=True), {"node-1": True}, DELETED + 3600, False),
-        # Deleted on a NotReady node: its kubelet may be partitioned, not dead, and still run the
-        # pod (and write checkpoints) until the deletion deadline; only after it plus a margin.
+        # Deleted on a NotReady node that still exists: its kubelet may be partitioned, not
+        # dead, never have seen the deletion and still run the pod (and write checkpoints):
+        # not finished however long ago the deadline passed; once the node is gone, finished.
         (make_pod(deleting=True), {"node-1": False}, None, False),
         (make_pod(deleting=True), {"node-1": False}, DELETED, False),
-        (make_pod(deleting=True), {"node-1": False}, DELETED + NODE_LOST_KILL_MARGIN - 1, False),
-        (make_pod(deleting=True), {"node-1": False}, DELETED + NODE_LOST_KILL_MARGIN, True),
-        (make_pod(deleting=True), {}, DELETED + NODE_LOST_KILL_MARGIN, True),  # node gone
+        (make_pod(deleting=True), {"node-1": False}, DELETED + 30 * 86400, False),
+        (make_pod(deleting=True), {}, DELETED, True),  # node gone
+        (make_pod(), {}, DELETED, False),  # node gone, not deleted yet: the pod GC will
         (make_pod(deleting=True, node=None, phase="Pending"), None, None, True),
         (make_pod(phase="Pending", node=None), None, None, False),
         (make_pod(phase="Running", exit_code=75), None, None, True),  # terminated, phase not yet
