@@ -1547,11 +1547,12 @@ class Trainer(
             self._commit_async_save()
 
     def _abandon_async_save(self) -> None:
-        """train() is leaving on an error: stop the writer thread (its checkpoint stays
-        incomplete; no collective is attempted on a failing run)."""
+        """train() is leaving: on an error, stop the writer thread (its checkpoint stays
+        incomplete; no collective is attempted on a failing run); free the snapshot buffers."""
         save, self._async_save = self._async_save, None
         if save is not None:
             save.cancel()
+        self._snapshot_buffers.clear()
 
     def _processing_class_to_save(self) -> Any:
         """The processing class, else the data collator's tokenizer (as transformers saves)."""

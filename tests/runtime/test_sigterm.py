@@ -59,8 +59,15 @@ def test_sigterm_mid_step(tmp_path: Path, reference: Reference) -> None:
 
 
 def test_sigterm_during_periodic_save(tmp_path: Path, reference: Reference) -> None:
-    # Every checkpoint file takes 0.4 s to write: the save of step 8 lasts a few seconds.
-    run = ToyRun(tmp_path / "out", tmp_path, args=toy_args(save_sleep=0.4)).start()
+    # Every checkpoint file takes 0.4 s to write: the save of step 8 lasts a few seconds. A
+    # blocking periodic save (save_async=False; under the operator one process defaults to
+    # background saves, whose JIT stop tests/unit/runtime/test_save_async.py and
+    # tests/runtime/test_async_save_sigkill.py cover).
+    run = ToyRun(
+        tmp_path / "out",
+        tmp_path,
+        args=toy_args(save_sleep=0.4, extra=("--save-async", "false")),
+    ).start()
     try:
         run.wait_for_event("save_begin", step=2 * SAVE_STEPS, timeout=RUN_TIMEOUT)
         run.send(signal.SIGTERM)

@@ -1,7 +1,8 @@
 """Checkpoints: the fsspec storage seam, the layout and completeness rule, rotation, the writer and
 reader (sentinel, fsync, manifest last), per-node copies, resharding of the data position and RNG
-state, the model's files in transformers' formats (hf_format). ``storage`` and ``layout`` are
-torch-free (the operator imports them)."""
+state, the model's files in transformers' formats (hf_format), safetensors files written as they are
+serialised (safetensors_stream) and periodic checkpoints written in the background (background).
+``storage`` and ``layout`` are torch-free (the operator imports them)."""
 
 from __future__ import annotations
 
@@ -29,5 +30,9 @@ __all__, __getattr__, __dir__ = lazy_exports(
         "export_transformers_state": "hf_format",
         "load_model_files": "hf_format",
         "model_files": "hf_format",
+        "model_file_entries": "hf_format",
+        "TensorFile": "safetensors_stream",
+        "write_safetensors": "safetensors_stream",
+        "BackgroundSave": "background",
     },
 )
