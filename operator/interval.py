@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from preemptible_operator import models
+from preemptible_operator.timestamps import parse_rfc3339
 
 __all__ = [
     "IntervalRecommendation",
@@ -84,17 +85,6 @@ def recommend_interval(
     return IntervalRecommendation(seconds, save_seconds, mtbp, running, preemptions, reason)
 
 
-def _ts(value: str | None) -> float | None:
-    if not value:
-        return None
-    import datetime as dt
-
-    try:
-        return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
 def interval_status(
     status: models.TrainingJobStatus, spec: models.TrainingJobSpec, now: float
 ) -> tuple[models.CheckpointIntervalStatus, str | None]:
@@ -102,7 +92,11 @@ def interval_status(
     message when the recommendation is new or moved by 10 % or more (None otherwise). The rate
     counts the running time of the attempts that ended."""
     # Ended attempts only: the status then changes when an attempt ends, not on every pass.
-    spans = [(_ts(a.running_time), _ts(a.end_time)) for a in status.attempts or [] if a.end_time]
+    spans = [
+        (parse_rfc3339(a.running_time), parse_rfc3339(a.end_time))
+        for a in status.attempts or []
+        if a.end_time
+    ]
     t = status.timings or models.Timings()
     save = t.save_seconds_last or t.save_seconds_max
     rec = recommend_interval(save, running_seconds(spans, now), status.preemptions or 0)

@@ -45,6 +45,7 @@ from preemptible_operator.ownership import owned_by, pod_owned, tj_uid_of
 from preemptible_operator.phases import PhaseInputs, backoff_seconds, bound_attempts, next_phase
 from preemptible_operator.resume import attempt_fence, resume_checkpoint
 from preemptible_operator.scrape import RuntimeMetrics, scrape
+from preemptible_operator.timestamps import now_rfc3339, parse_rfc3339
 
 __all__ = [
     "Cached",
@@ -63,19 +64,6 @@ log = logging.getLogger("preemptible_operator")
 KUEUE_GROUP = "kueue.x-k8s.io"
 KUEUE_VERSIONS = ("v1beta2", "v1beta1")
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
-
-
-def now_rfc3339() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _parse_time(value: str | None) -> float | None:
-    if not value:
-        return None
-    try:
-        return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 @dataclass
@@ -397,7 +385,7 @@ class Reconciler:
         if spec is not None and obs.attempt and not recorded:
             if running and record is not None and record.running_time is None:
                 record.running_time = now
-                created_at = _parse_time(record.start_time)
+                created_at = parse_rfc3339(record.start_time)
                 if created_at is not None:
                     metrics.QUEUE_WAIT_SECONDS.observe(max(0.0, self.clock() - created_at))
             if running and self.config.scrape_metrics:
@@ -418,7 +406,7 @@ class Reconciler:
                 )
 
         backoff_remaining = 0.0
-        next_after = _parse_time(status.next_attempt_after)
+        next_after = parse_rfc3339(status.next_attempt_after)
         if next_after is not None:
             backoff_remaining = max(0.0, next_after - self.clock())
         decision = next_phase(
@@ -709,7 +697,7 @@ class Reconciler:
         if created:
             # Posted now: the Job exists whatever happens to this pass's status write.
             if last is not None and last.end_time:
-                ended = _parse_time(last.end_time)
+                ended = parse_rfc3339(last.end_time)
                 if ended is not None:
                     metrics.REQUEUE_SECONDS.observe(max(0.0, self.clock() - ended))
             self._event(

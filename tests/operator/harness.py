@@ -26,6 +26,7 @@ __all__ = [
     "delete_training_jobs",
     "free_port",
     "install_crd",
+    "read_metrics",
     "toy_training_job",
     "wait_for",
 ]
@@ -79,6 +80,23 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def read_metrics(port: int) -> dict[str, float]:
+    """An operator's /metrics on this machine, parsed: ``name{labels}`` -> value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
 
 
 class OperatorProcess:
@@ -146,19 +164,7 @@ class OperatorProcess:
 
     def metrics(self) -> dict[str, float]:
         """The operator's /metrics, parsed: ``name{labels}`` -> value (needs ``metrics_port``)."""
-        import urllib.request
-
-        from prometheus_client.parser import text_string_to_metric_families
-
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            text = response.read().decode()
-        values: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-                values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return values
+        return read_metrics(self.metrics_port)
 
     def tail(self, lines: int = 60) -> str:
         try:

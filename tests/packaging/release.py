@@ -9,16 +9,15 @@ import os
 import signal
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cluster.controlplane import ControlPlane, client_environment
 from tests.cluster.processes import free_port, http_ok
+from tests.operator.harness import read_metrics
 from tests.packaging.chart import CHART_DIR, find_objects
 
 __all__ = [
@@ -90,15 +89,7 @@ class ChartOperator:
 
     def metrics(self) -> dict[str, float]:
         """The operator's /metrics, parsed: ``name{labels}`` -> value."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            text = response.read().decode()
-        values: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-                values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return values
+        return read_metrics(self.metrics_port)
 
     def tail(self, lines: int = 80) -> str:
         try:
