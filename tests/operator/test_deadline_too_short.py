@@ -41,7 +41,9 @@ def test_deadline_too_short_is_recorded_and_an_interval_recommended(
         max_steps=8,
         step_sleep=1.0,
         save_steps=3,
-        extra_args=("--save-sleep", "0.3"),
+        # Blocking periodic saves: checkpoint 3 is complete when step 4 begins, so the eviction
+        # lands at a known step (a background save would commit a step or more later).
+        extra_args=("--save-sleep", "0.3", "--save-async", "false"),
         grace=grace,
     )
     body["spec"]["checkpoint"]["interval"] = "auto"
