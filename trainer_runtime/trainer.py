@@ -135,6 +135,9 @@ from trainer_runtime.training_args import TrainingArguments, check_runtime_suppo
 __all__ = ["Trainer"]
 
 logger = logging.getLogger(__name__)
+# How often ranks re-agree while a periodic save waits behind a background write (each poll is one
+# all-reduce of one int); short next to a step, so a SIGTERM is acted on without delay.
+_ASYNC_POLL_SECONDS = 0.05
 
 
 def under_operator() -> bool:
@@ -1186,6 +1189,9 @@ class Trainer(
             # Sets should_save when save_strategy="best" and the metric improved.
             self._evaluate_during_training()
         self._poll_async_save()
+        if self.control.should_save and self._stop_while_async_save_pending():
+            # The JIT stop (should_stop, next) saves this step and supersedes the write in flight.
+            self.control.should_save = False
         if self.control.should_save:
             self.save_checkpoint()
         self.control.should_log = False
@@ -1485,6 +1491,27 @@ class Trainer(
         if collectives.agree_to_stop(not save.done()):
             return  # some rank is still writing
         self._commit_async_save()
+
+    def _stop_while_async_save_pending(self) -> bool:
+        """A periodic save is due while a background write is still in flight (at most one):
+        wait for it, all ranks agreeing every ``_ASYNC_POLL_SECONDS``, but not past a SIGTERM.
+        True when a JIT stop became due meanwhile: the caller skips the periodic save and the
+        stop that follows writes this step, cancelling the older write instead of waiting for
+        it. False once every rank's write is done (committed by the save that follows). The
+        last step waits as before: the end of training commits what is in flight."""
+        save = self._async_save
+        if save is None or self.control.should_training_stop:
+            return False
+        while True:
+            latch = self.sigterm_latch
+            wants_jit = bool(self.args.enable_jit_checkpoint and latch and latch.should_act())
+            # 2: some rank must stop; 1: some rank is still writing; 0: every rank is done.
+            state = collectives.agree_max(2 if wants_jit else (0 if save.done() else 1))
+            if state == 2:
+                return True
+            if state == 0:
+                return False
+            save.wait(_ASYNC_POLL_SECONDS)
 
     def _commit_async_save(self) -> None:
         save = self._async_save

@@ -164,8 +164,8 @@ class BackgroundSave:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
-    def wait(self) -> None:
-        self._thread.join()
+    def wait(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
 
     def cancel(self) -> None:
         """Stop the writer between blocks and wait for the thread to end."""

@@ -131,6 +131,28 @@ def test_jit_stop_supersedes_a_background_write_of_an_earlier_step(
     assert_same_training(full, resumed)
 
 
+def test_sigterm_while_a_periodic_save_waits_behind_a_write_stops_without_waiting(
+    tmp_path: Path, slow_writer: list[tuple[int, str]]
+) -> None:
+    # SIGTERM after step 6, kill_wait 2 s at 1 s per step: the stop is due at step 8, where a
+    # periodic save would first wait for checkpoint-4's write (at most one in flight). The
+    # stop does not wait: checkpoint-8 is the JIT checkpoint and checkpoint-4 is superseded.
+    trainer, script = jit_trainer(
+        tmp_path / "out", "on_step_end", 6, kill_wait=2.0, save_async=True
+    )
+    trainer.train()
+    assert trainer.preempted and trainer.state.global_step == 8
+    by_step = {c.step: c for c in CheckpointStore(str(tmp_path / "out")).list()}
+    assert any(step == 4 for step, _ in slow_writer), "checkpoint-4 was being written"
+    assert 4 not in by_step, "the stop waited for checkpoint-4's write instead of superseding it"
+    assert by_step[8].complete and script.saves == [8]
+    full = make_trainer(tmp_path / "full", save_async=False)
+    full.train()
+    resumed = make_trainer(tmp_path / "out", save_async=True)
+    resumed.train(resume_from_checkpoint=True)
+    assert_same_training(full, resumed)
+
+
 def test_jit_stop_at_the_step_of_the_write_in_flight_waits_for_it(
     tmp_path: Path, slow_writer: list[tuple[int, str]]
 ) -> None:
