@@ -33,7 +33,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -47,9 +47,10 @@ sys.path.insert(0, str(REPO))
 from preemptible_operator import models, render  # noqa: E402
 from tests.cluster.binaries import find_binaries  # noqa: E402
 from tests.cluster.controlplane import ControlPlane  # noqa: E402
+from tests.cluster.helpers import eventually  # noqa: E402
 from tests.cluster.kueue import Kueue  # noqa: E402
 from tests.cluster.node_agent import NodeAgent  # noqa: E402
-from tests.operator.harness import free_port, install_crd  # noqa: E402
+from tests.operator.harness import free_port, install_crd, read_metrics  # noqa: E402
 from trainer_runtime.protocol import METRIC_NAMES  # noqa: E402
 
 TJ_ARGS = (models.GROUP, models.VERSION)
@@ -77,17 +78,6 @@ OPERATOR_REQUESTS = frozenset(
 
 def _say(msg: str) -> None:
     print(msg, flush=True)
-
-
-def _wait(what: str, probe: Callable[[], Any], timeout: float, interval: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
 
 
 # ------------------------------------------------------------------------------- the operator
@@ -128,16 +118,11 @@ class Operator:
         return values["VmRSS"], values["VmHWM"]
 
     def api_requests(self) -> float:
-        import urllib.request
-
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            text = resp.read().decode()
+        metrics = read_metrics(self.metrics_port)
         return sum(
-            s.value
-            for f in text_string_to_metric_families(text)
-            for s in f.samples
-            if s.name == "preemptible_operator_api_requests_total"
+            value
+            for key, value in metrics.items()
+            if key.split("{", 1)[0] == "preemptible_operator_api_requests_total"
         )
 
     def stop(self) -> None:
@@ -247,7 +232,9 @@ def bench_queued(
             phased, jobs = count_ready(client, ns, {"Queued", "Pending"})
             return phased >= n and jobs >= n
 
-        _wait(f"{n} queued TrainingJobs with a Job and a phase", done, timeout=1800, interval=1.0)
+        eventually(
+            f"{n} queued TrainingJobs with a Job and a phase", done, timeout=1800, interval=1.0
+        )
         seconds = time.monotonic() - t0
     rss, peak = op.rss_mb()
     return {
@@ -270,7 +257,7 @@ def bench_running(
         bodies = [training_job(f"r{i}", stub_spec(root / f"r{i}", control)) for i in range(n)]
         t0 = time.monotonic()
         create_all(custom, ns, bodies)
-        _wait(
+        eventually(
             f"{n} stub jobs Running",
             lambda: count_ready(client, ns, {"Running"})[0] >= n,
             timeout=1800,
