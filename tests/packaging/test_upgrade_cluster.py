@@ -225,7 +225,7 @@ def test_upgrade_and_uninstall_leave_training_jobs_alone(
 
 def _scenario(release: Release, tj: TJClient, root: Path, kueue: Kueue) -> None:
     cp = release.cp
-    names = ["steady", "queued", "ckpt", "holder"]
+    names = ["steady", "queued", "ckpt", "holder", "parked"]
 
     def describe() -> str:
         text = "\n".join(f"--- {n}\n{tj.describe(n)}" for n in names)
@@ -241,6 +241,11 @@ def _scenario(release: Release, tj: TJClient, root: Path, kueue: Kueue) -> None:
                                    queueName=kueue.local_queue))  # fmt: skip
         tj.create(toy_training_job("ckpt", root, max_steps=100, step_sleep=0.3,
                                    extra_args=("--save-sleep", "0.5")))  # fmt: skip
+        # parked never runs: an unfinished TrainingJob, so the operator keeps its finalizer on it
+        # (a finished one's finalizer goes once its reconcile daemon has returned).
+        tj.create(toy_training_job("parked", root, suspend=True))
+        wait_for("parked Suspended", lambda: tj.phase_is("parked", "Suspended"),
+                 on_timeout=describe)  # fmt: skip
         wait_for("holder running", lambda: tj.running_pod("holder", 1), on_timeout=describe)
         tj.create(toy_training_job("queued", root, max_steps=6, step_sleep=0.2, cpu=quota,
                                    queueName=kueue.local_queue))  # fmt: skip
@@ -325,12 +330,12 @@ def _scenario(release: Release, tj: TJClient, root: Path, kueue: Kueue) -> None:
             assert tj.get(name)["metadata"].get("deletionTimestamp") is None
         pod = tj.running_pod("steady", 1)
         assert pod is not None, describe()
-        # A TrainingJob deleted with no operator waits on the operator's finalizer.
+        # An unfinished TrainingJob deleted with no operator waits on the operator's finalizer.
         tj.custom.delete_namespaced_custom_object(
-            models.GROUP, models.VERSION, tj.ns, models.PLURAL, "queued"
+            models.GROUP, models.VERSION, tj.ns, models.PLURAL, "parked"
         )
         time.sleep(3)
-        pending = tj.get("queued")["metadata"]
+        pending = tj.get("parked")["metadata"]
         assert pending.get("deletionTimestamp") and pending.get("finalizers"), pending
         still = tj.running_pod("steady", 1)
         assert still is not None and still.metadata.uid == pod.metadata.uid, describe()
@@ -345,7 +350,7 @@ def _scenario(release: Release, tj: TJClient, root: Path, kueue: Kueue) -> None:
             in cp.kubectl("get", "crd", new_crd["metadata"]["name"], "-o", "yaml").stdout
         )
         release.start_operator()
-        wait_for("queued deleted", lambda: _gone(tj, "queued"), on_timeout=describe)
+        wait_for("parked deleted", lambda: _gone(tj, "parked"), on_timeout=describe)
         results = {
             name: wait_for(
                 f"{name} Succeeded",
