@@ -1355,8 +1355,7 @@ class Trainer(
         writer.begin()
         # fsdp: model and optimizer go into every rank's shards (manifest entry "sharding").
         sharding = self._write_model_shards(writer) if self._fsdp is not None else {}
-        for name, data, per_rank in self._checkpoint_entries(writer.is_coordinator, jit):
-            writer.write_entry(name, data() if callable(data) else data, per_rank=per_rank)
+        writer.write_entries(self._checkpoint_entries(writer.is_coordinator, jit))
         info = writer.commit(sharding)
         seconds = info.save_seconds if info.save_seconds is not None else None
         if seconds is None:

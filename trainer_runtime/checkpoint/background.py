@@ -150,8 +150,7 @@ class BackgroundSave:
                 # one rank: the sentinel (fsynced) needs no barrier, so it is created here,
                 # still before any file of the checkpoint
                 self.writer.begin()
-            for name, data, per_rank in entries:
-                self.writer.write_entry(name, data, per_rank=per_rank)
+            self.writer.write_entries(entries)
         except Cancelled:
             self.cancelled = True
         except BaseException as exc:  # reported to the training thread at the commit

@@ -87,6 +87,10 @@ _RESERVED_MANIFEST_KEYS = frozenset(
     {"format", "step", "world_size", "attempt", "save_seconds", "created_at", "files", "node_copy"}
 )
 
+# write_entries: safetensors files at least this large are written concurrently, this many at once
+_PARALLEL_MIN_BYTES = 64 << 20
+_PARALLEL_FILES = 2
+
 Barrier = Callable[[], Any]
 # every rank passes its object and gets the list of all ranks' objects, in rank order
 Gather = Callable[[Any], list[Any]]
@@ -326,6 +330,37 @@ class CheckpointWriter:
             self.write_tensors(filename, data.tensors, data.metadata, per_rank=per_rank)
         else:
             self.write_bytes(filename, data, per_rank=per_rank)
+
+    def write_entries(self, entries: Iterable[tuple[str, Any, bool]]) -> None:
+        """Write several entries ``(name, data, per_rank)``; ``data`` is bytes, a TensorFile or
+        a callable returning either (built when written, after every other entry).
+
+        Large safetensors files (the model's and the optimizer's) are written at the same time
+        on helper threads: each file's sha256 runs on one core, so two files hash on two cores
+        while the disk writes both. The other entries follow in order, once those are written.
+        """
+        entries = list(entries)
+        big = [
+            e
+            for e in entries
+            if isinstance(e[1], TensorFile) and e[1].nbytes >= _PARALLEL_MIN_BYTES
+        ]
+        names = [e[0] for e in entries]
+        if len(big) < 2 or len(set(names)) != len(names):
+            big = []  # (a duplicate name raises in order, as write_entry always did)
+        if big:
+            with ThreadPoolExecutor(
+                max_workers=_PARALLEL_FILES, thread_name_prefix="ckpt-file"
+            ) as pool:
+                futures = [pool.submit(self.write_entry, n, d, per_rank=r) for n, d, r in big]
+            # every thread has ended (the pool's exit waits): none writes on after an error
+            for future in futures:
+                future.result()
+        done = {id(e) for e in big}
+        for entry in entries:
+            if id(entry) not in done:
+                name, data, per_rank = entry
+                self.write_entry(name, data() if callable(data) else data, per_rank=per_rank)
 
     def write_json(self, filename: str, obj: Any, *, per_rank: bool = False) -> None:
         data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")

@@ -77,6 +77,11 @@ class TensorFile:
     tensors: Mapping[str, torch.Tensor]
     metadata: Mapping[str, str] | None = None
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its tensors (the file is this plus its header)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
     def to_bytes(self) -> bytes:
         """The whole file in memory (small files only: per-rank files held until a commit)."""
         out = io.BytesIO()

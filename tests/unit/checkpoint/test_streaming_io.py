@@ -85,9 +85,11 @@ def test_checkpoint_file_is_written_without_a_copy_in_memory(tmp_path: Path) -> 
     assert all(torch.equal(loaded[k], big[k]) for k in big)
 
 
-def test_large_writes_hash_beside_writing_and_write_back_early(
+def test_buffered_large_writes_hash_beside_writing_and_write_back_early(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # the page-cache path (object stores' and $PREEMPTIBLE_DIRECT_IO=0's)
+    monkeypatch.setenv("PREEMPTIBLE_DIRECT_IO", "0")
     monkeypatch.setattr(storage_module, "_WRITEBACK_EVERY", 3 << 20)
     syncs: list[int] = []
     real = storage_module.os.fdatasync
@@ -156,3 +158,49 @@ def test_cancelled_write_leaves_the_checkpoint_incomplete(tmp_path: Path) -> Non
     info = CheckpointStore(str(tmp_path)).inspect("checkpoint-3")
     assert not info.complete and SENTINEL_NAME in (info.reason or "")
     assert CheckpointStore(str(tmp_path)).latest_complete() is None
+
+
+class _MeetingWriter(CheckpointWriter):
+    """Each safetensors file waits for the other at its start: only concurrent writes meet."""
+
+    def __init__(self, *a: object, **kw: object) -> None:
+        super().__init__(*a, **kw)  # type: ignore[arg-type]
+        self.meet = threading.Barrier(2, timeout=10)
+
+    def write_entry(self, filename: str, data: object, *, per_rank: bool = False) -> None:
+        if isinstance(data, TensorFile):
+            self.meet.wait()
+        super().write_entry(filename, data, per_rank=per_rank)  # type: ignore[arg-type]
+
+
+def test_large_files_are_written_at_the_same_time_and_records_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainer_runtime.checkpoint import io as io_module
+
+    monkeypatch.setattr(io_module, "_PARALLEL_MIN_BYTES", 1 << 10)
+    w = _MeetingWriter(str(tmp_path), 4)
+    w.begin()
+    model = {"w": torch.randn(64, 64)}
+    optim = {"m": torch.randn(128, 64), "v": torch.randn(128, 64)}
+    seen: list[list[str]] = []
+
+    def record() -> bytes:
+        seen.append(sorted(f["path"] for f in w.files))
+        return b"{}"
+
+    w.write_entries(
+        [
+            ("model.safetensors", TensorFile(model), False),
+            ("optimizer.safetensors", TensorFile(optim, {"k": "v"}), False),
+            ("state.json", record, False),
+        ]
+    )
+    assert seen == [["model.safetensors", "optimizer.safetensors"]]
+    info = w.commit()
+    assert (Path(info.path) / "model.safetensors").read_bytes() == st_save(model)
+    loaded = load_file(str(Path(info.path) / "optimizer.safetensors"))
+    assert all(torch.equal(loaded[k], optim[k]) for k in optim)
+    reader = CheckpointReader(info.path)
+    reader.load_tensors_and_metadata("optimizer.safetensors", owned=True)
+    reader.wait_verified()  # the manifest's sha256 of both files

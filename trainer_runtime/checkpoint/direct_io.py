@@ -1,0 +1,257 @@
+"""Local checkpoint files written around the page cache (``O_DIRECT``), hashed as they go.
+
+A buffered ``write()`` copies every byte into freshly allocated page-cache pages. Where first
+touching memory is expensive (a VM whose free memory the hypervisor takes back, "free page
+reporting": every newly used page faults in the host) that copy, not the disk, sets the speed
+of a save: measured here, buffered writes of a checkpoint ran at 130-400 MB/s while the same
+bytes with ``O_DIRECT`` ran at 700-1100 MB/s on a loaded machine. It also pollutes the page
+cache with gigabytes that fsync must then push out.
+
+:class:`DirectFile` stages the stream in a few aligned blocks (kept for the life of the
+process, so their pages stay resident), writes each full block with ``O_DIRECT`` on an I/O
+thread and feeds it to sha256 on a hashing thread while the caller fills the next block. The
+unaligned tail is written through the page cache (``O_DIRECT`` cleared with ``fcntl``), then
+the file is fsynced as before. A filesystem that refuses ``O_DIRECT`` (``EINVAL``, at open or
+at the first write) gets plain buffered writes on the same handle. This module is torch-free.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import mmap
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+__all__ = ["BLOCK_BYTES", "DEPTH", "DirectFile", "direct_io_supported", "staging_pool"]
+
+# Staging block: large enough for few, large requests; small enough that the fixed memory
+# (DEPTH blocks per concurrent writer) stays small.
+BLOCK_BYTES = 16 << 20
+# Blocks per file: one being filled, the others being written and hashed.
+DEPTH = 4
+# O_DIRECT needs buffers, offsets and lengths aligned to the logical block size (<= 4096).
+ALIGN = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_ZEROS = bytes(1 << 16)
+
+
+def direct_io_supported() -> bool:
+    """Whether this platform has ``O_DIRECT`` at all (Linux does; macOS does not)."""
+    return _O_DIRECT != 0
+
+
+class _StagingPool:
+    """Aligned staging blocks shared by every DirectFile of the process, reused between saves.
+
+    Anonymous mmaps are page-aligned. Blocks are kept once allocated (and touched), so a later
+    save never pays for fresh memory; concurrent writers (ranks as threads, a JIT save after a
+    cancelled background one) take blocks of their own.
+    """
+
+    def __init__(self) -> None:
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> mmap.mmap:
+        with self._lock:
+            while self._free:
+                block = self._free.pop()
+                if len(block) == BLOCK_BYTES:
+                    return block
+                block.close()  # a block of an older BLOCK_BYTES
+        block = mmap.mmap(-1, BLOCK_BYTES)
+        # touch every page now: a block's first write is then a plain memory copy
+        for start in range(0, BLOCK_BYTES, len(_ZEROS)):
+            block[start : start + len(_ZEROS)] = _ZEROS[: BLOCK_BYTES - start]
+        return block
+
+    def give(self, blocks: list[mmap.mmap]) -> None:
+        with self._lock:
+            self._free.extend(blocks)
+
+    def warm(self, count: int = DEPTH) -> None:
+        """Allocate (and touch) ``count`` blocks ahead of a save."""
+        with self._lock:
+            have = len(self._free)
+        self.give([self.take() for _ in range(max(0, count - have))])
+
+
+staging_pool = _StagingPool()
+
+
+class DirectFile:
+    """A write-only local file: ``write`` bytes, then :meth:`close` (durable) or :meth:`abort`.
+
+    ``size`` and ``sha256`` describe the bytes written. The caller's buffers are copied into
+    staging blocks, so they may change as soon as ``write`` returns.
+    Raises OSError from the constructor when the file cannot be created.
+    """
+
+    def __init__(self, path: str, *, direct: bool = True) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        self.direct = direct and _O_DIRECT != 0
+        fd: int | None = None
+        if self.direct:
+            try:
+                fd = os.open(path, flags | _O_DIRECT, 0o666)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # EINVAL: this filesystem has no O_DIRECT
+                    raise
+                self.direct = False
+        self.fd: int = fd if fd is not None else os.open(path, flags, 0o666)
+        self.size = 0
+        # bytes that went to the file around the page cache (the rest: the tail, or everything
+        # where the filesystem refused O_DIRECT)
+        self.direct_bytes = 0
+        self._sha = hashlib.sha256()
+        self._digest: str | None = None
+        self._blocks: list[mmap.mmap] = []
+        self._views: list[memoryview] = []
+        self._busy: list[list[Future[None]]] = []
+        self._current = 0  # index of the block being filled
+        self._fill = 0  # bytes in it
+        self._offset = 0  # file offset of its first byte
+        self._io: ThreadPoolExecutor | None = None
+        self._hash: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    # -- writing ---------------------------------------------------------------------------------
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        src = memoryview(data).cast("B")
+        n = len(src)
+        done = 0
+        while done < n:
+            view = self._block_view()
+            take = min(n - done, BLOCK_BYTES - self._fill)
+            view[self._fill : self._fill + take] = src[done : done + take]
+            self._fill += take
+            done += take
+            if self._fill == BLOCK_BYTES:
+                self._submit_full()
+        self.size += n
+        return n
+
+    def _block_view(self) -> memoryview:
+        if self._current == len(self._blocks):
+            block = staging_pool.take()
+            self._blocks.append(block)
+            self._views.append(memoryview(block))
+            self._busy.append([])
+        else:
+            # reuse: wait until its previous write and hash are done
+            for future in self._busy[self._current]:
+                future.result()
+            self._busy[self._current] = []
+        return self._views[self._current]
+
+    def _helpers(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        # one thread each: writes in order (offsets need no order, but one request at a time
+        # already keeps the device busy: the kernel splits a block into many), hashes in order
+        if self._io is None or self._hash is None:
+            self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-write")
+            self._hash = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash")
+        return self._io, self._hash
+
+    def _submit_full(self) -> None:
+        io, hasher = self._helpers()
+        view = self._views[self._current]
+        self._busy[self._current] = [
+            io.submit(self._pwrite, view, self._offset),
+            hasher.submit(self._sha.update, view),
+        ]
+        self._offset += BLOCK_BYTES
+        self._fill = 0
+        self._current = (self._current + 1) % DEPTH
+
+    def _pwrite(self, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            try:
+                n = os.pwrite(self.fd, view[done:], offset + done)
+            except OSError as exc:
+                # a filesystem that accepted O_DIRECT at open but refuses these requests, or a
+                # short write that left us unaligned: go on through the page cache
+                if exc.errno != errno.EINVAL or not self.direct:
+                    raise
+                self._clear_direct()
+                continue
+            if n == 0:
+                raise OSError(errno.EIO, "write returned 0 bytes")
+            if self.direct:
+                self.direct_bytes += n
+            done += n
+
+    def _clear_direct(self) -> None:
+        if self.direct:
+            flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+            self.direct = False
+
+    # -- the end -----------------------------------------------------------------------------------
+    def _drain(self) -> None:
+        for futures in self._busy:
+            for future in futures:
+                future.result()
+        self._busy = [[] for _ in self._busy]
+
+    def flush(self) -> None:
+        """Write the tail and wait for the helpers: every byte is written (not yet durable).
+        Nothing may be written after it."""
+        if self._fill:
+            view = self._views[self._current]
+            aligned = self._fill - self._fill % ALIGN if self.direct else self._fill
+            if aligned and self._io is not None:  # after the blocks before it, in order
+                self._busy[self._current].append(
+                    self._io.submit(self._pwrite, view[:aligned], self._offset)
+                )
+            elif aligned:
+                self._pwrite(view[:aligned], self._offset)
+            self._drain()
+            # the unaligned rest goes through the page cache (O_DIRECT needs whole sectors)
+            self._clear_direct()
+            self._pwrite(view[aligned : self._fill], self._offset + aligned)
+            self._sha.update(view[: self._fill])
+            self._fill = 0
+        self._drain()
+        self._digest = self._sha.hexdigest()
+
+    def close(self) -> None:
+        """:meth:`flush`, fsync and close: the file is durable."""
+        try:
+            if self._digest is None:
+                self.flush()
+            os.fsync(self.fd)
+        finally:
+            self._release()
+
+    def abort(self) -> None:
+        """Stop without making the file durable (an error or a cancellation)."""
+        try:
+            for futures in self._busy:
+                for future in futures:
+                    future.exception()  # wait; the caller's error is the one that counts
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for pool in (self._io, self._hash):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        for view in self._views:
+            view.release()
+        self._views = []
+        staging_pool.give(self._blocks)
+        self._blocks = []
+        os.close(self.fd)
+
+    @property
+    def sha256(self) -> str:
+        if self._digest is None:
+            raise RuntimeError("sha256 is known once the file is closed")
+        return self._digest
