@@ -11,7 +11,8 @@ API of both Trainers), in one run, alternating transformers' Trainer and ours:
   write's own duration);
 * raw write + fsync of the same number of bytes, sequential, 16 MiB blocks: the disk's limit;
 * resume: from the ``train(resume_from_checkpoint=...)`` call to the first step's
-  ``on_step_begin``, in a fresh process (files in the page cache for both);
+  ``on_step_begin``, in a fresh process (files in the page cache for both: the parent reads
+  each checkpoint through first, since ours is written around the page cache);
 * training steps/s (steps without a save);
 * peak RSS (``ru_maxrss``) of each child process: training with a save, the same run without
   saving, and a resume.
@@ -220,6 +221,16 @@ def _raw_write(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- the parent --------------------------------------------------------------------------------
+def _read_through(path: Path) -> None:
+    """Read every file of a checkpoint once, so both resumes start from the page cache (ours
+    writes around it, with O_DIRECT; transformers' files are there already)."""
+    for f in sorted(path.rglob("*")):
+        if f.is_file():
+            with open(f, "rb", buffering=0) as fh:
+                while fh.read(64 << 20):
+                    pass
+
+
 def _run(spec: dict[str, Any]) -> dict[str, Any]:
     spec = {**spec, "spawned_at": time.time()}
     cmd = [sys.executable, "-P", __file__, "--child", json.dumps(spec)]
@@ -298,6 +309,7 @@ def _bench(params: int, repeats: int, workdir: Path, threads: int) -> None:
             )
             if variant != "async":
                 ckpt = str(out / f"checkpoint-{SAVE_STEP}")
+                _read_through(Path(ckpt))
                 r = _run({**base, "mode": "resume", "checkpoint": ckpt,
                           "output_dir": str(out / "resumed")})  # fmt: skip
                 add(f"{impl}_resume_s", r["resume_s"])

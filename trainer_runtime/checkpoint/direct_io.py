@@ -29,7 +29,7 @@ __all__ = ["BLOCK_BYTES", "DEPTH", "DirectFile", "direct_io_supported", "staging
 
 # Staging block: large enough for few, large requests; small enough that the fixed memory
 # (DEPTH blocks per concurrent writer) stays small.
-BLOCK_BYTES = 16 << 20
+BLOCK_BYTES = 4 << 20
 # Blocks per file: one being filled, the others being written and hashed.
 DEPTH = 4
 # O_DIRECT needs buffers, offsets and lengths aligned to the logical block size (<= 4096).
