@@ -432,8 +432,14 @@ class Trainer(
         except BaseException as exc:
             if operator and not isinstance(exc, SystemExit | KeyboardInterrupt):
                 if peers is not None:
-                    self._fail_with_peers(peers, exc)  # ends the process when a peer is gone
+                    self._end_if_peer_gone(peers, exc)
                 self._write_termination("failed", message=f"{type(exc).__name__}: {exc}")
+                if peers is not None:
+                    # After the message is written: the others stop at once, and the operator
+                    # then deletes this pod too. Its SIGTERM, latched, must not turn this exit 1
+                    # (the cause of the attempt's end) into death by signal.
+                    peers.announce_failure(f"{type(exc).__name__}: {exc}")
+                    keep_handler = True
             raise
         finally:
             if peers is not None:
@@ -448,10 +454,10 @@ class Trainer(
         watch = PeerWatch(collectives.rank(), collectives.world_size(), self._end_for_peer)
         return watch.start() if watch.enabled else None
 
-    def _fail_with_peers(self, peers: PeerWatch, exc: BaseException) -> None:
+    def _end_if_peer_gone(self, peers: PeerWatch, exc: BaseException) -> None:
         """After ``exc`` in training: end as EXIT_PEER_FAILED when another rank is gone (it failed
-        first, or the collective says its connection closed); else announce this rank's own
-        failure so the others stop at once, and return (the caller reports it and re-raises)."""
+        first, or the collective says its connection closed); else return (this rank's own
+        failure: the caller reports and announces it)."""
         if peers.loss is not None:
             _wait_for_exit()  # the watch thread is ending the process
         loss = peers.announced()
@@ -463,7 +469,6 @@ class Trainer(
                 peers.announce(loss)
                 self._end_for_peer(loss)
             _wait_for_exit()
-        peers.announce_failure(f"{type(exc).__name__}: {exc}")
 
     def _end_for_peer(self, loss: PeerLoss) -> None:
         """Write the termination message naming the rank that is gone and exit EXIT_PEER_FAILED

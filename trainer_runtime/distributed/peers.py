@@ -215,7 +215,8 @@ class PeerWatch:
             time.sleep(2 * self.interval)
 
     def announce_failure(self, detail: str) -> None:
-        """This rank failed (announced as such)."""
+        """This rank failed (announced as such); its own watch stops."""
+        self._stop.set()
         self.announce(PeerLoss(self.rank, detail))
 
     def claim(self, loss: PeerLoss) -> bool:
@@ -232,7 +233,9 @@ class PeerWatch:
         if self._store is None:
             return None
         raw = self._try(lambda s: s.get(FAILED_KEY).decode() if s.check([FAILED_KEY]) else None)
-        return _parse_announcement(raw) if raw else None
+        loss = _parse_announcement(raw) if raw else None
+        # This rank's own failure, announced by itself, is no reason to stop it as a peer's.
+        return None if loss is None or loss.rank == self.rank else loss
 
     # -- the thread
     def _done_key(self, rank: int) -> str:

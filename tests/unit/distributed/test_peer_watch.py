@@ -100,3 +100,45 @@ def test_the_message_names_the_rank_or_says_it_is_unknown() -> None:
 def test_peer_timeout_from_env(monkeypatch: pytest.MonkeyPatch, raw: str, value: float) -> None:
     monkeypatch.setenv(ENV_PEER_TIMEOUT_SECONDS, raw)
     assert peer_timeout_from_env() == value
+
+
+def _store_server() -> tuple[object, int]:
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    server = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5)
+    )
+    return server, port
+
+
+def test_a_watch_stops_on_anothers_announcement_and_ignores_its_own() -> None:
+    import threading
+
+    from trainer_runtime.distributed.peers import PeerWatch
+
+    server, port = _store_server()
+    seen: list[PeerLoss] = []
+    called = threading.Event()
+
+    def on_loss(loss: PeerLoss) -> None:
+        seen.append(loss)
+        called.set()
+
+    kw = {"timeout": 30.0, "interval": 0.1, "host": "127.0.0.1", "port": port}
+    me = PeerWatch(1, 3, on_loss, **kw).start()  # type: ignore[arg-type]
+    other = PeerWatch(2, 3, lambda loss: None, **kw).start()  # type: ignore[arg-type]
+    try:
+        other.announce_failure("RuntimeError: boom")
+        assert other.announced() is None  # its own announcement is no peer's failure
+        assert called.wait(5), "the watch did not see the announcement"
+        assert seen == [PeerLoss(2, "RuntimeError: boom")] and me.loss == seen[0]
+    finally:
+        me.stop()
+        other.stop()
+        del server
