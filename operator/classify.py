@@ -97,16 +97,30 @@ class ContainerEnd:
         return self.exit_code == SIGKILL_EXIT and not self.oom
 
     @property
+    def peer_failed(self) -> bool:
+        """Stopped because another rank was gone (the runtime's EXIT_PEER_FAILED): the cause is
+        that other rank's end, not this one."""
+        return self.exit_code == protocol.EXIT_PEER_FAILED and not self.oom
+
+    @property
     def real_failure(self) -> bool:
-        """Failed on its own: OOM, or a non-zero exit that is neither a SIGKILL nor the
-        runtime's preemption exit."""
-        return self.oom or self.exit_code not in (0, None, SIGKILL_EXIT, protocol.EXIT_PREEMPTED)
+        """Failed on its own: OOM, or a non-zero exit that is neither a SIGKILL, the runtime's
+        preemption exit, nor its exit for another rank's end."""
+        return self.oom or self.exit_code not in (
+            0,
+            None,
+            SIGKILL_EXIT,
+            protocol.EXIT_PREEMPTED,
+            protocol.EXIT_PEER_FAILED,
+        )
 
 
 def killed_at_grace(ends: Iterable[ContainerEnd]) -> bool:
     """Whether an attempt's ends show its grace period was too short: a rank was SIGKILLed (not
     by the OOM killer) and no rank failed for real. When one rank fails, the others wait for it
-    at their next collective until they are killed; that says nothing about the grace period."""
+    at their next collective until they are killed (or, with the runtime's peer watch, exit
+    EXIT_PEER_FAILED); that says nothing about the grace period. A rank that exited
+    EXIT_PEER_FAILED after another was SIGKILLed does not hide that SIGKILL."""
     ends = list(ends)
     return any(e.killed for e in ends) and not any(e.real_failure for e in ends)
 
@@ -335,8 +349,8 @@ def classify_interruption(
         )
     failed = [e for e in ends if e.exit_code not in (0, None)]
     # The root cause first: an OOM kill, then a rank that failed on its own, then the ranks
-    # killed while they waited for it.
-    failed.sort(key=lambda e: (not e.oom, not e.real_failure))
+    # killed while they waited for it, last those that exited because another rank was gone.
+    failed.sort(key=lambda e: (not e.oom, not e.real_failure, e.peer_failed))
     if failed and failed[0].oom:
         first = failed[0]
         return Interruption(

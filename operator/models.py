@@ -2,27 +2,29 @@
 
 These models are the single source of truth: the CRD's openAPIV3Schema is generated from them
 (``crd.py``) and the operator parses every object through them. Structural checks (types, required
-fields, enums) end up in the CRD schema so the apiserver rejects malformed objects; semantic checks
-that need more context (min <= max, numNodes >= 1, label formats, reserved env names) are validators
-here, so a bad object is accepted by the apiserver and then put in phase Failed / reason InvalidSpec
-with a message naming the field.
+fields, enums, bounds such as numNodes >= 1) end up in the CRD schema, and the rules over several
+fields or a set of values (min <= max, label formats, reserved env names: ``spec_rules``) become its
+CEL ``x-kubernetes-validations``, so the apiserver refuses an invalid object with the same message
+the operator gives. An object that gets past the apiserver anyway (stored before the rules existed)
+is caught here: before its first attempt it is Failed / InvalidSpec, an edit of a job that has run
+is rejected while the attempt goes on (reconcile.py).
 """
 
 from __future__ import annotations
 
-import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     ValidationError,
-    field_validator,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from preemptible_operator.spec_rules import Matches, NotAbove, NotOneOf, Rule
 from trainer_runtime import protocol
 from trainer_runtime.grace import GracePolicy
 
@@ -98,21 +100,65 @@ RESERVED_ENV = frozenset(
 )
 
 # Kubernetes label value: at most 63 characters, alphanumerics with - _ . inside.
-_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_LABEL_VALUE = r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?"
+_LABEL_VALUE_MAX = 63
+_LABEL_VALUE_RULE = (
+    " is not a valid Kubernetes label value (at most 63 characters: letters, digits, '-', '_', "
+    "'.', starting and ending with a letter or digit)"
+)
+# Bounds that keep the CEL rules' worst-case cost within the apiserver's budget (a rule over an
+# unbounded list or string is refused when the CRD is applied); far above any real spec.
+MAX_ENV = 1024
+MAX_ENV_NAME = 1024
 
 _FREE_FORM = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
 
 
+def _schema_rules(schema: dict[str, Any], model: type) -> None:
+    # The model's rules become the CRD's CEL validations of this object (crd.py keeps them).
+    rules: tuple[Rule, ...] = getattr(model, "rules", ())
+    if rules:
+        schema["x-kubernetes-validations"] = [r.to_cel() for r in rules]
+
+
 class _Model(BaseModel):
     """camelCase on the wire, snake_case in Python; unknown fields are an error (the CRD prunes
-    them anyway, so an unknown field here means a bug, not user input)."""
+    them anyway; an operator older than its CRD drops them with a note: reconcile.py).
+    ``rules`` are checked after the fields and emitted as the CRD's CEL validations."""
 
     model_config = ConfigDict(
         alias_generator=to_camel,
         populate_by_name=True,
         extra="forbid",
         use_attribute_docstrings=True,
+        json_schema_extra=_schema_rules,
     )
+
+    rules: ClassVar[tuple[Rule, ...]] = ()
+
+    @model_validator(mode="after")
+    def _check_rules(self) -> Any:
+        if not self.rules:
+            return self
+        values = {
+            (info.alias or name): getattr(self, name)
+            for name, info in type(self).model_fields.items()
+        }
+        errors = [
+            # Located at the rule's field (as the apiserver's fieldPath); the message already
+            # shows the value, so the input is the whole object (format_validation_error then
+            # adds no "got ...").
+            InitErrorDetails(
+                type=PydanticCustomError("spec_rule", "{message}", {"message": message}),
+                loc=(rule.field_path,) if rule.field_path else (),
+                input=values,
+            )
+            for rule in self.rules
+            if (message := rule.violation(values)) is not None
+        ]
+        if errors:
+            raise ValidationError.from_exception_data(type(self).__name__, errors)
+        return self
 
     def to_k8s(self) -> dict[str, Any]:
         """Dump as the apiserver stores it: camelCase keys, unset optional fields left out."""
@@ -125,12 +171,21 @@ class _Model(BaseModel):
 class EnvVar(_Model):
     """An environment variable for the training container (Kubernetes EnvVar)."""
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=MAX_ENV_NAME)
     """Variable name."""
     value: str | None = None
     """Literal value."""
     value_from: dict[str, Any] | None = Field(default=None, json_schema_extra=_FREE_FORM)
     """A Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef)."""
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        NotOneOf(
+            "{name} is set by the operator; remove it from spec.env "
+            "(use spec.checkpoint / spec.gracePeriod instead)",
+            field="name",
+            values=RESERVED_ENV,
+        ),
+    )
 
 
 _QUANTITY_MAP = {
@@ -176,17 +231,17 @@ class GracePeriodSpec(_Model):
     seconds: int | None = Field(default=None, ge=1)
     """Pinned grace period in seconds (disables the automatic rule)."""
     # Defaults are trainer_runtime.grace.GracePolicy's, so both halves document one rule.
-    initial_seconds: int = GracePolicy.initial_seconds
+    initial_seconds: int = Field(default=GracePolicy.initial_seconds, ge=1)
     """Grace of the first attempt, before anything was measured."""
-    min: int = GracePolicy.minimum
+    min: int = Field(default=GracePolicy.minimum, ge=1)
     """Lower bound of the automatic grace."""
-    max: int = GracePolicy.maximum
+    max: int = Field(default=GracePolicy.maximum, ge=1)
     """Upper bound of the automatic grace."""
-    headroom: float = GracePolicy.headroom
+    headroom: float = Field(default=GracePolicy.headroom, ge=0)
     """Relative safety margin on (stepMax + saveMax)."""
-    kill_wait_seconds: float = GracePolicy.kill_wait
+    kill_wait_seconds: float = Field(default=GracePolicy.kill_wait, ge=0)
     """Seconds the runtime waits after SIGTERM before it stops (PREEMPTIBLE_KILL_WAIT_SECONDS)."""
-    exit_margin: int = GracePolicy.exit_margin
+    exit_margin: int = Field(default=GracePolicy.exit_margin, ge=0)
     """Seconds added for process exit and termination-message writing."""
     stop_policy: Literal["finish_step", "micro_batch"] = "finish_step"
     """How the runtime stops after SIGTERM (PREEMPTIBLE_STOP_POLICY; a script's own
@@ -202,23 +257,11 @@ class GracePeriodSpec(_Model):
     cannot finish by then (the attempt ends as DeadlineTooShort). The grace is never doubled
     beyond it after a SIGKILL: the node would not wait longer anyway."""
 
-    @model_validator(mode="after")
-    def _bounds(self) -> GracePeriodSpec:
-        if self.min < 1:
-            raise ValueError(f"min must be >= 1 second, got {self.min}")
-        if self.min > self.max:
-            raise ValueError(
-                f"min ({self.min}) must not exceed max ({self.max}); lower min or raise max"
-            )
-        if self.headroom < 0:
-            raise ValueError(f"headroom must be >= 0, got {self.headroom}")
-        if self.kill_wait_seconds < 0:
-            raise ValueError(f"killWaitSeconds must be >= 0, got {self.kill_wait_seconds}")
-        if self.exit_margin < 0:
-            raise ValueError(f"exitMargin must be >= 0, got {self.exit_margin}")
-        if self.initial_seconds < 1:
-            raise ValueError(f"initialSeconds must be >= 1, got {self.initial_seconds}")
-        return self
+    rules: ClassVar[tuple[Rule, ...]] = (
+        NotAbove(
+            "min ({min}) must not exceed max ({max}); lower min or raise max", low="min", high="max"
+        ),
+    )
 
 
 class PodTemplateOverride(_Model):
@@ -246,11 +289,11 @@ class TrainingJobSpec(_Model):
     """Arguments to the entrypoint."""
     working_dir: str | None = None
     """Working directory of the training container."""
-    num_nodes: int = 1
+    num_nodes: int = Field(default=1, ge=1)
     """Number of pods (one process per pod); becomes the Job's completions and parallelism."""
     resources_per_node: ResourcesPerNode | None = None
     """Resources of the training container in each pod."""
-    env: list[EnvVar] | None = None
+    env: list[EnvVar] | None = Field(default=None, max_length=MAX_ENV)
     """Extra environment variables. Names the operator sets (PREEMPTIBLE_*, MASTER_ADDR, RANK...)
     are not allowed."""
     volumes: list[dict[str, Any]] | None = Field(
@@ -265,65 +308,30 @@ class TrainingJobSpec(_Model):
     """Checkpoint location and retention."""
     grace_period: GracePeriodSpec = Field(default_factory=GracePeriodSpec)
     """Grace period policy (automatic by default)."""
-    max_restarts: int = 3
+    max_restarts: int = Field(default=3, ge=0)
     """Restarts allowed after real failures (preemptions never count)."""
-    restart_backoff_seconds: int = 10
+    restart_backoff_seconds: int = Field(default=10, ge=0)
     """Delay before the first restart after a real failure; doubles with each further failure."""
-    queue_name: str | None = None
+    queue_name: str | None = Field(default=None, max_length=_LABEL_VALUE_MAX)
     """Kueue LocalQueue; copied to label kueue.x-k8s.io/queue-name (the Job is created suspended
     and Kueue admits it)."""
-    priority_class: str | None = None
+    priority_class: str | None = Field(default=None, max_length=_LABEL_VALUE_MAX)
     """Kueue WorkloadPriorityClass; copied to label kueue.x-k8s.io/priority-class."""
     suspend: bool = False
     """true stops the job gracefully (JIT checkpoint, pods removed); false resumes it."""
-    metrics_port: int = 9090
+    metrics_port: int = Field(default=9090, ge=1, le=65535)
     """Port of the runtime's /metrics in the pods (PREEMPTIBLE_METRICS_PORT)."""
-    master_port: int = 29500
+    master_port: int = Field(default=29500, ge=1, le=65535)
     """torch.distributed rendezvous port (MASTER_PORT)."""
     pod_template: PodTemplateOverride | None = None
     """Pod template overrides merged into the operator's template."""
 
-    @field_validator("num_nodes")
-    @classmethod
-    def _num_nodes(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(f"must be >= 1 (one pod per node), got {v}")
-        return v
-
-    @field_validator("max_restarts", "restart_backoff_seconds")
-    @classmethod
-    def _non_negative(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError(f"must be >= 0, got {v}")
-        return v
-
-    @field_validator("metrics_port", "master_port")
-    @classmethod
-    def _port(cls, v: int) -> int:
-        if not 1 <= v <= 65535:
-            raise ValueError(f"must be a TCP port in 1..65535, got {v}")
-        return v
-
-    @field_validator("queue_name", "priority_class")
-    @classmethod
-    def _label_value(cls, v: str | None) -> str | None:
-        if v is not None and (len(v) > 63 or not _LABEL_VALUE.match(v)):
-            raise ValueError(
-                f"{v!r} is not a valid Kubernetes label value (at most 63 characters: letters, "
-                "digits, '-', '_', '.', starting and ending with a letter or digit)"
-            )
-        return v
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, v: list[EnvVar] | None) -> list[EnvVar] | None:
-        for var in v or []:
-            if var.name in RESERVED_ENV:
-                raise ValueError(
-                    f"{var.name} is set by the operator; remove it from spec.env "
-                    "(use spec.checkpoint / spec.gracePeriod instead)"
-                )
-        return v
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Matches('"{queueName}"' + _LABEL_VALUE_RULE, field="queueName", pattern=_LABEL_VALUE),
+        Matches(
+            '"{priorityClass}"' + _LABEL_VALUE_RULE, field="priorityClass", pattern=_LABEL_VALUE
+        ),
+    )
 
 
 # -------------------------------------------------------------------------------------- status

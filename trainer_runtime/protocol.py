@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "DEFAULT_KILL_WAIT_SECONDS",
+    "DEFAULT_PEER_TIMEOUT_SECONDS",
     "DEFAULT_TERMINATION_LOG",
     "ENV_ATTEMPT",
     "ENV_GRACE_SECONDS",
@@ -22,10 +23,12 @@ __all__ = [
     "ENV_METRICS_PORT",
     "ENV_NODE_NOTICE_SECONDS",
     "ENV_OUTPUT_DIR",
+    "ENV_PEER_TIMEOUT_SECONDS",
     "ENV_RESUME_FROM",
     "ENV_SAVE_INTERVAL_SECONDS",
     "ENV_STOP_POLICY",
     "ENV_TERMINATION_LOG",
+    "EXIT_PEER_FAILED",
     "EXIT_PREEMPTED",
     "METRIC_NAMES",
     "REASON_DEADLINE_TOO_SHORT",
@@ -63,6 +66,14 @@ DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 # EX_TEMPFAIL from sysexits.h: "temporary failure, the user is invited to retry". Distinct from
 # 0 (finished), 1 (error) and 128+N (killed by a signal).
 EXIT_PREEMPTED = 75
+
+# EX_UNAVAILABLE from sysexits.h: this rank stopped because another rank of the attempt is gone
+# (it failed, was killed, or its node vanished). Distinct from 75: nothing was saved; the root
+# cause is the other rank, whose own exit says what happened.
+EXIT_PEER_FAILED = 69
+# Seconds without a heartbeat after which a rank counts as gone (0 disables the watch).
+ENV_PEER_TIMEOUT_SECONDS = "PREEMPTIBLE_PEER_TIMEOUT_SECONDS"
+DEFAULT_PEER_TIMEOUT_SECONDS = 10.0
 
 # finish_step: finish the optimizer step in flight, then save (falls back to micro_batch when the
 # step and the save do not both fit the deadline); micro_batch: stop at the next micro-batch
@@ -136,6 +147,15 @@ class TerminationMessage(BaseModel):
         "(deadline too short to save).",
     )
     message: str | None = Field(default=None, description="Human-readable detail (errors).")
+    peer_gone: bool | None = Field(
+        default=None,
+        description="True when this rank stopped because another rank was gone (exit "
+        "EXIT_PEER_FAILED); the cause is that rank's end.",
+    )
+    failed_rank: int | None = Field(
+        default=None,
+        description="With peer_gone: the rank that is gone, when known.",
+    )
 
 
 def write_termination_message(msg: TerminationMessage, path: str | None = None) -> str | None:

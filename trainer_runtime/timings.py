@@ -142,6 +142,8 @@ def write_termination(
     message: str | None = None,
     micro_batch_timer: StepTimer | None = None,
     stop: str | None = None,
+    failed_rank: int | None = None,
+    peer_gone: bool | None = None,
 ) -> None:
     """Write the pod's termination message (exit protocol); ``checkpoint`` is the last
     checkpoint's info (``path``, ``complete``) or None. A write error is logged, never raised:
@@ -160,6 +162,8 @@ def write_termination(
         else None,
         stop=stop,
         message=message[:2000] if message else None,
+        failed_rank=failed_rank,
+        peer_gone=peer_gone,
     )
     try:
         write_termination_message(msg)

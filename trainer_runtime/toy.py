@@ -128,6 +128,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--fail-at-step", type=int, default=None, help="raise a real exception at step N"
     )
     p.add_argument(
+        "--fail-rank",
+        type=int,
+        default=None,
+        help="with --fail-at-step: only this rank ($RANK) fails (default: every rank)",
+    )
+    p.add_argument(
         "--save-sleep",
         type=float,
         default=0.0,
@@ -243,7 +249,12 @@ def _make_callback(args: argparse.Namespace) -> Any:
         def on_step_begin(self, targs: Any, state: Any, control: Any, **kw: Any) -> None:
             step = state.global_step + 1
             testing.append_event(events, "step_begin", step=step)
-            if args.fail_at_step is not None and step == args.fail_at_step:
+            own_rank = int(os.environ.get("RANK", "0"))
+            if (
+                args.fail_at_step is not None
+                and step == args.fail_at_step
+                and args.fail_rank in (None, own_rank)
+            ):
                 raise RuntimeError(f"toy: injected failure at step {step} (--fail-at-step)")
 
         def on_step_end(self, targs: Any, state: Any, control: Any, **kw: Any) -> None:

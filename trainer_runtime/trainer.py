@@ -102,6 +102,7 @@ from trainer_runtime.distributed.ddp_args import (
     even_batches,
     per_rank_batch_size,
 )
+from trainer_runtime.distributed.peers import PeerLoss, PeerWatch, peer_failure_in
 from trainer_runtime.distributed.trainer_fsdp import FsdpTrainerMixin
 from trainer_runtime.errors import CheckpointError, ConfigurationError, ResumeError
 from trainer_runtime.features import losses
@@ -123,6 +124,7 @@ from trainer_runtime.protocol import (
     ENV_ATTEMPT,
     ENV_OUTPUT_DIR,
     ENV_RESUME_FROM,
+    EXIT_PEER_FAILED,
     EXIT_PREEMPTED,
     REASON_DEADLINE_TOO_SHORT,
 )
@@ -138,6 +140,12 @@ logger = logging.getLogger(__name__)
 # How often ranks re-agree while a periodic save waits behind a background write (each poll is one
 # all-reduce of one int); short next to a step, so a SIGTERM is acted on without delay.
 _ASYNC_POLL_SECONDS = 0.05
+
+
+def _wait_for_exit(seconds: float = 30.0) -> None:
+    """Another thread is ending the process (os._exit); should it not, end it here."""
+    time.sleep(seconds)
+    os._exit(EXIT_PEER_FAILED)
 
 
 def under_operator() -> bool:
@@ -381,6 +389,9 @@ class Trainer(
         if self.args.enable_jit_checkpoint:
             latch.install()
         keep_handler = False
+        # Another rank gone (crashed, killed, node lost) ends this one within seconds with
+        # EXIT_PEER_FAILED, instead of a hang in the next collective until the SIGKILL.
+        peers = self._start_peer_watch() if operator else None
         try:
             # save_on_each_node: refuse shared storage before any step is spent (a collective)
             per_node.check_storage_not_shared(self.args, self.accelerator.local_process_index)
@@ -420,11 +431,57 @@ class Trainer(
             return output
         except BaseException as exc:
             if operator and not isinstance(exc, SystemExit | KeyboardInterrupt):
+                if peers is not None:
+                    self._end_if_peer_gone(peers, exc)
                 self._write_termination("failed", message=f"{type(exc).__name__}: {exc}")
+                if peers is not None:
+                    # After the message is written: the others stop at once, and the operator
+                    # then deletes this pod too. Its SIGTERM, latched, must not turn this exit 1
+                    # (the cause of the attempt's end) into death by signal.
+                    peers.announce_failure(f"{type(exc).__name__}: {exc}")
+                    keep_handler = True
             raise
         finally:
+            if peers is not None:
+                peers.stop()
             if not keep_handler:
                 latch.uninstall()
+
+    # -- other ranks gone ------------------------------------------------------------------------
+    def _start_peer_watch(self) -> PeerWatch | None:
+        if not collectives.is_distributed():
+            return None
+        watch = PeerWatch(collectives.rank(), collectives.world_size(), self._end_for_peer)
+        return watch.start() if watch.enabled else None
+
+    def _end_if_peer_gone(self, peers: PeerWatch, exc: BaseException) -> None:
+        """After ``exc`` in training: end as EXIT_PEER_FAILED when another rank is gone (it failed
+        first, or the collective says its connection closed); else return (this rank's own
+        failure: the caller reports and announces it)."""
+        if peers.loss is not None:
+            _wait_for_exit()  # the watch thread is ending the process
+        loss = peers.announced()
+        detail = peer_failure_in(exc)
+        if loss is None and detail is not None:
+            loss = PeerLoss(None, detail)
+        if loss is not None:
+            if peers.claim(loss):
+                peers.announce(loss)
+                self._end_for_peer(loss)
+            _wait_for_exit()
+
+    def _end_for_peer(self, loss: PeerLoss) -> None:
+        """Write the termination message naming the rank that is gone and exit EXIT_PEER_FAILED
+        now, from whichever thread: the main one may be stuck in a collective, and the process
+        group's teardown could hang on the dead peer too."""
+        message = loss.message(collectives.rank())
+        logger.error("%s; exiting with %d", message, EXIT_PEER_FAILED)
+        self._write_termination("failed", message=message, failed_rank=loss.rank, peer_gone=True)
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(EXIT_PEER_FAILED)
 
     # -- resume resolution -------------------------------------------------------------------------
     def _resolve_resume(self, resume: bool | str | None) -> CheckpointInfo | None:
@@ -1960,7 +2017,13 @@ class Trainer(
         )
 
     def _write_termination(
-        self, reason: str, *, message: str | None = None, sigterm_to_exit: float | None = None
+        self,
+        reason: str,
+        *,
+        message: str | None = None,
+        sigterm_to_exit: float | None = None,
+        failed_rank: int | None = None,
+        peer_gone: bool = False,
     ) -> None:
         # One message per pod: its main process (local rank 0) writes it, so every pod of a
         # multi-node attempt (and `trainer-runtime launch` on it) knows how its workers ended.
@@ -1978,4 +2041,6 @@ class Trainer(
             message=message,
             micro_batch_timer=self.micro_batch_timer,
             stop=self._jit_stop_kind if self.preempted else None,
+            failed_rank=failed_rank,
+            peer_gone=peer_gone or None,
         )

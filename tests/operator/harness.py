@@ -53,10 +53,12 @@ def wait_for(
         time.sleep(interval)
 
 
-def install_crd(api_client: kubernetes.client.ApiClient) -> None:
-    """Create (or replace) the generated CRD and wait until it is Established."""
+def install_crd(
+    api_client: kubernetes.client.ApiClient, body: dict[str, Any] | None = None
+) -> None:
+    """Create (or replace) the generated CRD (or ``body``) and wait until it is Established."""
     ext = kubernetes.client.ApiextensionsV1Api(api_client)
-    body = yaml.safe_load(crd.CRD_PATHS[0].read_text())
+    body = body or yaml.safe_load(crd.CRD_PATHS[0].read_text())
     name = body["metadata"]["name"]
     try:
         ext.create_custom_resource_definition(body)

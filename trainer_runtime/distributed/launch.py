@@ -39,6 +39,7 @@ from trainer_runtime.protocol import (
     DEFAULT_TERMINATION_LOG,
     ENV_GRACE_SECONDS,
     ENV_TERMINATION_LOG,
+    EXIT_PEER_FAILED,
     EXIT_PREEMPTED,
     read_termination_message,
 )
@@ -257,13 +258,17 @@ def launch_exit_code(returncode: int, termination_text: str | None) -> int:
 
     0 stays 0. Otherwise the workers' own verdict wins: a termination message saying
     ``preempted`` (written after a complete JIT checkpoint) makes it EXIT_PREEMPTED, so the
-    operator requeues instead of counting a failure. Anything else keeps torchrun's code.
+    operator requeues instead of counting a failure; ``peer_gone`` (the workers stopped because
+    a rank of another pod was gone) makes it EXIT_PEER_FAILED, so the operator looks for the cause
+    in that other pod. Anything else keeps torchrun's code.
     """
     if returncode == 0:
         return 0
     msg = read_termination_message(termination_text)
     if msg is not None and msg.reason == "preempted":
         return EXIT_PREEMPTED
+    if msg is not None and msg.peer_gone:
+        return EXIT_PEER_FAILED
     return returncode if returncode > 0 else 128 - returncode
 
 

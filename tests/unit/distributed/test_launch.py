@@ -11,7 +11,7 @@ from trainer_runtime.distributed.launch import (
     torchrun_options,
 )
 from trainer_runtime.errors import ConfigurationError
-from trainer_runtime.protocol import EXIT_PREEMPTED, TerminationMessage
+from trainer_runtime.protocol import EXIT_PEER_FAILED, EXIT_PREEMPTED, TerminationMessage
 
 
 @pytest.mark.parametrize(
@@ -92,8 +92,8 @@ def test_plan_refuses_bad_input(cmd: list[str], env: dict[str, str]) -> None:
         plan_launch(cmd, env, python="py")
 
 
-def _msg(reason: str) -> str:
-    msg = TerminationMessage(reason=reason, step=3, complete=reason == "preempted")  # type: ignore[arg-type]
+def _msg(reason: str, **extra: object) -> str:
+    msg = TerminationMessage(reason=reason, step=3, complete=reason == "preempted", **extra)  # type: ignore[arg-type]
     return msg.model_dump_json()
 
 
@@ -104,6 +104,8 @@ def _msg(reason: str) -> str:
         (0, _msg("preempted"), 0),
         (1, _msg("preempted"), EXIT_PREEMPTED),
         (1, _msg("failed"), 1),
+        (1, _msg("failed", peer_gone=True, failed_rank=5), EXIT_PEER_FAILED),
+        (1, _msg("failed", peer_gone=True), EXIT_PEER_FAILED),
         (1, None, 1),
         (1, "Traceback ...", 1),
         (-9, None, 137),

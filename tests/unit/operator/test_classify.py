@@ -395,6 +395,25 @@ def _oom(pod: dict[str, Any]) -> dict[str, Any]:
             "OOMKilled",
             "r1",
         ),
+        # The runtime's EXIT_PEER_FAILED (69) points at another rank: that one is named.
+        (
+            [
+                make_pod("r0", index=0, phase="Failed", exit_code=69, message="rank 1 is gone"),
+                make_pod("r1", index=1, phase="Failed", exit_code=1, message="CUDA error"),
+            ],
+            "Failed",
+            "TrainingFailed",
+            "r1",
+        ),
+        (
+            [
+                make_pod("r0", index=0, phase="Failed", exit_code=69, message="rank 1 is gone"),
+                make_pod("r1", index=1, phase="Failed", exit_code=137),
+            ],
+            "Failed",
+            "TrainingFailed",
+            "r1",
+        ),
     ],
 )
 def test_oom_and_the_failing_rank_are_named(
@@ -412,6 +431,9 @@ def test_oom_and_the_failing_rank_are_named(
         ([137], True, False),  # the OOM killer: says nothing about the grace period
         ([75, 137], False, True),  # one rank saved in time, one did not
         ([1, 137], False, False),  # a peer failed for real: the other was killed waiting
+        ([1, 69], False, False),  # a peer failed for real: the other noticed and exited
+        ([69, 137], False, True),  # one rank killed at the deadline, the other noticed it
+        ([69, 69], False, False),
         ([75, 75], False, False),
         ([0], False, False),
     ],

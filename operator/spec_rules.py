@@ -1,0 +1,175 @@
+"""Semantic rules of the TrainingJob spec, declared once and checked in two places.
+
+A model lists its rules in ``rules``; pydantic checks them when the operator parses an object
+(``models._Model``), and the CRD carries them as CEL ``x-kubernetes-validations`` (the models'
+JSON schema, hence ``crd.py``), so ``kubectl apply``/``edit`` of a violating object is refused by
+the apiserver with the same message the operator would give. Only rules over a model's own fields
+live here; bounds of a single number or string length are plain schema keywords (``Field(ge=...)``,
+``max_length``) that pydantic and the apiserver both enforce.
+
+Messages are templates: ``{field}`` is the field's value (wire name, camelCase). Python formats
+it with ``str``; CEL with ``%s`` of ``format``, which prints ints and strings the same way.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = [
+    "Matches",
+    "NotAbove",
+    "NotOneOf",
+    "Rule",
+    "cel_message",
+    "cel_string",
+    "render_message",
+]
+
+CelReason = Literal["FieldValueInvalid", "FieldValueForbidden"]
+
+_PLACEHOLDER = re.compile(r"\{([A-Za-z][A-Za-z0-9]*)\}")
+
+
+def cel_string(text: str) -> str:
+    """A CEL string literal (single-quoted) for ``text``."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def render_message(template: str, values: Mapping[str, Any]) -> str:
+    """The message as Python shows it: each ``{field}`` replaced by ``str(value)``."""
+    return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), template)
+
+
+def cel_message(template: str) -> str:
+    """The same message as a CEL ``messageExpression``: ``'...%s...'.format([self.f, ...])``.
+    (``string(x)`` or ``+`` over it would be cheaper to read, but the apiserver cannot bound the
+    size of ``string()``'s result and refuses the CRD as over its cost budget; ``format`` it can.)
+    """
+    fields = _PLACEHOLDER.findall(template)
+    literal = _PLACEHOLDER.sub("%s", template.replace("%", "%%"))
+    if not fields:
+        return cel_string(template)
+    args = ", ".join(f"self.{f}" for f in fields)
+    return f"{cel_string(literal)}.format([{args}])"
+
+
+def _present(fields: Iterable[str]) -> str:
+    # A field the object leaves out has no rule to break (defaults are applied before validation;
+    # optional fields without a default may really be absent).
+    return " && ".join(f"has(self.{f})" for f in fields)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A check over one model's fields (wire names). Subclasses define the Python check and its
+    CEL form; the message template is shared."""
+
+    message: str
+    """Template naming the field, the value (``{field}``) and the fix."""
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    @property
+    def field_path(self) -> str | None:
+        """The field the apiserver's error names (relative to the model), if one field."""
+        return None
+
+    reason: CelReason = "FieldValueInvalid"
+
+    def holds(self, values: Mapping[str, Any]) -> bool:
+        raise NotImplementedError
+
+    def cel_condition(self) -> str:
+        raise NotImplementedError
+
+    def violation(self, values: Mapping[str, Any]) -> str | None:
+        """The message when ``values`` (wire name -> value) break the rule, else None."""
+        if any(values.get(f) is None for f in self.fields) or self.holds(values):
+            return None
+        return render_message(self.message, values)
+
+    def to_cel(self) -> dict[str, Any]:
+        """The ``x-kubernetes-validations`` entry."""
+        rule = f"!({_present(self.fields)}) || ({self.cel_condition()})"
+        out: dict[str, Any] = {
+            "rule": rule,
+            "message": render_message(self.message, {f: f"<{f}>" for f in self.fields}),
+            "messageExpression": cel_message(self.message),
+            "reason": self.reason,
+        }
+        if self.field_path:
+            out["fieldPath"] = f".{self.field_path}"
+        return out
+
+
+@dataclass(frozen=True)
+class NotAbove(Rule):
+    """``low <= high`` (two numeric fields of the same model)."""
+
+    low: str = ""
+    high: str = ""
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return (self.low, self.high)
+
+    @property
+    def field_path(self) -> str | None:
+        return self.low
+
+    def holds(self, values: Mapping[str, Any]) -> bool:
+        return bool(values[self.low] <= values[self.high])
+
+    def cel_condition(self) -> str:
+        return f"self.{self.low} <= self.{self.high}"
+
+
+@dataclass(frozen=True)
+class NotOneOf(Rule):
+    """A string field must not take any of ``values``."""
+
+    field: str = ""
+    values: frozenset[str] = frozenset()
+    reason: CelReason = "FieldValueForbidden"
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return (self.field,)
+
+    @property
+    def field_path(self) -> str | None:
+        return self.field
+
+    def holds(self, values: Mapping[str, Any]) -> bool:
+        return values[self.field] not in self.values
+
+    def cel_condition(self) -> str:
+        listed = ", ".join(cel_string(v) for v in sorted(self.values))
+        return f"!(self.{self.field} in [{listed}])"
+
+
+@dataclass(frozen=True)
+class Matches(Rule):
+    """A string field must match ``pattern`` (anchored; RE2 and Python ``re`` alike)."""
+
+    field: str = ""
+    pattern: str = ""
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return (self.field,)
+
+    @property
+    def field_path(self) -> str | None:
+        return self.field
+
+    def holds(self, values: Mapping[str, Any]) -> bool:
+        return re.fullmatch(self.pattern, values[self.field]) is not None
+
+    def cel_condition(self) -> str:
+        return f"self.{self.field}.matches({cel_string('^' + self.pattern + '$')})"

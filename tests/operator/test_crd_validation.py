@@ -1,0 +1,97 @@
+"""On the real control plane: the CRD's CEL rules and bounds (generated from the models) make the
+apiserver refuse an invalid TrainingJob, on create and on edit, with the message the operator's
+own models give; valid objects are accepted. No operator runs: this is the apiserver alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
+
+from preemptible_operator import models
+from tests.operator.harness import TJClient, toy_training_job
+
+pytestmark = [pytest.mark.cluster]
+
+# (spec overrides, the field the apiserver names): every rule kind and every bound kind.
+INVALID: list[tuple[dict[str, Any], str]] = [
+    ({"gracePeriod": {"min": 100, "max": 50}}, "spec.gracePeriod.min"),
+    ({"gracePeriod": {"seconds": 0}}, "spec.gracePeriod.seconds"),
+    (
+        {"env": [{"name": "HF_HOME", "value": "/c"}, {"name": "RANK", "value": "3"}]},
+        "spec.env[1].name",
+    ),
+    ({"env": [{"name": "PREEMPTIBLE_RESUME_FROM", "value": ""}]}, "spec.env[0].name"),
+    ({"queueName": "Team A!"}, "spec.queueName"),
+    ({"priorityClass": "-low"}, "spec.priorityClass"),
+    ({"numNodes": 0}, "spec.numNodes"),
+    ({"gracePeriod": {"headroom": -0.5}}, "spec.gracePeriod.headroom"),
+    ({"metricsPort": 70000}, "spec.metricsPort"),
+    ({"maxRestarts": -1}, "spec.maxRestarts"),
+]
+VALID: list[dict[str, Any]] = [
+    {},
+    {"gracePeriod": {"min": 50, "max": 50, "initialSeconds": 10, "headroom": 0}},
+    {"env": [{"name": "HF_HOME", "value": "/c"}, {"name": "RANKING", "value": "x"}]},
+    {"queueName": "team-a.q_1", "priorityClass": "low"},
+    {"numNodes": 4, "metricsPort": 65535, "maxRestarts": 0},
+]
+
+
+def _dry_run_create(tj: TJClient, body: dict[str, Any]) -> None:
+    tj.custom.create_namespaced_custom_object(
+        models.GROUP, models.VERSION, tj.ns, models.PLURAL, body, dry_run="All"
+    )
+
+
+def _operator_message(spec: dict[str, Any]) -> str:
+    """What the operator's models say about ``spec`` (the part after the field path)."""
+    with pytest.raises(ValidationError) as info:
+        models.parse_spec(spec)
+    return models.format_validation_error(info.value).split(": ", 1)[1]
+
+
+@pytest.mark.parametrize(("overrides", "field"), INVALID)
+def test_apiserver_refuses_an_invalid_training_job(
+    tj: TJClient, checkpoint_root: Path, overrides: dict[str, Any], field: str
+) -> None:
+    body = toy_training_job("invalid", checkpoint_root, **overrides)
+    with pytest.raises(ApiException) as info:
+        _dry_run_create(tj, body)
+    assert info.value.status == 422, info.value.body
+    assert field in info.value.body, info.value.body
+    words = _operator_message(body["spec"])
+    if words.startswith("Input should"):
+        # A plain schema bound: the apiserver words it its own way, naming the bound.
+        assert "should be" in info.value.body, info.value.body
+    else:
+        # A CEL rule: the apiserver's message is the models' message, value included.
+        assert words in info.value.body.replace('\\"', '"'), (words, info.value.body)
+
+
+@pytest.mark.parametrize("overrides", VALID)
+def test_apiserver_accepts_a_valid_training_job(
+    tj: TJClient, checkpoint_root: Path, overrides: dict[str, Any]
+) -> None:
+    body = toy_training_job("valid", checkpoint_root, **overrides)
+    models.parse_spec(body["spec"])  # the operator accepts it too
+    _dry_run_create(tj, body)
+
+
+def test_an_invalid_edit_is_refused_and_the_stored_object_kept(
+    tj: TJClient, checkpoint_root: Path
+) -> None:
+    """`kubectl edit` of a stored TrainingJob (no operator: it stays as created)."""
+    body = toy_training_job("edited", checkpoint_root, suspend=True)
+    tj.create(body)
+    with pytest.raises(ApiException) as info:
+        tj.patch_spec("edited", {"gracePeriod": {"min": 500, "max": 100}})
+    assert info.value.status == 422, info.value.body
+    assert "min (500) must not exceed max (100); lower min or raise max" in info.value.body
+    stored = tj.get("edited")["spec"]["gracePeriod"]
+    assert (stored["min"], stored["max"]) == (5, 120), stored
+    tj.patch_spec("edited", {"gracePeriod": {"min": 10, "max": 100}})  # a valid edit goes in
+    assert tj.get("edited")["spec"]["gracePeriod"]["min"] == 10

@@ -1,0 +1,162 @@
+"""Spec rules: one declaration, checked by pydantic and emitted as the CRD's CEL validations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from preemptible_operator import crd, models
+from preemptible_operator.spec_rules import (
+    Matches,
+    NotAbove,
+    NotOneOf,
+    Rule,
+    cel_message,
+    cel_string,
+    render_message,
+)
+
+ORDER = NotAbove("min ({min}) must not exceed max ({max})", low="min", high="max")
+RESERVED = NotOneOf("{name} is reserved", field="name", values=frozenset({"RANK", "WORLD_SIZE"}))
+LABEL = Matches('"{q}" is not a label', field="q", pattern="[a-z]+")
+
+
+@pytest.mark.parametrize(
+    ("text", "literal"),
+    [
+        ("plain", "'plain'"),
+        ("it's", "'it\\'s'"),
+        ("back\\slash", "'back\\\\slash'"),
+    ],
+)
+def test_cel_string_escapes(text: str, literal: str) -> None:
+    assert cel_string(text) == literal
+
+
+@pytest.mark.parametrize(
+    ("template", "expression"),
+    [
+        ("no values", "'no values'"),
+        ("min ({min}) > max ({max})", "'min (%s) > max (%s)'.format([self.min, self.max])"),
+        ("{name} is 100% taken", "'%s is 100%% taken'.format([self.name])"),
+        ("'{q}' bad", "'\\'%s\\' bad'.format([self.q])"),
+    ],
+)
+def test_cel_message_formats_the_same_template(template: str, expression: str) -> None:
+    assert cel_message(template) == expression
+
+
+@pytest.mark.parametrize(
+    ("rule", "values", "message"),
+    [
+        (ORDER, {"min": 5, "max": 5}, None),
+        (ORDER, {"min": 6, "max": 5}, "min (6) must not exceed max (5)"),
+        (ORDER, {"min": 6, "max": None}, None),  # absent: nothing to compare
+        (RESERVED, {"name": "HF_HOME"}, None),
+        (RESERVED, {"name": "RANKS"}, None),
+        (RESERVED, {"name": "RANK"}, "RANK is reserved"),
+        (LABEL, {"q": "abc"}, None),
+        (LABEL, {"q": "abc!"}, '"abc!" is not a label'),
+        (LABEL, {"q": "xabc" * 0}, '"" is not a label'),
+    ],
+)
+def test_violation(rule: Rule, values: dict[str, Any], message: str | None) -> None:
+    assert rule.violation(values) == message
+
+
+@pytest.mark.parametrize(
+    ("rule", "expected"),
+    [
+        (
+            ORDER,
+            {
+                "rule": "!(has(self.min) && has(self.max)) || (self.min <= self.max)",
+                "message": "min (<min>) must not exceed max (<max>)",
+                "messageExpression": "'min (%s) must not exceed max (%s)'.format([self.min, "
+                "self.max])",
+                "reason": "FieldValueInvalid",
+                "fieldPath": ".min",
+            },
+        ),
+        (
+            RESERVED,
+            {
+                "rule": "!(has(self.name)) || (!(self.name in ['RANK', 'WORLD_SIZE']))",
+                "message": "<name> is reserved",
+                "messageExpression": "'%s is reserved'.format([self.name])",
+                "reason": "FieldValueForbidden",
+                "fieldPath": ".name",
+            },
+        ),
+        (
+            LABEL,
+            {
+                "rule": "!(has(self.q)) || (self.q.matches('^[a-z]+$'))",
+                "message": '"<q>" is not a label',
+                "messageExpression": "'\"%s\" is not a label'.format([self.q])",
+                "reason": "FieldValueInvalid",
+                "fieldPath": ".q",
+            },
+        ),
+    ],
+)
+def test_to_cel(rule: Rule, expected: dict[str, Any]) -> None:
+    assert rule.to_cel() == expected
+
+
+def test_render_message_uses_str() -> None:
+    assert render_message("{a}/{b}", {"a": 1.5, "b": "x"}) == "1.5/x"
+
+
+def _models_with_rules() -> list[type[models.BaseModel]]:
+    return [m for m in (models.GracePeriodSpec, models.EnvVar, models.TrainingJobSpec) if m.rules]
+
+
+@pytest.mark.parametrize("model", _models_with_rules(), ids=lambda m: m.__name__)
+def test_every_rule_names_fields_of_its_model(model: type[models.BaseModel]) -> None:
+    wire = {info.alias or name for name, info in model.model_fields.items()}
+    for rule in model.rules:  # type: ignore[attr-defined]
+        assert set(rule.fields) <= wire, (model.__name__, rule)
+
+
+@pytest.mark.parametrize(
+    ("path", "model"),
+    [
+        (("spec",), models.TrainingJobSpec),
+        (("spec", "gracePeriod"), models.GracePeriodSpec),
+        (("spec", "env", "[]"), models.EnvVar),
+    ],
+)
+def test_the_crd_carries_each_models_rules_where_the_model_is(
+    path: tuple[str, ...], model: type[models.BaseModel]
+) -> None:
+    node = crd.openapi_schema()
+    for key in path:
+        node = node["items"] if key == "[]" else node["properties"][key]
+    expected = [r.to_cel() for r in model.rules]  # type: ignore[attr-defined]
+    assert expected and node["x-kubernetes-validations"] == expected
+
+
+def test_rules_over_lists_and_strings_are_bounded() -> None:
+    # The apiserver refuses a CRD whose rules' worst-case cost it cannot bound.
+    spec = crd.openapi_schema()["properties"]["spec"]["properties"]
+    assert spec["env"]["maxItems"] == models.MAX_ENV
+    assert spec["env"]["items"]["properties"]["name"]["maxLength"] == models.MAX_ENV_NAME
+    assert spec["queueName"]["maxLength"] == spec["priorityClass"]["maxLength"] == 63
+
+
+@pytest.mark.parametrize(
+    ("overrides", "location"),
+    [
+        ({"gracePeriod": {"min": 100, "max": 50}}, "spec.gracePeriod.min: min (100)"),
+        ({"env": [{"name": "A"}, {"name": "RANK"}]}, "spec.env.1.name: RANK is set"),
+        ({"queueName": "a b"}, 'spec.queueName: "a b" is not'),
+    ],
+)
+def test_the_models_report_rule_violations_at_the_rules_field(
+    overrides: dict[str, Any], location: str
+) -> None:
+    with pytest.raises(models.ValidationError) as info:
+        models.parse_spec({"image": "i", "checkpoint": {"uri": "/c"}, **overrides})
+    assert models.format_validation_error(info.value).startswith(location)
