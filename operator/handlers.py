@@ -36,9 +36,13 @@ _state: dict[str, Any] = {"config": OperatorConfig(), "reconciler": None, "kubec
 _wakeups: dict[tuple[str, str], asyncio.Event] = {}
 _uids: dict[tuple[str, str], str] = {}
 _generations: dict[tuple[str, str], tuple[Any, Any]] = {}
+_released: set[str] = set()
+"""uids of TrainingJobs being deleted whose pods were released."""
 
 FINALIZER = "preemptible.dev/operator"
 ERROR_BACKOFF_MAX = 60.0
+FINALIZER_WAIT_STEPS = 100
+"""At most 5 s (steps of 50 ms) for kopf's finalizer before the first pass."""
 
 
 def configure(config: OperatorConfig, kubeconfig: str | None = None) -> None:
@@ -74,6 +78,11 @@ def _plain(body: Any) -> dict[str, Any]:
     obj = copy.deepcopy(dict(body))
     (obj.get("metadata") or {}).pop("managedFields", None)
     return obj
+
+
+def _has_finalizer(body: Any) -> bool:
+    meta = body.get("metadata", {})
+    return bool(meta.get("deletionTimestamp")) or FINALIZER in (meta.get("finalizers") or [])
 
 
 def _wake(namespace: str | None, name: str | None) -> None:
@@ -116,12 +125,15 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
             return kopf.login_with_kubeconfig(**kwargs)
         return kopf.login_via_client(**kwargs)
 
+    # Indexers and event handlers are coroutines: kopf runs a plain function in a thread per
+    # call, which costs more than the handler itself, and an asyncio.Event must be set from the
+    # event loop's thread (a set from another thread may go unnoticed until the next timer).
     @kopf.index("batch", "v1", "jobs", registry=registry, id="tj_jobs", **selector)
-    def tj_jobs(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> Any:
+    async def tj_jobs(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> Any:
         return {(namespace, labels[render.LABEL_TRAINING_JOB]): _plain(body)}
 
     @kopf.index("", "v1", "pods", registry=registry, id="tj_pods", **selector)
-    def tj_pods(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> Any:
+    async def tj_pods(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> Any:
         return {(namespace, labels[render.LABEL_TRAINING_JOB]): _plain(body)}
 
     if _state["config"].kueue:
@@ -133,7 +145,9 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
             labels={KUEUE_JOB_UID_LABEL: kopf.PRESENT},
             id="tj_workloads",
         )
-        def tj_workloads(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> Any:
+        async def tj_workloads(
+            namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any
+        ) -> Any:
             return {(namespace, labels[KUEUE_JOB_UID_LABEL]): _plain(body)}
 
     @kopf.daemon(
@@ -158,6 +172,12 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
         wake = _wakeups.setdefault(key, asyncio.Event())
         _uids[key] = body.get("metadata", {}).get("uid", "")
         failures = 0
+        # kopf adds its finalizer just after it spawns the daemon: a first status write based on
+        # the object without it would be refused (409) and the whole pass redone.
+        waited = 0
+        while not stopped and waited < FINALIZER_WAIT_STEPS and not _has_finalizer(body):
+            await asyncio.sleep(0.05)
+            waited += 1
         try:
             while not stopped:
                 wake.clear()  # events during the pass trigger the next one
@@ -190,23 +210,34 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
             _uids.pop(key, None)
 
     @kopf.on.event(models.GROUP, models.VERSION, models.PLURAL, registry=registry)
-    def _tj_event(namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
+    async def _tj_event(
+        type: str | None, namespace: str, name: str, body: kopf.Body, **_: Any
+    ) -> None:
         # Only what the user changed wakes the daemon: a new generation (spec) or deletion.
-        # Our own status writes (and kopf's annotations) leave the generation as it was.
+        # Our own status writes (and kopf's finalizer) leave the generation as it was.
+        key = (namespace, name)
         meta = body.get("metadata", {})
         seen = (meta.get("generation"), meta.get("deletionTimestamp"))
-        if _generations.get((namespace, name)) != seen:
-            _generations[(namespace, name)] = seen
+        if _generations.get(key) != seen:
+            _generations[key] = seen
             _wake(namespace, name)
-
-    @kopf.on.delete(models.GROUP, models.VERSION, models.PLURAL, registry=registry, optional=True)
-    def _deleted(namespace: str, name: str, **_: Any) -> None:
-        _reconciler().release_all(namespace, name)
-        _reconciler().forget(namespace, name)
-        _generations.pop((namespace, name), None)
+        # Deletion is handled here rather than by kopf.on.delete: any change handler makes kopf
+        # write its diff-base annotation on every new object (a second PATCH that races the
+        # first status write).
+        uid = meta.get("uid", "")
+        if (meta.get("deletionTimestamp") or type == "DELETED") and uid not in _released:
+            try:
+                await asyncio.to_thread(_reconciler().release_all, namespace, name)
+                _released.add(uid)
+            except Exception:  # the next event retries; _pod_event releases orphans too
+                log.exception("releasing the pods of deleted %s/%s failed", namespace, name)
+        if type == "DELETED":
+            _released.discard(uid)
+            _reconciler().forget(namespace, name)
+            _generations.pop(key, None)
 
     @kopf.on.event("batch", "v1", "jobs", registry=registry, **selector)
-    def _job_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
+    async def _job_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
         _wake(namespace, labels.get(render.LABEL_TRAINING_JOB))
 
     @kopf.on.event("", "v1", "pods", registry=registry, **selector)
