@@ -80,6 +80,42 @@ def _plain(body: Any) -> dict[str, Any]:
     return obj
 
 
+class _NoDiffBase(kopf.DiffBaseStorage):
+    """No diff base: with no kopf change handlers (on.create/update/delete) nothing reads it,
+    yet kopf would deep-copy every watched body (Jobs and pods too) to build one per event."""
+
+    def build(self, *, body: Any, extra_fields: Any = None) -> Any:
+        return {}
+
+    def fetch(self, *, body: Any) -> Any:
+        return {}
+
+    def store(self, *, body: Any, patch: Any, essence: Any) -> None:
+        return None
+
+
+# What a pass reads of a child's spec; the rest (a Job's pod template, a pod's containers)
+# would only take memory and copying time in the watch caches.
+_CHILD_SPEC_KEYS = {
+    "jobs": ("suspend", "completions", "parallelism"),
+    "pods": ("nodeName", "terminationGracePeriodSeconds"),
+}
+
+
+def _slim(body: Any, kind: str) -> dict[str, Any]:
+    """A JSON-shaped copy of a child for the caches: metadata (without managedFields), the
+    status and the spec fields in ``_CHILD_SPEC_KEYS``."""
+    meta = {k: v for k, v in (body.get("metadata") or {}).items() if k != "managedFields"}
+    spec = body.get("spec") or {}
+    return {
+        "apiVersion": body.get("apiVersion"),
+        "kind": body.get("kind"),
+        "metadata": copy.deepcopy(meta),
+        "spec": {k: copy.deepcopy(spec[k]) for k in _CHILD_SPEC_KEYS[kind] if k in spec},
+        "status": copy.deepcopy(dict(body.get("status") or {})),
+    }
+
+
 def _has_finalizer(body: Any) -> bool:
     meta = body.get("metadata", {})
     return bool(meta.get("deletionTimestamp")) or FINALIZER in (meta.get("finalizers") or [])
@@ -108,9 +144,7 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
         )
         # Keep kopf's bookkeeping in annotations: the status belongs to the TrainingJob API.
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=models.GROUP)
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix=models.GROUP, key="last-handled-configuration"
-        )
+        settings.persistence.diffbase_storage = _NoDiffBase()
         settings.persistence.finalizer = FINALIZER
         # Our own Events carry the reasons; kopf's per-handler events would be noise.
         settings.posting.level = logging.WARNING
@@ -130,11 +164,11 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
     # event loop's thread (a set from another thread may go unnoticed until the next timer).
     @kopf.index("batch", "v1", "jobs", registry=registry, id="tj_jobs", **selector)
     async def tj_jobs(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> Any:
-        return {(namespace, labels[render.LABEL_TRAINING_JOB]): _plain(body)}
+        return {(namespace, labels[render.LABEL_TRAINING_JOB]): _slim(body, "jobs")}
 
     @kopf.index("", "v1", "pods", registry=registry, id="tj_pods", **selector)
     async def tj_pods(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> Any:
-        return {(namespace, labels[render.LABEL_TRAINING_JOB]): _plain(body)}
+        return {(namespace, labels[render.LABEL_TRAINING_JOB]): _slim(body, "pods")}
 
     if _state["config"].kueue:
 
