@@ -41,8 +41,9 @@ _released: set[str] = set()
 
 FINALIZER = "preemptible.dev/operator"
 ERROR_BACKOFF_MAX = 60.0
-FINALIZER_WAIT_STEPS = 100
-"""At most 5 s (steps of 50 ms) for kopf's finalizer before the first pass."""
+FINALIZER_WAIT_STEPS = 400
+"""At most 20 s (steps of 50 ms) for kopf's finalizer before the first pass: after a restart
+with a backlog, kopf patches hundreds of objects first."""
 
 
 def configure(config: OperatorConfig, kubeconfig: str | None = None) -> None:
