@@ -4,8 +4,12 @@ Starts the real control plane of the cluster test tier (etcd, kube-apiserver,
 controller-manager, scheduler, Kueue, the stand-in node agent), installs the CRD and runs one
 operator process (``preemptible-operator run``, default settings, admin credentials), then:
 
-(a) queued: N TrainingJobs in a Kueue LocalQueue whose ClusterQueue has no quota. Prints the
-    seconds from the first create until every one has its attempt Job and a status phase.
+(a) queued: N TrainingJobs in a Kueue LocalQueue whose ClusterQueue has no quota, created from
+    12 threads. Prints the seconds the creates took and from the first create until every one
+    has its attempt Job and a status phase (followed by watches), the operator's CPU and RSS,
+    and the apiserver's requests per TrainingJob by verb and resource. ``--backlog``: the
+    TrainingJobs are created first and the operator started after them (a restart with a
+    backlog: the seconds count from its start).
 (b) running: M TrainingJobs whose pods run ``benchmarks/stub_runtime.py`` (no torch: it serves the
     runtime's /metrics and advances its step every second). At steady state, over a window:
     API requests per second per running job (the apiserver's ``apiserver_request_total`` with
@@ -14,7 +18,8 @@ operator process (``preemptible-operator run``, default settings, admin credenti
 (c) requeue: stubs exit 75 one by one (a trigger file, spaced out) while the others keep
     running; the time from each exit to the next attempt's Job appearing in a watch: p50, p90.
 
-    python -P benchmarks/operator_scale.py [--queued 1000] [--running 500] [--requeues 50]
+    python -P benchmarks/operator_scale.py [--queued 1000 [--backlog]] [--running 500]
+        [--requeues 50]
 
 The figures depend on the machine; docs/operator.md ("Operator at scale") records a run.
 """
