@@ -32,7 +32,12 @@ __all__ = ["configure", "register"]
 
 log = logging.getLogger("preemptible_operator")
 
-_state: dict[str, Any] = {"config": OperatorConfig(), "reconciler": None, "kubeconfig": None}
+_state: dict[str, Any] = {
+    "config": OperatorConfig(),
+    "reconciler": None,
+    "kubeconfig": None,
+    "urgent": None,
+}
 _wakeups: dict[tuple[str, str], asyncio.Event] = {}
 _uids: dict[tuple[str, str], str] = {}
 _generations: dict[tuple[str, str], tuple[Any, Any]] = {}
@@ -65,9 +70,11 @@ def _reconciler() -> Reconciler:
                 kubernetes.config.load_incluster_config(client_configuration=cfg)
             except kubernetes.config.ConfigException:
                 kubernetes.config.load_kube_config(client_configuration=cfg)
-        # One pooled connection per worker thread (the default pool is 5 per CPU).
+        # One pooled connection per thread: reconcile workers, those of event-woken passes and
+        # the event posters (the default pool is 5 per CPU).
+        workers = _state["config"].workers
         cfg.connection_pool_maxsize = max(
-            cfg.connection_pool_maxsize or 0, _state["config"].workers
+            cfg.connection_pool_maxsize or 0, workers + max(4, workers // 2) + 4
         )
         rec = Reconciler(kubernetes.client.ApiClient(cfg), _state["config"])
         _state["reconciler"] = rec
@@ -143,6 +150,9 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
                 _state["config"].workers, thread_name_prefix="reconcile"
             )
         )
+        _state["urgent"] = concurrent.futures.ThreadPoolExecutor(
+            max(4, _state["config"].workers // 2), thread_name_prefix="reconcile-event"
+        )
         # Keep kopf's bookkeeping in annotations: the status belongs to the TrainingJob API.
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=models.GROUP)
         settings.persistence.diffbase_storage = _NoDiffBase()
@@ -213,6 +223,7 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
         while not stopped and waited < FINALIZER_WAIT_STEPS and not _has_finalizer(body):
             await asyncio.sleep(0.05)
             waited += 1
+        urgent = True
         try:
             while not stopped:
                 wake.clear()  # events during the pass trigger the next one
@@ -228,8 +239,11 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
                     },
                 )
                 try:
-                    result = await asyncio.to_thread(
-                        _reconciler().reconcile, namespace, name, cached
+                    # A pass that follows a watch event (or asked to run at once) goes to its
+                    # own pool: it never queues behind periodic passes stuck on slow scrapes.
+                    pool = _state["urgent"] if urgent else None
+                    result = await asyncio.get_running_loop().run_in_executor(
+                        pool, _reconciler().reconcile, namespace, name, cached
                     )
                     delay = result.requeue_after
                     failures = 0
@@ -240,6 +254,7 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
                     delay = min(ERROR_BACKOFF_MAX, 2.0**failures)
                     log.exception("reconcile of %s/%s failed; retry in %.0f s", *key, delay)
                 await _sleep(wake, stopped, delay)
+                urgent = wake.is_set() or delay == 0.0
         finally:
             _wakeups.pop(key, None)
             _uids.pop(key, None)
