@@ -4,8 +4,12 @@ Starts the real control plane of the cluster test tier (etcd, kube-apiserver,
 controller-manager, scheduler, Kueue, the stand-in node agent), installs the CRD and runs one
 operator process (``preemptible-operator run``, default settings, admin credentials), then:
 
-(a) queued: N TrainingJobs in a Kueue LocalQueue whose ClusterQueue has no quota. Prints the
-    seconds from the first create until every one has its attempt Job and a status phase.
+(a) queued: N TrainingJobs in a Kueue LocalQueue whose ClusterQueue has no quota, created from
+    12 threads. Prints the seconds the creates took and from the first create until every one
+    has its attempt Job and a status phase (followed by watches), the operator's CPU and RSS,
+    and the apiserver's requests per TrainingJob by verb and resource. ``--backlog``: the
+    TrainingJobs are created first and the operator started after them (a restart with a
+    backlog: the seconds count from its start).
 (b) running: M TrainingJobs whose pods run ``benchmarks/stub_runtime.py`` (no torch: it serves the
     runtime's /metrics and advances its step every second). At steady state, over a window:
     API requests per second per running job (the apiserver's ``apiserver_request_total`` with
@@ -14,7 +18,8 @@ operator process (``preemptible-operator run``, default settings, admin credenti
 (c) requeue: stubs exit 75 one by one (a trigger file, spaced out) while the others keep
     running; the time from each exit to the next attempt's Job appearing in a watch: p50, p90.
 
-    python -P benchmarks/operator_scale.py [--queued 1000] [--running 500] [--requeues 50]
+    python -P benchmarks/operator_scale.py [--queued 1000 [--backlog]] [--running 500]
+        [--requeues 50]
 
 The figures depend on the machine; docs/operator.md ("Operator at scale") records a run.
 """
@@ -74,6 +79,7 @@ OPERATOR_REQUESTS = frozenset(
         "PATCH workloads",
     }
 )
+CREATE_THREADS = 12
 
 
 def _say(msg: str) -> None:
@@ -193,11 +199,17 @@ def stub_spec(root: Path, control: Path) -> dict[str, Any]:
     }
 
 
-def create_all(custom: Any, namespace: str, bodies: list[dict[str, Any]]) -> None:
+def create_all(
+    client: kubernetes.client.ApiClient, namespace: str, bodies: list[dict[str, Any]]
+) -> None:
+    """Create ``bodies`` from CREATE_THREADS threads (the client's pool holds 16 connections), so
+    the benchmark's own client is not what limits the create rate."""
+    custom = kubernetes.client.CustomObjectsApi(client)
+
     def create(body: dict[str, Any]) -> None:
         custom.create_namespaced_custom_object(*TJ_ARGS, namespace, models.PLURAL, body)
 
-    with ThreadPoolExecutor(8) as pool:
+    with ThreadPoolExecutor(CREATE_THREADS) as pool:
         list(pool.map(create, bodies))
 
 
@@ -213,38 +225,126 @@ def count_ready(
     return phased, jobs
 
 
-# ------------------------------------------------------------------------------- scenarios
+class ReadyWatch:
+    """Watches TrainingJobs and Jobs in a namespace and records the time (monotonic) at which
+    each TrainingJob first has both a phase in ``phases`` and its attempt Job. Watches rather
+    than polled lists: listing 1,000 objects a second would take apiserver CPU from what is
+    measured."""
+
+    def __init__(self, cp: ControlPlane, namespace: str, phases: set[str]) -> None:
+        self.cp, self.namespace, self.phases = cp, namespace, phases
+        self.phased: set[str] = set()
+        self.jobs: set[str] = set()
+        self.ready: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._run, args=(kind,), daemon=True) for kind in ("tj", "job")
+        ]
+
+    def __enter__(self) -> ReadyWatch:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(10)
+
+    def _seen(self, kind: str, name: str, obj: dict[str, Any]) -> None:
+        with self._lock:
+            if kind == "tj":
+                if (obj.get("status") or {}).get("phase") in self.phases:
+                    self.phased.add(name)
+            else:
+                name = (obj["metadata"].get("labels") or {}).get(render.LABEL_TRAINING_JOB, "")
+                self.jobs.add(name)
+            if name in self.phased and name in self.jobs and name not in self.ready:
+                self.ready[name] = time.monotonic()
+
+    def _run(self, kind: str) -> None:
+        with self.cp.api_client() as client:
+            custom = kubernetes.client.CustomObjectsApi(client)
+            batch = kubernetes.client.BatchV1Api(client)
+            while not self._stop.is_set():
+                w = kubernetes.watch.Watch()
+                if kind == "tj":
+                    fn, args = custom.list_namespaced_custom_object, (*TJ_ARGS, self.namespace)
+                    args = (*args, models.PLURAL)
+                    kwargs: dict[str, Any] = {}
+                else:
+                    fn, args = batch.list_namespaced_job, (self.namespace,)
+                    kwargs = {"label_selector": render.LABEL_TRAINING_JOB}
+                try:
+                    for ev in w.stream(fn, *args, timeout_seconds=5, **kwargs):
+                        obj = ev["object"]
+                        if not isinstance(obj, dict):
+                            obj = client.sanitize_for_serialization(obj)
+                        self._seen(kind, obj["metadata"]["name"], obj)
+                        if self._stop.is_set():
+                            break
+                except Exception:  # a dropped watch: list again
+                    time.sleep(0.2)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.ready)
+
+
 def bench_queued(
-    cp: ControlPlane, kueue: Kueue, op: Operator, n: int, root: Path
-) -> dict[str, float]:
+    cp: ControlPlane, kueue: Kueue, op: Operator | None, n: int, root: Path, kubeconfig: Path
+) -> tuple[dict[str, float], Operator]:
+    """(a). ``op`` None: the TrainingJobs are created first and the operator started after (a
+    restart with a backlog: the operator's own throughput, without the create stream)."""
     ns = "bench-queued"
     with cp.api_client() as client:
         kubernetes.client.CoreV1Api(client).create_namespace({"metadata": {"name": ns}})
         queue = kueue.create_local_queue(ns)
-        custom = kubernetes.client.CustomObjectsApi(client)
         bodies = [training_job(f"q{i}", queued_spec(root / f"q{i}", queue)) for i in range(n)]
-        cpu0 = op.cpu_seconds()
-        t0 = time.monotonic()
-        create_all(custom, ns, bodies)
-        created = time.monotonic() - t0
-
-        def done() -> bool:
-            phased, jobs = count_ready(client, ns, {"Queued", "Pending"})
-            return phased >= n and jobs >= n
-
-        eventually(
-            f"{n} queued TrainingJobs with a Job and a phase", done, timeout=1800, interval=1.0
-        )
-        seconds = time.monotonic() - t0
+        with ReadyWatch(cp, ns, {"Queued", "Pending"}) as ready:
+            time.sleep(1)
+            before = apiserver_requests(client)
+            t0 = time.monotonic()
+            create_all(client, ns, bodies)
+            created = time.monotonic() - t0
+            started = None
+            if op is None:
+                _say(f"  {n} created in {created:.1f} s with no operator; starting it")
+                op = Operator(kubeconfig, root.parent / "operator.log")
+                started = time.monotonic()
+            cpu0 = 0.0 if started is not None else op.cpu_seconds()
+            eventually(
+                f"{n} queued TrainingJobs with a Job and a phase",
+                lambda: ready.count() >= n,
+                timeout=1800,
+                interval=0.2,
+            )
+            last = max(ready.ready.values())
+            after = apiserver_requests(client)
     rss, peak = op.rss_mb()
-    return {
+    per_job = {
+        k: round((after.get(k, 0.0) - before.get(k, 0.0)) / n, 2)
+        for k in set(after) | set(before)
+        if after.get(k, 0.0) - before.get(k, 0.0) >= n / 20
+    }
+    _say(f"  apiserver requests per TrainingJob (>= 0.05): {dict(sorted(per_job.items()))}")
+    out = {
         "n": n,
         "create_seconds": created,
-        "seconds": seconds,
         "cpu_seconds": op.cpu_seconds() - cpu0,
         "rss_mb": rss,
         "peak_rss_mb": peak,
+        "operator_requests_per_job": round(
+            sum(v for k, v in per_job.items() if k in OPERATOR_REQUESTS), 2
+        ),
     }
+    if started is None:
+        out["seconds"] = last - t0
+        out["after_last_create_seconds"] = last - (t0 + created)
+    else:
+        out["after_operator_start_seconds"] = last - started
+    return out, op
 
 
 def bench_running(
@@ -253,10 +353,9 @@ def bench_running(
     ns = "bench-running"
     with cp.api_client() as client:
         kubernetes.client.CoreV1Api(client).create_namespace({"metadata": {"name": ns}})
-        custom = kubernetes.client.CustomObjectsApi(client)
         bodies = [training_job(f"r{i}", stub_spec(root / f"r{i}", control)) for i in range(n)]
         t0 = time.monotonic()
-        create_all(custom, ns, bodies)
+        create_all(client, ns, bodies)
         eventually(
             f"{n} stub jobs Running",
             lambda: count_ready(client, ns, {"Running"})[0] >= n,
@@ -380,6 +479,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--queued", type=int, default=1000, help="(a) queued TrainingJobs (0: skip)"
     )
+    parser.add_argument(
+        "--backlog",
+        action="store_true",
+        help="(a): create the TrainingJobs first, then start the operator",
+    )
     parser.add_argument("--running", type=int, default=500, help="(b) running stub jobs (0: skip)")
     parser.add_argument("--requeues", type=int, default=50, help="(c) stubs that exit 75")
     parser.add_argument("--requeue-spacing", type=float, default=0.5, help="seconds between exits")
@@ -419,11 +523,13 @@ def main(argv: list[str] | None = None) -> int:
         agent.start(timeout=300)
         with cp.api_client() as client:
             install_crd(client)
-        op = Operator(cp.kubeconfig, workdir / "operator.log")
-        time.sleep(5)
+        if not (args.queued and args.backlog):
+            op = Operator(cp.kubeconfig, workdir / "operator.log")
+            time.sleep(5)
         if args.queued:
-            _say(f"(a) {args.queued} queued TrainingJobs ...")
-            results["queued"] = bench_queued(cp, kueue, op, args.queued, root)
+            how = "created before the operator starts" if args.backlog else "created while it runs"
+            _say(f"(a) {args.queued} queued TrainingJobs, {how} ...")
+            results["queued"], op = bench_queued(cp, kueue, op, args.queued, root, cp.kubeconfig)
             _say(f"    {json.dumps(results['queued'])}")
         if args.running:
             _say(f"(b) {args.running} running stub jobs ...")

@@ -32,13 +32,23 @@ __all__ = ["configure", "register"]
 
 log = logging.getLogger("preemptible_operator")
 
-_state: dict[str, Any] = {"config": OperatorConfig(), "reconciler": None, "kubeconfig": None}
+_state: dict[str, Any] = {
+    "config": OperatorConfig(),
+    "reconciler": None,
+    "kubeconfig": None,
+    "urgent": None,
+}
 _wakeups: dict[tuple[str, str], asyncio.Event] = {}
 _uids: dict[tuple[str, str], str] = {}
 _generations: dict[tuple[str, str], tuple[Any, Any]] = {}
+_released: set[str] = set()
+"""uids of TrainingJobs being deleted whose pods were released."""
 
 FINALIZER = "preemptible.dev/operator"
 ERROR_BACKOFF_MAX = 60.0
+FINALIZER_WAIT_STEPS = 400
+"""At most 20 s (steps of 50 ms) for kopf's finalizer before the first pass: after a restart
+with a backlog, kopf patches hundreds of objects first."""
 
 
 def configure(config: OperatorConfig, kubeconfig: str | None = None) -> None:
@@ -60,9 +70,11 @@ def _reconciler() -> Reconciler:
                 kubernetes.config.load_incluster_config(client_configuration=cfg)
             except kubernetes.config.ConfigException:
                 kubernetes.config.load_kube_config(client_configuration=cfg)
-        # One pooled connection per worker thread (the default pool is 5 per CPU).
+        # One pooled connection per thread: reconcile workers, those of event-woken passes and
+        # the event posters (the default pool is 5 per CPU).
+        workers = _state["config"].workers
         cfg.connection_pool_maxsize = max(
-            cfg.connection_pool_maxsize or 0, _state["config"].workers
+            cfg.connection_pool_maxsize or 0, workers + max(4, workers // 2) + 4
         )
         rec = Reconciler(kubernetes.client.ApiClient(cfg), _state["config"])
         _state["reconciler"] = rec
@@ -74,6 +86,47 @@ def _plain(body: Any) -> dict[str, Any]:
     obj = copy.deepcopy(dict(body))
     (obj.get("metadata") or {}).pop("managedFields", None)
     return obj
+
+
+class _NoDiffBase(kopf.DiffBaseStorage):
+    """No diff base: with no kopf change handlers (on.create/update/delete) nothing reads it,
+    yet kopf would deep-copy every watched body (Jobs and pods too) to build one per event."""
+
+    def build(self, *, body: Any, extra_fields: Any = None) -> Any:
+        return {}
+
+    def fetch(self, *, body: Any) -> Any:
+        return {}
+
+    def store(self, *, body: Any, patch: Any, essence: Any) -> None:
+        return None
+
+
+# What a pass reads of a child's spec; the rest (a Job's pod template, a pod's containers)
+# would only take memory and copying time in the watch caches.
+_CHILD_SPEC_KEYS = {
+    "jobs": ("suspend", "completions", "parallelism"),
+    "pods": ("nodeName", "terminationGracePeriodSeconds"),
+}
+
+
+def _slim(body: Any, kind: str) -> dict[str, Any]:
+    """A JSON-shaped copy of a child for the caches: metadata (without managedFields), the
+    status and the spec fields in ``_CHILD_SPEC_KEYS``."""
+    meta = {k: v for k, v in (body.get("metadata") or {}).items() if k != "managedFields"}
+    spec = body.get("spec") or {}
+    return {
+        "apiVersion": body.get("apiVersion"),
+        "kind": body.get("kind"),
+        "metadata": copy.deepcopy(meta),
+        "spec": {k: copy.deepcopy(spec[k]) for k in _CHILD_SPEC_KEYS[kind] if k in spec},
+        "status": copy.deepcopy(dict(body.get("status") or {})),
+    }
+
+
+def _has_finalizer(body: Any) -> bool:
+    meta = body.get("metadata", {})
+    return bool(meta.get("deletionTimestamp")) or FINALIZER in (meta.get("finalizers") or [])
 
 
 def _wake(namespace: str | None, name: str | None) -> None:
@@ -97,11 +150,12 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
                 _state["config"].workers, thread_name_prefix="reconcile"
             )
         )
+        _state["urgent"] = concurrent.futures.ThreadPoolExecutor(
+            max(4, _state["config"].workers // 2), thread_name_prefix="reconcile-event"
+        )
         # Keep kopf's bookkeeping in annotations: the status belongs to the TrainingJob API.
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=models.GROUP)
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix=models.GROUP, key="last-handled-configuration"
-        )
+        settings.persistence.diffbase_storage = _NoDiffBase()
         settings.persistence.finalizer = FINALIZER
         # Our own Events carry the reasons; kopf's per-handler events would be noise.
         settings.posting.level = logging.WARNING
@@ -116,13 +170,16 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
             return kopf.login_with_kubeconfig(**kwargs)
         return kopf.login_via_client(**kwargs)
 
+    # Indexers and event handlers are coroutines: kopf runs a plain function in a thread per
+    # call, which costs more than the handler itself, and an asyncio.Event must be set from the
+    # event loop's thread (a set from another thread may go unnoticed until the next timer).
     @kopf.index("batch", "v1", "jobs", registry=registry, id="tj_jobs", **selector)
-    def tj_jobs(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> Any:
-        return {(namespace, labels[render.LABEL_TRAINING_JOB]): _plain(body)}
+    async def tj_jobs(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> Any:
+        return {(namespace, labels[render.LABEL_TRAINING_JOB]): _slim(body, "jobs")}
 
     @kopf.index("", "v1", "pods", registry=registry, id="tj_pods", **selector)
-    def tj_pods(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> Any:
-        return {(namespace, labels[render.LABEL_TRAINING_JOB]): _plain(body)}
+    async def tj_pods(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> Any:
+        return {(namespace, labels[render.LABEL_TRAINING_JOB]): _slim(body, "pods")}
 
     if _state["config"].kueue:
 
@@ -133,7 +190,9 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
             labels={KUEUE_JOB_UID_LABEL: kopf.PRESENT},
             id="tj_workloads",
         )
-        def tj_workloads(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> Any:
+        async def tj_workloads(
+            namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any
+        ) -> Any:
             return {(namespace, labels[KUEUE_JOB_UID_LABEL]): _plain(body)}
 
     @kopf.daemon(
@@ -158,6 +217,13 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
         wake = _wakeups.setdefault(key, asyncio.Event())
         _uids[key] = body.get("metadata", {}).get("uid", "")
         failures = 0
+        # kopf adds its finalizer just after it spawns the daemon: a first status write based on
+        # the object without it would be refused (409) and the whole pass redone.
+        waited = 0
+        while not stopped and waited < FINALIZER_WAIT_STEPS and not _has_finalizer(body):
+            await asyncio.sleep(0.05)
+            waited += 1
+        urgent = True
         try:
             while not stopped:
                 wake.clear()  # events during the pass trigger the next one
@@ -173,8 +239,11 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
                     },
                 )
                 try:
-                    result = await asyncio.to_thread(
-                        _reconciler().reconcile, namespace, name, cached
+                    # A pass that follows a watch event (or asked to run at once) goes to its
+                    # own pool: it never queues behind periodic passes stuck on slow scrapes.
+                    pool = _state["urgent"] if urgent else None
+                    result = await asyncio.get_running_loop().run_in_executor(
+                        pool, _reconciler().reconcile, namespace, name, cached
                     )
                     delay = result.requeue_after
                     failures = 0
@@ -185,28 +254,40 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
                     delay = min(ERROR_BACKOFF_MAX, 2.0**failures)
                     log.exception("reconcile of %s/%s failed; retry in %.0f s", *key, delay)
                 await _sleep(wake, stopped, delay)
+                urgent = wake.is_set() or delay == 0.0
         finally:
             _wakeups.pop(key, None)
             _uids.pop(key, None)
 
     @kopf.on.event(models.GROUP, models.VERSION, models.PLURAL, registry=registry)
-    def _tj_event(namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
+    async def _tj_event(
+        type: str | None, namespace: str, name: str, body: kopf.Body, **_: Any
+    ) -> None:
         # Only what the user changed wakes the daemon: a new generation (spec) or deletion.
-        # Our own status writes (and kopf's annotations) leave the generation as it was.
+        # Our own status writes (and kopf's finalizer) leave the generation as it was.
+        key = (namespace, name)
         meta = body.get("metadata", {})
         seen = (meta.get("generation"), meta.get("deletionTimestamp"))
-        if _generations.get((namespace, name)) != seen:
-            _generations[(namespace, name)] = seen
+        if _generations.get(key) != seen:
+            _generations[key] = seen
             _wake(namespace, name)
-
-    @kopf.on.delete(models.GROUP, models.VERSION, models.PLURAL, registry=registry, optional=True)
-    def _deleted(namespace: str, name: str, **_: Any) -> None:
-        _reconciler().release_all(namespace, name)
-        _reconciler().forget(namespace, name)
-        _generations.pop((namespace, name), None)
+        # Deletion is handled here rather than by kopf.on.delete: any change handler makes kopf
+        # write its diff-base annotation on every new object (a second PATCH that races the
+        # first status write).
+        uid = meta.get("uid", "")
+        if (meta.get("deletionTimestamp") or type == "DELETED") and uid not in _released:
+            try:
+                await asyncio.to_thread(_reconciler().release_all, namespace, name)
+                _released.add(uid)
+            except Exception:  # the next event retries; _pod_event releases orphans too
+                log.exception("releasing the pods of deleted %s/%s failed", namespace, name)
+        if type == "DELETED":
+            _released.discard(uid)
+            _reconciler().forget(namespace, name)
+            _generations.pop(key, None)
 
     @kopf.on.event("batch", "v1", "jobs", registry=registry, **selector)
-    def _job_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
+    async def _job_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
         _wake(namespace, labels.get(render.LABEL_TRAINING_JOB))
 
     @kopf.on.event("", "v1", "pods", registry=registry, **selector)

@@ -9,6 +9,7 @@ Only the official Kubernetes client is used.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime as dt
@@ -18,6 +19,7 @@ import random
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +44,13 @@ from preemptible_operator.conditions import Reason
 from preemptible_operator.grace import GraceDecision, grace_sufficiency, next_grace
 from preemptible_operator.interval import auto_save_interval, interval_status
 from preemptible_operator.ownership import owned_by, pod_owned, tj_uid_of
-from preemptible_operator.phases import PhaseInputs, backoff_seconds, bound_attempts, next_phase
+from preemptible_operator.phases import (
+    Decision,
+    PhaseInputs,
+    backoff_seconds,
+    bound_attempts,
+    next_phase,
+)
 from preemptible_operator.resume import attempt_fence, resume_checkpoint
 from preemptible_operator.scrape import RuntimeMetrics, scrape
 from preemptible_operator.timestamps import now_rfc3339, parse_rfc3339
@@ -159,13 +167,19 @@ class Reconciler:
         self.clock = clock
         _default_request_timeout(api_client, self.config.request_timeout)
         self._lock = threading.Lock()
-        # (namespace, name) -> (resourceVersion our status write was based on, the object the
+        # (namespace, name) -> (resourceVersions our status write replaced, the object the
         # write returned): the watch cache may not have delivered our own write yet.
-        self._written: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+        self._written: dict[tuple[str, str], tuple[tuple[str, ...], dict[str, Any]]] = {}
         # (namespace, name) -> monotonic time of the last status write of progress only.
         self._progress_written: dict[tuple[str, str], float] = {}
         self._nodes: dict[str, tuple[float, bool]] = {}
         self._services: set[tuple[str, str, str]] = set()
+        # uids of pods released and Jobs deleted: the watch cache may still show them as they
+        # were, and the next pass (at once after an attempt ends) must not repeat the requests.
+        self._released = _Recent()
+        self._deleted = _Recent()
+        # Events are best effort: posted off the pass, so they never delay the next action.
+        self._event_pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="events")
 
     # ------------------------------------------------------------------------------ reading
     @staticmethod
@@ -277,7 +291,7 @@ class Reconciler:
             return self._get_tj(namespace, name)
         with self._lock:
             written = self._written.get((namespace, name))
-        if written is not None and obj["metadata"].get("resourceVersion") == written[0]:
+        if written is not None and obj["metadata"].get("resourceVersion") in written[0]:
             return written[1]  # the cache still holds the version our last write replaced
         return obj
 
@@ -409,28 +423,27 @@ class Reconciler:
         next_after = parse_rfc3339(status.next_attempt_after)
         if next_after is not None:
             backoff_remaining = max(0.0, next_after - self.clock())
-        decision = next_phase(
-            PhaseInputs(
-                invalid=obs.invalid is not None,
-                current_phase=status.phase,
-                suspend=bool(spec and spec.suspend),
-                attempt=obs.attempt,
-                recorded_outcome=record.outcome if recorded and record else None,
-                job_exists=obs.job is not None,
-                job_suspended=bool(obs.job and (obs.job.get("spec") or {}).get("suspend")),
-                interruption=interruption,
-                pods_finished=all(pod_finished(p, obs.node_ready, self.clock()) for p in obs.pods),
-                pods=len(obs.pods),
-                running_pods=len(running),
-                failures=status.failures or 0,
-                max_restarts=spec.max_restarts if spec else 0,
-                backoff_remaining=backoff_remaining,
-                kueue=bool(spec and spec.queue_name),
-                previous_pods_active=len(obs.previous_pods),
-                pending_detail=pending_detail(obs.pods) if obs.pods else None,
-                spec_rejected=obs.rejected is not None and spec is None,
-            )
+        inputs = PhaseInputs(
+            invalid=obs.invalid is not None,
+            current_phase=status.phase,
+            suspend=bool(spec and spec.suspend),
+            attempt=obs.attempt,
+            recorded_outcome=record.outcome if recorded and record else None,
+            job_exists=obs.job is not None,
+            job_suspended=bool(obs.job and (obs.job.get("spec") or {}).get("suspend")),
+            interruption=interruption,
+            pods_finished=all(pod_finished(p, obs.node_ready, self.clock()) for p in obs.pods),
+            pods=len(obs.pods),
+            running_pods=len(running),
+            failures=status.failures or 0,
+            max_restarts=spec.max_restarts if spec else 0,
+            backoff_remaining=backoff_remaining,
+            kueue=bool(spec and spec.queue_name),
+            previous_pods_active=len(obs.previous_pods),
+            pending_detail=pending_detail(obs.pods) if obs.pods else None,
+            spec_rejected=obs.rejected is not None and spec is None,
         )
+        decision = next_phase(inputs)
         result.action = decision.action
         result.phase = decision.phase
         log.info(
@@ -510,10 +523,15 @@ class Reconciler:
             result.requeue_after = max(0.5, backoff_remaining)
 
         # ------------------------------------------------------------------ status
-        new_phase = decision.phase
-        if decision.action == "create_attempt" and status.phase != new_phase:
+        shown = decision
+        if decision.action == "create_attempt" and spec is not None:
+            follow = _after_create(inputs, status.attempt or 1, spec)
+            if follow.action == "none":
+                shown = follow
+        new_phase = shown.phase
+        if shown.action == "create_attempt" and status.phase != new_phase:
             new_phase = "Queued" if spec and spec.queue_name else "Pending"
-        _set_phase_conditions(status, new_phase, decision, record, now, generation)
+        _set_phase_conditions(status, new_phase, shown, record, now, generation)
         if spec is not None:
             self._update_grace(status, spec, obs, now, generation, result)
             status.checkpoint_interval, interval_event = interval_status(status, spec, self.clock())
@@ -525,8 +543,8 @@ class Reconciler:
             if not any(e[1] == decision.reason for e in result.events):
                 result.events.append((etype, decision.reason, msg))
         status.phase = new_phase
-        if decision.message and new_phase not in ("Succeeded",):
-            status.message = decision.message if decision.action != "fail_invalid" else obs.invalid
+        if shown.message and new_phase not in ("Succeeded",):
+            status.message = shown.message if decision.action != "fail_invalid" else obs.invalid
         elif new_phase == "Succeeded":
             status.message = "training finished"
         elif new_phase == "Running":
@@ -550,7 +568,7 @@ class Reconciler:
                 last = self._progress_written.get(key)
             write = last is None or time.monotonic() - last >= self.config.status_progress_interval
         if write:
-            if not self._write_status(obs.obj, new_status):
+            if not self._write_status(obs.obj, new_status, old_status):
                 result.requeue_after = 0.5
                 return result  # conflict: the next pass re-reads and redoes this one
             with self._lock:
@@ -650,7 +668,9 @@ class Reconciler:
             fence=fence,
             save_interval_seconds=auto_save_interval(spec, status),
         )
-        self._ensure_service(meta, spec)
+        if spec.num_nodes > 1:
+            # Rendezvous (MASTER_ADDR) only: one pod needs no DNS name.
+            self._ensure_service(meta, spec)
         job_body = render.render_job(meta, spec, params)
         try:
             self.batch.create_namespaced_job(namespace, job_body)
@@ -910,9 +930,13 @@ class Reconciler:
         left = 0
         for pod in pods:
             meta = pod["metadata"]
+            uid = meta.get("uid", "")
+            if uid in self._released:
+                continue
             for _ in range(3):
                 finalizers = meta.get("finalizers") or []
                 if render.ATTEMPT_FINALIZER not in finalizers:
+                    self._released.add(uid)
                     break
                 i = finalizers.index(render.ATTEMPT_FINALIZER)
                 patch = [
@@ -925,9 +949,11 @@ class Reconciler:
                 ]
                 try:
                     self.core.patch_namespaced_pod(meta["name"], meta["namespace"], patch)
+                    self._released.add(uid)
                     break
                 except ApiException as exc:
                     if exc.status == 404:
+                        self._released.add(uid)
                         break
                     if exc.status not in (409, 422):
                         raise
@@ -946,6 +972,9 @@ class Reconciler:
         return left
 
     def _delete_job(self, job: dict[str, Any]) -> None:
+        uid = job["metadata"].get("uid", "")
+        if uid in self._deleted:
+            return
         try:
             self.batch.delete_namespaced_job(
                 job["metadata"]["name"],
@@ -955,6 +984,7 @@ class Reconciler:
         except ApiException as exc:
             if exc.status != 404:
                 raise
+        self._deleted.add(uid)
 
     def _deactivate_workload(
         self, namespace: str, workload: dict[str, Any] | None, version: str | None
@@ -1046,7 +1076,44 @@ class Reconciler:
             result.events.append(("Warning", reason, message))
 
     # ------------------------------------------------------------------------------ writing
-    def _write_status(self, obj: dict[str, Any], status: dict[str, Any]) -> bool:
+    def _write_status(
+        self, obj: dict[str, Any], status: dict[str, Any], based_on: dict[str, Any]
+    ) -> bool:
+        """PUT the status with the resourceVersion the pass read. On a conflict the object is
+        read again: when only its metadata moved (kopf's finalizer, labels, annotations) and
+        its spec generation and status are still what the pass decided on, the write is
+        retried once with the new version; otherwise (or on 404) False: the pass is redone."""
+        meta = obj["metadata"]
+        try:
+            written = self._put_status(obj, status)
+        except ApiException as exc:
+            if exc.status != 409:
+                if exc.status == 404:
+                    return False
+                raise
+            fresh = self._get_tj(meta["namespace"], meta["name"])
+            if (
+                fresh is None
+                or fresh["metadata"].get("uid") != meta.get("uid")
+                or fresh["metadata"].get("generation") != meta.get("generation")
+                or models.TrainingJobStatus.model_validate(fresh.get("status") or {}).to_k8s()
+                != based_on
+            ):
+                return False
+            try:
+                written = self._put_status(fresh, status)
+            except ApiException as exc2:
+                if exc2.status in (404, 409):
+                    return False
+                raise
+            superseded = (meta["resourceVersion"], fresh["metadata"]["resourceVersion"])
+        else:
+            superseded = (meta["resourceVersion"],)
+        with self._lock:
+            self._written[(meta["namespace"], meta["name"])] = (superseded, written)
+        return True
+
+    def _put_status(self, obj: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
         meta = obj["metadata"]
         body = {
             "apiVersion": models.API_VERSION,
@@ -1059,25 +1126,17 @@ class Reconciler:
             "spec": obj.get("spec"),
             "status": status,
         }
-        try:
-            written = self._json(
-                self.custom.replace_namespaced_custom_object_status(
-                    models.GROUP,
-                    models.VERSION,
-                    meta["namespace"],
-                    models.PLURAL,
-                    meta["name"],
-                    body,
-                    _preload_content=False,
-                )
+        return self._json(
+            self.custom.replace_namespaced_custom_object_status(
+                models.GROUP,
+                models.VERSION,
+                meta["namespace"],
+                models.PLURAL,
+                meta["name"],
+                body,
+                _preload_content=False,
             )
-        except ApiException as exc:
-            if exc.status in (404, 409):
-                return False
-            raise
-        with self._lock:
-            self._written[(meta["namespace"], meta["name"])] = (meta["resourceVersion"], written)
-        return True
+        )
 
     def _event(self, obj: dict[str, Any], etype: str, reason: str, message: str) -> None:
         meta = obj["metadata"]
@@ -1105,10 +1164,7 @@ class Reconciler:
             "source": {"component": self.config.component},
             "reportingComponent": self.config.component,
         }
-        try:
-            self.core.create_namespaced_event(meta["namespace"], body)
-        except ApiException as exc:  # events are best effort
-            log.warning("event not posted: %s", exc.reason)
+        self._event_pool.submit(self._post_event, meta["namespace"], body)
         log.info(
             "event %s %s: %s",
             etype,
@@ -1122,8 +1178,36 @@ class Reconciler:
             },
         )
 
+    def _post_event(self, namespace: str, body: dict[str, Any]) -> None:
+        try:
+            self.core.create_namespaced_event(namespace, body)
+        except Exception as exc:  # events are best effort
+            log.warning("event not posted: %s", getattr(exc, "reason", exc))
+
 
 # ---------------------------------------------------------------------------------- helpers
+class _Recent:
+    """A bounded set of uids (the oldest are forgotten first): what was done recently."""
+
+    def __init__(self, size: int = 20_000) -> None:
+        self._items: OrderedDict[str, None] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def add(self, uid: str) -> None:
+        if not uid:
+            return
+        with self._lock:
+            self._items[uid] = None
+            self._items.move_to_end(uid)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+
+    def __contains__(self, uid: object) -> bool:
+        with self._lock:
+            return uid in self._items
+
+
 class ChildConflict(RuntimeError):
     """A child's name is taken by an object this TrainingJob does not own (retried later)."""
 
@@ -1322,6 +1406,29 @@ def _apply_metrics(
                 step=ckpt_step,
                 path=f"{spec.checkpoint.uri.rstrip('/')}/checkpoint-{ckpt_step}",
             )
+
+
+def _after_create(inputs: PhaseInputs, attempt: int, spec: models.TrainingJobSpec) -> Decision:
+    """What the next pass decides once the attempt just created is seen (its Job, no pods
+    yet): the status is written with that at once, so the pass the new Job's watch event
+    wakes finds nothing to write."""
+    return next_phase(
+        dataclasses.replace(
+            inputs,
+            current_phase=None,
+            attempt=attempt,
+            recorded_outcome=None,
+            job_exists=True,
+            job_suspended=bool(spec.queue_name),
+            interruption=Interruption("Active", Reason.STARTED),
+            pods_finished=True,
+            pods=0,
+            running_pods=0,
+            pending_detail=None,
+            previous_pods_active=0,
+            backoff_remaining=0.0,
+        )
+    )
 
 
 def _set_phase_conditions(
