@@ -82,15 +82,18 @@ class PhaseWatcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def _poll(self, tj: TJClient) -> None:
+        for name in self.names:
+            with contextlib.suppress(ApiException):
+                phase = tj.status(name).get("phase")
+                if phase and (not self.seen[name] or self.seen[name][-1] != phase):
+                    self.seen[name].append(phase)
+
     def _run(self) -> None:
         with self.cp.api_client() as client:
             tj = TJClient(client, self.namespace)
             while not self._stop.is_set():
-                for name in self.names:
-                    with contextlib.suppress(ApiException):
-                        phase = tj.status(name).get("phase")
-                        if phase and (not self.seen[name] or self.seen[name][-1] != phase):
-                            self.seen[name].append(phase)
+                self._poll(tj)
                 self._stop.wait(0.3)
 
     def __enter__(self) -> PhaseWatcher:
@@ -100,6 +103,10 @@ class PhaseWatcher:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(10)
+        # One last look: a phase reached since the thread's last poll (the caller may have just
+        # seen it) would otherwise be missing from the story.
+        with self.cp.api_client() as client:
+            self._poll(TJClient(client, self.namespace))
 
 
 def _is_subsequence(seen: list[str], story: list[str]) -> bool:
