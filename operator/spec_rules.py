@@ -130,12 +130,10 @@ class NotAbove(Rule):
 
 
 @dataclass(frozen=True)
-class NotOneOf(Rule):
-    """A string field must not take any of ``values``."""
+class FieldRule(Rule):
+    """A rule over one field, which the apiserver's error names."""
 
     field: str = ""
-    values: frozenset[str] = frozenset()
-    reason: CelReason = "FieldValueForbidden"
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -144,6 +142,14 @@ class NotOneOf(Rule):
     @property
     def field_path(self) -> str | None:
         return self.field
+
+
+@dataclass(frozen=True)
+class NotOneOf(FieldRule):
+    """A string field must not take any of ``values``."""
+
+    values: frozenset[str] = frozenset()
+    reason: CelReason = "FieldValueForbidden"
 
     def holds(self, values: Mapping[str, Any]) -> bool:
         return values[self.field] not in self.values
@@ -154,19 +160,10 @@ class NotOneOf(Rule):
 
 
 @dataclass(frozen=True)
-class Matches(Rule):
+class Matches(FieldRule):
     """A string field must match ``pattern`` (anchored; RE2 and Python ``re`` alike)."""
 
-    field: str = ""
     pattern: str = ""
-
-    @property
-    def fields(self) -> tuple[str, ...]:
-        return (self.field,)
-
-    @property
-    def field_path(self) -> str | None:
-        return self.field
 
     def holds(self, values: Mapping[str, Any]) -> bool:
         return re.fullmatch(self.pattern, values[self.field]) is not None

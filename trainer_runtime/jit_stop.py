@@ -18,7 +18,6 @@ The signal handler still only sets the latch (signals.py); everything here runs 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +29,7 @@ from trainer_runtime.data.arguments import has_dataset_state
 from trainer_runtime.deadline import Action, micro_batch_action, save_action
 from trainer_runtime.distributed import collectives
 from trainer_runtime.protocol import ENV_SAVE_INTERVAL_SECONDS
+from trainer_runtime.signals import float_from_env
 
 __all__ = ["EvaluationAbandoned", "JitStopMixin", "StepSnapshot", "save_interval_from_env"]
 
@@ -41,15 +41,8 @@ PENDING_EVALUATION = "pending_evaluation"
 
 def save_interval_from_env() -> float | None:
     """$PREEMPTIBLE_SAVE_INTERVAL_SECONDS (spec.checkpoint.interval: auto), or None."""
-    raw = os.environ.get(ENV_SAVE_INTERVAL_SECONDS, "").strip()
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        logger.warning("ignoring %s=%r: not a number of seconds", ENV_SAVE_INTERVAL_SECONDS, raw)
-        return None
-    return value if value > 0 else None
+    value = float_from_env(ENV_SAVE_INTERVAL_SECONDS, None)
+    return value if value else None
 
 
 class EvaluationAbandoned(Exception):

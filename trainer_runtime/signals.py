@@ -26,6 +26,7 @@ from trainer_runtime.protocol import (
 
 __all__ = [
     "SigtermLatch",
+    "float_from_env",
     "grace_seconds_from_env",
     "kill_wait_from_env",
     "node_notice_from_env",
@@ -36,7 +37,9 @@ logger = logging.getLogger(__name__)
 Clock = Callable[[], float]
 
 
-def _float_env(name: str, default: float | None) -> float | None:
+def float_from_env(name: str, default: float | None) -> float | None:
+    """A non-negative number of seconds from ``$name``; ``default`` when unset, not a number or
+    negative (with a warning)."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
@@ -53,19 +56,19 @@ def _float_env(name: str, default: float | None) -> float | None:
 
 def kill_wait_from_env() -> float:
     """Seconds to wait after SIGTERM before acting: $PREEMPTIBLE_KILL_WAIT_SECONDS, default 3."""
-    value = _float_env(ENV_KILL_WAIT_SECONDS, DEFAULT_KILL_WAIT_SECONDS)
+    value = float_from_env(ENV_KILL_WAIT_SECONDS, DEFAULT_KILL_WAIT_SECONDS)
     assert value is not None
     return value
 
 
 def grace_seconds_from_env() -> float | None:
     """This pod's grace period ($PREEMPTIBLE_GRACE_SECONDS), the deadline after SIGTERM; or None."""
-    return _float_env(ENV_GRACE_SECONDS, None)
+    return float_from_env(ENV_GRACE_SECONDS, None)
 
 
 def node_notice_from_env() -> float | None:
     """The node's notice before it goes away ($PREEMPTIBLE_NODE_NOTICE_SECONDS), or None."""
-    return _float_env(ENV_NODE_NOTICE_SECONDS, None)
+    return float_from_env(ENV_NODE_NOTICE_SECONDS, None)
 
 
 class SigtermLatch:

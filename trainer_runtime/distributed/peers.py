@@ -33,6 +33,7 @@ from datetime import timedelta
 from typing import Any
 
 from trainer_runtime.protocol import DEFAULT_PEER_TIMEOUT_SECONDS, ENV_PEER_TIMEOUT_SECONDS
+from trainer_runtime.signals import float_from_env
 
 __all__ = [
     "PeerLoss",
@@ -72,15 +73,8 @@ def peer_failure_in(exc: BaseException) -> str | None:
 
 def peer_timeout_from_env() -> float:
     """$PREEMPTIBLE_PEER_TIMEOUT_SECONDS (default 10; 0 turns the watch off)."""
-    raw = os.environ.get(ENV_PEER_TIMEOUT_SECONDS, "").strip()
-    if not raw:
-        return DEFAULT_PEER_TIMEOUT_SECONDS
-    try:
-        value = float(raw)
-    except ValueError:
-        logger.warning("ignoring %s=%r: not a number", ENV_PEER_TIMEOUT_SECONDS, raw)
-        return DEFAULT_PEER_TIMEOUT_SECONDS
-    return max(0.0, value)
+    value = float_from_env(ENV_PEER_TIMEOUT_SECONDS, DEFAULT_PEER_TIMEOUT_SECONDS)
+    return DEFAULT_PEER_TIMEOUT_SECONDS if value is None else value
 
 
 @dataclass(frozen=True)
