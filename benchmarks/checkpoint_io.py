@@ -14,11 +14,12 @@ API of both Trainers), in one run, alternating transformers' Trainer and ours:
 * resume: from the ``train(resume_from_checkpoint=...)`` call to the first step's
   ``on_step_begin``, in a fresh process (files in the page cache for both: the parent reads
   each checkpoint through first, since ours is written around the page cache);
-* training steps/s (steps without a save);
+* training steps/s: the median step of a run without saving (steps 2-14);
 * peak RSS (``ru_maxrss``) of each child process: training with a save, the same run without
   saving, and a resume.
 
-Every run is a child process of its own, so peak RSS is per run.
+Every run is a child process of its own, so peak RSS is per run; which Trainer goes first
+alternates between repeats.
 
     python benchmarks/checkpoint_io.py [--params 20M,100M] [--repeats 2] [--workdir DIR]
 """
@@ -44,6 +45,7 @@ from typing import Any
 BATCH = 8
 TRAIN_STEPS = 6  # steps of a training child; the save happens at SAVE_STEP
 SAVE_STEP = 3
+THROUGHPUT_STEPS = 14  # steps of a no-save child, whose steps 2.. give the steps/s figure
 
 
 # -- the child process -------------------------------------------------------------------------
@@ -132,10 +134,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     if mode == "resume":
         kwargs["max_steps"] = SAVE_STEP + 2
     else:
-        kwargs["max_steps"] = SAVE_STEP if save else TRAIN_STEPS
-        if save:
-            # one save, at the last step, then the process ends: nothing else is measured
-            kwargs["max_steps"] = TRAIN_STEPS
+        kwargs["max_steps"] = TRAIN_STEPS if save else THROUGHPUT_STEPS
     if impl == "ours":
         kwargs["enable_jit_checkpoint"] = False
         kwargs["save_async"] = bool(spec.get("async"))
@@ -185,7 +184,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         )
     else:
         # steps/s over the steps that are not the first (the no-save run's is the one reported)
-        steps = [ends[s] - begins[s - 1] for s in range(2, TRAIN_STEPS + 1) if s in ends]
+        steps = [ends[s] - begins[s - 1] for s in range(2, kwargs["max_steps"] + 1) if s in ends]
         result["steps_per_s"] = 1.0 / statistics.median(steps)
     if save:
         # (an asynchronous save's on_save comes at the step boundary that commits it)
@@ -298,7 +297,12 @@ def _bench(params: int, repeats: int, workdir: Path, threads: int) -> None:
 
     ckpt_bytes = 0
     for rep in range(repeats):
-        for impl, variant in (("hf", ""), ("ours", "sync"), ("ours", "async"), ("raw", "")):
+        # Alternating who goes first: a child's speed depends on what ran before it (memory the
+        # previous process left behind is faster to touch on this kind of VM).
+        trainers = [("hf", ""), ("ours", "sync"), ("ours", "async")]
+        if rep % 2:
+            trainers = [*trainers[1:], trainers[0]]
+        for impl, variant in (*trainers, ("raw", "")):
             out = Path(tempfile.mkdtemp(dir=workdir, prefix=f"{impl}{variant}-"))
             base = {"impl": impl, "width": width, "output_dir": str(out), "threads": threads}
             if impl == "raw":

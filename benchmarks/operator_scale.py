@@ -16,7 +16,13 @@ operator process (``preemptible-operator run``, default settings, admin credenti
     the operator running, minus the same window with the operator stopped by SIGSTOP; the
     operator's own request counter as a cross-check), operator CPU (cores) and RSS.
 (c) requeue: stubs exit 75 one by one (a trigger file, spaced out) while the others keep
-    running; the time from each exit to the next attempt's Job appearing in a watch: p50, p90.
+    running; the time from each exit to the next attempt's Job appearing in a watch (p50, p90,
+    max), and the segments in between: the exit in the pod's status (the node agent), the
+    attempt recorded in the TrainingJob's status (the operator), the next Job; and, off that
+    path, the old Job's deletion.
+
+The node agent runs in a process of its own, so its pods' threads do not share an interpreter
+with the benchmark's watches, whose clocks are the measurement.
 
     python -P benchmarks/operator_scale.py [--queued 1000 [--backlog]] [--running 500]
         [--requeues 50]
@@ -27,7 +33,6 @@ The figures depend on the machine; docs/operator.md ("Operator at scale") record
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -38,10 +43,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import kubernetes
 from prometheus_client.parser import text_string_to_metric_families
@@ -54,7 +59,6 @@ from tests.cluster.binaries import find_binaries  # noqa: E402
 from tests.cluster.controlplane import ControlPlane  # noqa: E402
 from tests.cluster.helpers import eventually  # noqa: E402
 from tests.cluster.kueue import Kueue  # noqa: E402
-from tests.cluster.node_agent import NodeAgent  # noqa: E402
 from tests.operator.harness import free_port, install_crd, read_metrics  # noqa: E402
 from trainer_runtime.protocol import METRIC_NAMES  # noqa: E402
 
@@ -143,6 +147,48 @@ class Operator:
         self.log.close()
 
 
+class AgentProcess:
+    """The test tier's node agent in a process of its own: its hundreds of pod threads must not
+    share a GIL with the benchmark's watches, whose clocks are the measurement."""
+
+    def __init__(
+        self,
+        cp: ControlPlane,
+        workdir: Path,
+        *,
+        nodes: list[str],
+        capacity: dict[str, str],
+        k8s_version: str,
+    ) -> None:
+        boot = f"import sys; sys.path.append({str(REPO)!r}); "
+        boot += "from tests.cluster.node_agent import main; sys.exit(main())"
+        argv = [sys.executable, "-P", "-c", boot, "--kubeconfig", str(cp.kubeconfig)]
+        argv += ["--workdir", str(workdir), "--apiserver-port", str(cp.apiserver_port)]
+        argv += ["--k8s-version", k8s_version, "--start-timeout", "300"]
+        argv += [f"--node={n}" for n in nodes]
+        argv += [f"--capacity={k}={v}" for k, v in capacity.items()]
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.out = (workdir / "agent.out").open("w+b")
+        self.proc = subprocess.Popen(argv, stdout=self.out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 330
+        while b"node agent running" not in (workdir / "agent.out").read_bytes():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(
+                    "node agent did not start:\n" + (workdir / "agent.out").read_text()[-4000:]
+                )
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.out.close()
+
+
 def apiserver_requests(client: kubernetes.client.ApiClient) -> dict[str, float]:
     """The apiserver's apiserver_request_total (every request it served) by verb and resource."""
     resp = client.call_api("GET", client.configuration.host + "/metrics")
@@ -221,28 +267,68 @@ def count_ready(
     batch = kubernetes.client.BatchV1Api(client)
     items = custom.list_namespaced_custom_object(*TJ_ARGS, namespace, models.PLURAL)["items"]
     phased = sum(1 for i in items if (i.get("status") or {}).get("phase") in phases)
-    jobs = len(batch.list_namespaced_job(namespace, label_selector=render.LABEL_TRAINING_JOB).items)
-    return phased, jobs
+    # Raw JSON: building 500 V1Job models every poll would take the cores being measured.
+    resp = batch.list_namespaced_job(
+        namespace, label_selector=render.LABEL_TRAINING_JOB, _preload_content=False
+    )
+    return phased, len(json.loads(resp.data)["items"])
 
 
-class ReadyWatch:
-    """Watches TrainingJobs and Jobs in a namespace and records the time (monotonic) at which
-    each TrainingJob first has both a phase in ``phases`` and its attempt Job. Watches rather
-    than polled lists: listing 1,000 objects a second would take apiserver CPU from what is
-    measured."""
+def watch_raw(
+    client: kubernetes.client.ApiClient,
+    kind: str,
+    namespace: str,
+    on_event: Callable[[str, dict[str, Any]], None],
+    stop: threading.Event,
+) -> None:
+    """Call ``on_event(type, object)`` for every ``kind`` ("tj", "job" or "pod") in
+    ``namespace``: one list (as ADDED), then a watch continued by resourceVersion, raw JSON. The
+    benchmark's own watches must not relist or build client models for hundreds of objects
+    every few seconds on the cores being measured."""
+    custom = kubernetes.client.CustomObjectsApi(client)
+    fn, args = {
+        "pod": (kubernetes.client.CoreV1Api(client).list_namespaced_pod, (namespace,)),
+        "job": (kubernetes.client.BatchV1Api(client).list_namespaced_job, (namespace,)),
+        "tj": (custom.list_namespaced_custom_object, (*TJ_ARGS, namespace, models.PLURAL)),
+    }[kind]
+    rv: str | None = None
+    while not stop.is_set():
+        try:
+            if rv is None:
+                listing = json.loads(fn(*args, _preload_content=False).data)
+                rv = listing["metadata"]["resourceVersion"]
+                for item in listing["items"]:
+                    on_event("ADDED", item)
+            w = kubernetes.watch.Watch()
+            for ev in w.stream(
+                fn, *args, resource_version=rv, timeout_seconds=5, deserialize=False
+            ):
+                obj = ev["object"]
+                rv = obj["metadata"].get("resourceVersion", rv)
+                if ev["type"] != "BOOKMARK":
+                    on_event(ev["type"], obj)
+                if stop.is_set():
+                    break
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 410:  # too old: list again
+                rv = None
+            time.sleep(0.2)
+        except Exception:  # a dropped connection: continue from rv
+            time.sleep(0.2)
 
-    def __init__(self, cp: ControlPlane, namespace: str, phases: set[str]) -> None:
-        self.cp, self.namespace, self.phases = cp, namespace, phases
-        self.phased: set[str] = set()
-        self.jobs: set[str] = set()
-        self.ready: dict[str, float] = {}
+
+class Watches:
+    """Threads running :func:`watch_raw` for ``kinds`` in ``namespace`` while the context is
+    open; each event goes to :meth:`_event` (on the kind's own thread)."""
+
+    def __init__(self, cp: ControlPlane, namespace: str, kinds: tuple[str, ...]) -> None:
+        self.cp, self.namespace = cp, namespace
         self._stop = threading.Event()
-        self._lock = threading.Lock()
         self._threads = [
-            threading.Thread(target=self._run, args=(kind,), daemon=True) for kind in ("tj", "job")
+            threading.Thread(target=self._run, args=(kind,), daemon=True) for kind in kinds
         ]
 
-    def __enter__(self) -> ReadyWatch:
+    def __enter__(self) -> Self:
         for t in self._threads:
             t.start()
         return self
@@ -252,7 +338,36 @@ class ReadyWatch:
         for t in self._threads:
             t.join(10)
 
-    def _seen(self, kind: str, name: str, obj: dict[str, Any]) -> None:
+    def _run(self, kind: str) -> None:
+        with self.cp.api_client() as client:
+            watch_raw(
+                client,
+                kind,
+                self.namespace,
+                lambda etype, obj: self._event(kind, etype, obj),
+                self._stop,
+            )
+
+    def _event(self, kind: str, etype: str, obj: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class ReadyWatch(Watches):
+    """Watches TrainingJobs and Jobs in a namespace and records the time (monotonic) at which
+    each TrainingJob first has both a phase in ``phases`` and its attempt Job. Watches rather
+    than polled lists: listing 1,000 objects a second would take apiserver CPU from what is
+    measured."""
+
+    def __init__(self, cp: ControlPlane, namespace: str, phases: set[str]) -> None:
+        super().__init__(cp, namespace, ("tj", "job"))
+        self.phases = phases
+        self.phased: set[str] = set()
+        self.jobs: set[str] = set()
+        self.ready: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def _event(self, kind: str, etype: str, obj: dict[str, Any]) -> None:
+        name = obj["metadata"]["name"]
         with self._lock:
             if kind == "tj":
                 if (obj.get("status") or {}).get("phase") in self.phases:
@@ -262,30 +377,6 @@ class ReadyWatch:
                 self.jobs.add(name)
             if name in self.phased and name in self.jobs and name not in self.ready:
                 self.ready[name] = time.monotonic()
-
-    def _run(self, kind: str) -> None:
-        with self.cp.api_client() as client:
-            custom = kubernetes.client.CustomObjectsApi(client)
-            batch = kubernetes.client.BatchV1Api(client)
-            while not self._stop.is_set():
-                w = kubernetes.watch.Watch()
-                if kind == "tj":
-                    fn, args = custom.list_namespaced_custom_object, (*TJ_ARGS, self.namespace)
-                    args = (*args, models.PLURAL)
-                    kwargs: dict[str, Any] = {}
-                else:
-                    fn, args = batch.list_namespaced_job, (self.namespace,)
-                    kwargs = {"label_selector": render.LABEL_TRAINING_JOB}
-                try:
-                    for ev in w.stream(fn, *args, timeout_seconds=5, **kwargs):
-                        obj = ev["object"]
-                        if not isinstance(obj, dict):
-                            obj = client.sanitize_for_serialization(obj)
-                        self._seen(kind, obj["metadata"]["name"], obj)
-                        if self._stop.is_set():
-                            break
-                except Exception:  # a dropped watch: list again
-                    time.sleep(0.2)
 
     def count(self) -> int:
         with self._lock:
@@ -413,41 +504,54 @@ def bench_running(
     }
 
 
-@contextlib.contextmanager
-def job_watch(cp: ControlPlane, namespace: str) -> Iterator[dict[str, float]]:
-    """Records the local time each Job is first seen (ADDED) in ``namespace``."""
-    seen: dict[str, float] = {}
-    stop = threading.Event()
+class Timeline(Watches):
+    """Watches pods, Jobs and TrainingJobs in a namespace and records the wall time each step of
+    a requeue is first seen: the old pod's container terminated (the node agent's report), the
+    attempt recorded in the TrainingJob's status (the operator), the old Job deleted, the next
+    Job."""
 
-    def run() -> None:
-        with cp.api_client() as client:
-            batch = kubernetes.client.BatchV1Api(client)
-            while not stop.is_set():
-                w = kubernetes.watch.Watch()
-                try:
-                    for ev in w.stream(batch.list_namespaced_job, namespace, timeout_seconds=5):
-                        name = ev["object"].metadata.name
-                        seen.setdefault(name, time.time())
-                        if stop.is_set():
-                            break
-                except Exception:  # a dropped watch: list again
-                    time.sleep(0.2)
+    def __init__(self, cp: ControlPlane, namespace: str) -> None:
+        super().__init__(cp, namespace, ("pod", "job", "tj"))
+        self.terminated: dict[str, float] = {}  # Job name -> first pod status with an exit
+        self.recorded: dict[str, float] = {}  # TrainingJob -> first status with an ended attempt
+        self.deleted: dict[str, float] = {}  # Job name -> deletionTimestamp or DELETED seen
+        self.added: dict[str, float] = {}  # Job name -> first seen
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        yield seen
-    finally:
-        stop.set()
-        thread.join(10)
+    def _event(self, kind: str, event: str, obj: dict[str, Any]) -> None:
+        now = time.time()
+        meta = obj["metadata"]
+        if kind == "pod":
+            job = (meta.get("labels") or {}).get("job-name", "")
+            for cs in (obj.get("status") or {}).get("containerStatuses") or []:
+                if "terminated" in (cs.get("state") or {}):
+                    self.terminated.setdefault(job, now)
+        elif kind == "job":
+            self.added.setdefault(meta["name"], now)
+            if event == "DELETED" or meta.get("deletionTimestamp"):
+                self.deleted.setdefault(meta["name"], now)
+        elif any(a.get("outcome") for a in (obj.get("status") or {}).get("attempts") or []):
+            self.recorded.setdefault(meta["name"], now)
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    values = sorted(values)
+    if not values:
+        return {}
+    return {
+        "p50": statistics.median(values),
+        "p90": values[int(0.9 * (len(values) - 1))],
+        "max": values[-1],
+    }
 
 
 def bench_requeue(
     cp: ControlPlane, n_running: int, count: int, control: Path, spacing: float
-) -> dict[str, float]:
+) -> dict[str, Any]:
+    """(c). Besides exit -> next Job, the segments in between (p50/p90/max of each): the pod's
+    exit reported by the node agent, the attempt recorded by the operator, the next Job
+    created; and, off that path, from the attempt recorded to the old Job's deletion."""
     ns = "bench-running"
-    latencies: list[float] = []
-    with job_watch(cp, ns) as seen:
+    with Timeline(cp, ns) as tl:
         time.sleep(2)
         picks = [f"r{i}" for i in range(min(count, n_running))]
         for name in picks:
@@ -455,22 +559,41 @@ def bench_requeue(
             time.sleep(spacing)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            if all(f"{name}-a2" in seen for name in picks):
+            if all(f"{name}-a2" in tl.added for name in picks):
                 break
             time.sleep(0.5)
-        for name in picks:
-            exited = control / f"{name}-a1-0.exited"
-            if exited.exists() and f"{name}-a2" in seen:
-                latencies.append(seen[f"{name}-a2"] - float(exited.read_text()))
-    if not latencies:
+    totals: list[float] = []
+    segments: dict[str, list[float]] = {
+        "exit_to_pod_reported": [],
+        "pod_reported_to_attempt_recorded": [],
+        "attempt_recorded_to_next_job": [],
+    }
+    cleanup: list[float] = []
+    for name in picks:
+        exited = control / f"{name}-a1-0.exited"
+        old, new = f"{name}-a1", f"{name}-a2"
+        if not (exited.exists() and new in tl.added):
+            continue
+        marks = [
+            float(exited.read_text()),
+            tl.terminated.get(old),
+            tl.recorded.get(name),
+            tl.added[new],
+        ]
+        if marks[2] is not None and old in tl.deleted:
+            cleanup.append(tl.deleted[old] - marks[2])
+        totals.append(marks[-1] - marks[0])
+        for key, a, b in zip(segments, marks[:-1], marks[1:], strict=True):
+            if a is not None and b is not None:
+                segments[key].append(b - a)
+    if not totals:
         return {"count": 0}
-    latencies.sort()
     return {
-        "count": len(latencies),
-        "missing": len(picks) - len(latencies),
-        "p50": statistics.median(latencies),
-        "p90": latencies[int(0.9 * (len(latencies) - 1))],
-        "max": latencies[-1],
+        "count": len(totals),
+        "missing": len(picks) - len(totals),
+        **_percentiles(totals),
+        **{key: _percentiles(values) for key, values in segments.items()},
+        "attempt_recorded_to_old_job_deleted": _percentiles(cleanup),
     }
 
 
@@ -498,7 +621,9 @@ def main(argv: list[str] | None = None) -> int:
     control.mkdir()
     binaries = find_binaries()
     cp = ControlPlane(binaries, workdir / "cluster")
-    kueue = agent = op = None
+    kueue: Kueue | None = None
+    agent: AgentProcess | None = None
+    op: Operator | None = None
     results: dict[str, Any] = {}
     try:
         cp.start()
@@ -507,8 +632,8 @@ def main(argv: list[str] | None = None) -> int:
             kueue = Kueue(cp, quota_cpu="0", quota_memory="0")
             kueue.start()
         pods = str(max(110, args.running // args.nodes + 10))
-        agent = NodeAgent(
-            cp.kubeconfig,
+        agent = AgentProcess(
+            cp,
             workdir / "node-agent",
             nodes=[f"bench-{i}" for i in range(args.nodes)],
             capacity={
@@ -517,10 +642,8 @@ def main(argv: list[str] | None = None) -> int:
                 "pods": pods,
                 "ephemeral-storage": "100Gi",
             },
-            apiserver_port=cp.apiserver_port,
             k8s_version=binaries.k8s_version,
         )
-        agent.start(timeout=300)
         with cp.api_client() as client:
             install_crd(client)
         if not (args.queued and args.backlog):

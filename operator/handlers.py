@@ -25,6 +25,7 @@ from preemptible_operator.reconcile import (
     KUEUE_JOB_UID_LABEL,
     Cached,
     OperatorConfig,
+    PassResult,
     Reconciler,
 )
 
@@ -37,6 +38,7 @@ _state: dict[str, Any] = {
     "reconciler": None,
     "kubeconfig": None,
     "urgent": None,
+    "periodic": None,
 }
 _wakeups: dict[tuple[str, str], asyncio.Event] = {}
 _uids: dict[tuple[str, str], str] = {}
@@ -145,11 +147,10 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
     async def _startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         # Passes run in threads (blocking API calls); the default pool (CPUs + 4) would
         # serialise a burst of new TrainingJobs behind a handful of slow requests.
-        asyncio.get_running_loop().set_default_executor(
-            concurrent.futures.ThreadPoolExecutor(
-                _state["config"].workers, thread_name_prefix="reconcile"
-            )
+        _state["periodic"] = concurrent.futures.ThreadPoolExecutor(
+            _state["config"].workers, thread_name_prefix="reconcile"
         )
+        asyncio.get_running_loop().set_default_executor(_state["periodic"])
         _state["urgent"] = concurrent.futures.ThreadPoolExecutor(
             max(4, _state["config"].workers // 2), thread_name_prefix="reconcile-event"
         )
@@ -239,12 +240,10 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
                     },
                 )
                 try:
-                    # A pass that follows a watch event (or asked to run at once) goes to its
-                    # own pool: it never queues behind periodic passes stuck on slow scrapes.
-                    pool = _state["urgent"] if urgent else None
-                    result = await asyncio.get_running_loop().run_in_executor(
-                        pool, _reconciler().reconcile, namespace, name, cached
-                    )
+                    result = await _run_pass(urgent, wake, namespace, name, cached)
+                    if result is None:
+                        urgent = True  # a watch event came first: pass again on fresh caches
+                        continue
                     delay = result.requeue_after
                     failures = 0
                     if result.done:
@@ -307,6 +306,33 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
             await asyncio.to_thread(_reconciler().release_orphan_pod, _plain(body))
 
     return registry
+
+
+async def _run_pass(
+    urgent: bool, wake: asyncio.Event, namespace: str, name: str, cached: Cached
+) -> PassResult | None:
+    """Run a pass on a thread. One that follows a watch event (or asked to run at once) goes to
+    its own pool: it never queues behind periodic passes stuck on slow scrapes. A periodic pass
+    still waiting for a thread when a watch event wakes the daemon is dropped (None): with
+    hundreds of running jobs that queue can be seconds long, and the event (a pod's exit) must
+    not wait for a scrape that its next pass makes anyway."""
+    pool = _state["urgent"] if urgent else _state["periodic"]
+    if pool is None:  # not started by kopf (a test driving the daemon): the loop's pool
+        return await asyncio.get_running_loop().run_in_executor(
+            None, _reconciler().reconcile, namespace, name, cached
+        )
+    future = pool.submit(_reconciler().reconcile, namespace, name, cached)
+    finished = asyncio.wrap_future(future)
+    if urgent:
+        return await finished
+    woken = asyncio.ensure_future(wake.wait())
+    try:
+        await asyncio.wait({finished, woken}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        woken.cancel()
+    if wake.is_set() and future.cancel():
+        return None
+    return await finished
 
 
 async def _sleep(wake: asyncio.Event, stopped: Any, delay: float | None) -> None:

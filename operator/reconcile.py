@@ -180,6 +180,10 @@ class Reconciler:
         self._deleted = _Recent()
         # Events are best effort: posted off the pass, so they never delay the next action.
         self._event_pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="events")
+        # An ended attempt's pods are released and its Job deleted off the pass, so the next
+        # attempt's Job is not created behind them; (namespace, name) -> that work in flight.
+        self._cleanup_pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="cleanup")
+        self._cleanups: dict[tuple[str, str], concurrent.futures.Future[None]] = {}
 
     # ------------------------------------------------------------------------------ reading
     @staticmethod
@@ -491,10 +495,9 @@ class Reconciler:
             ):
                 self._deactivate_workload(namespace, obs.workload, obs.workload_version)
             self._record_attempt(obs, spec, status, record, interruption, storage_view, now, result)
-            pods, job = list(obs.pods), obs.job
-            after_status.append(lambda: self._release_pods(pods))
-            if interruption.outcome != "Succeeded" and job is not None:
-                after_status.append(lambda: self._delete_job(job))
+            pods = list(obs.pods)
+            job = obs.job if interruption.outcome != "Succeeded" else None
+            after_status.append(lambda: self._clean_up_later(namespace, name, pods, job))
             result.requeue_after = 0.0  # the next attempt at once
         elif decision.action in ("finish", "cleanup"):
             leftovers = [p for pods in obs.pods_by_attempt.values() for p in pods]
@@ -633,13 +636,17 @@ class Reconciler:
         meta = obs.obj["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         attempt = obs.attempt + 1 if (recorded or obs.attempt == 0) else obs.attempt
-        # The previous attempt must be gone for good before the next one may write checkpoints.
-        for n, job in obs.jobs.items():
-            if n < attempt and job["metadata"].get("deletionTimestamp") is None:
-                prev_record = _find_record(status, n)
-                if prev_record is None or prev_record.outcome != "Succeeded":
-                    self._delete_job(job)
-        self._release_pods([p for n, ps in obs.pods_by_attempt.items() if n < attempt for p in ps])
+        # Earlier attempts' leftovers, cleaned up once this attempt's Job exists. Their pods have
+        # all finished (the decision waits for that; the Jobs fail on exit and never replace a
+        # pod), so nothing of theirs can write checkpoints any more.
+        old_jobs = [
+            job
+            for n, job in obs.jobs.items()
+            if n < attempt
+            and job["metadata"].get("deletionTimestamp") is None
+            and getattr(_find_record(status, n), "outcome", None) != "Succeeded"
+        ]
+        old_pods = [p for n, ps in obs.pods_by_attempt.items() if n < attempt for p in ps]
 
         last = (status.attempts or [])[-1] if status.attempts else None
         killed_grace = last.grace_seconds if last is not None and last.killed else None
@@ -695,6 +702,11 @@ class Reconciler:
                 start_step=_int_or_none(ann.get(render.ANNOTATION_START_STEP)),
                 fence=fence,
             )
+        pending = self._cleanups.get((namespace, name))
+        if pending is None or pending.done():  # else the ended attempt's cleanup does it
+            for job in old_jobs:
+                self._delete_job(job)
+            self._release_pods(old_pods)
         if _find_record(status, attempt) is None:
             status.attempts = [
                 *(status.attempts or []),
@@ -970,6 +982,39 @@ class Reconciler:
             else:
                 left += 1
         return left
+
+    def _clean_up_later(
+        self, namespace: str, name: str, pods: list[dict[str, Any]], job: dict[str, Any] | None
+    ) -> None:
+        """Release an ended attempt's pods and delete its Job (``None``: keep it) in the
+        background, retried a few times; a later pass (the next attempt's creation, the job's
+        finish) catches what still fails."""
+
+        def run() -> None:
+            for wait in (1.0, 2.0, 4.0, 0.0):
+                try:
+                    left = self._release_pods(pods)
+                    if job is not None:
+                        self._delete_job(job)
+                    if left == 0:
+                        return
+                    problem = f"{left} pod(s) still hold {render.ATTEMPT_FINALIZER}"
+                except Exception as exc:
+                    problem = str(getattr(exc, "reason", None) or exc)
+                time.sleep(wait)
+            log.warning("cleanup of %s/%s's ended attempt: %s", namespace, name, problem)
+
+        key = (namespace, name)
+        future = self._cleanup_pool.submit(run)
+        with self._lock:
+            self._cleanups[key] = future
+
+        def done(_: concurrent.futures.Future[None]) -> None:
+            with self._lock:
+                if self._cleanups.get(key) is future:
+                    del self._cleanups[key]
+
+        future.add_done_callback(done)
 
     def _delete_job(self, job: dict[str, Any]) -> None:
         uid = job["metadata"].get("uid", "")

@@ -105,7 +105,7 @@ from trainer_runtime.distributed.ddp_args import (
 from trainer_runtime.distributed.peers import PeerLoss, PeerWatch, peer_failure_in
 from trainer_runtime.distributed.trainer_fsdp import FsdpTrainerMixin
 from trainer_runtime.errors import CheckpointError, ConfigurationError, ResumeError
-from trainer_runtime.features import losses
+from trainer_runtime.features import host_memory, losses
 from trainer_runtime.features.hub import HubMixin
 from trainer_runtime.features.hyperparameter_search import HyperparameterSearchMixin
 from trainer_runtime.features.logging_utils import normalize_tokens_seen_mode, speed_metrics
@@ -341,6 +341,8 @@ class Trainer(
             cpu=self.args.use_cpu, **accelerator_kwargs(self.args, cuda=cuda)
         )
         collectives.destroy_at_exit()
+        if self.accelerator.device.type == "cpu":
+            host_memory.keep_freed_host_memory()
 
     def end(self) -> None:
         """Finish the trackers and destroy the process group; call it once, at the very end of a
