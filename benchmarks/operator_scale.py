@@ -59,6 +59,7 @@ from tests.cluster.binaries import find_binaries  # noqa: E402
 from tests.cluster.controlplane import ControlPlane  # noqa: E402
 from tests.cluster.helpers import eventually  # noqa: E402
 from tests.cluster.kueue import Kueue  # noqa: E402
+from tests.cluster.processes import ManagedProcess, wait_until  # noqa: E402
 from tests.operator.harness import free_port, install_crd, read_metrics  # noqa: E402
 from trainer_runtime.protocol import METRIC_NAMES  # noqa: E402
 
@@ -147,7 +148,7 @@ class Operator:
         self.log.close()
 
 
-class AgentProcess:
+class AgentProcess(ManagedProcess):
     """The test tier's node agent in a process of its own: its hundreds of pod threads must not
     share a GIL with the benchmark's watches, whose clocks are the measurement."""
 
@@ -167,26 +168,16 @@ class AgentProcess:
         argv += ["--k8s-version", k8s_version, "--start-timeout", "300"]
         argv += [f"--node={n}" for n in nodes]
         argv += [f"--capacity={k}={v}" for k, v in capacity.items()]
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.out = (workdir / "agent.out").open("w+b")
-        self.proc = subprocess.Popen(argv, stdout=self.out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 330
-        while b"node agent running" not in (workdir / "agent.out").read_bytes():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(
-                    "node agent did not start:\n" + (workdir / "agent.out").read_text()[-4000:]
-                )
-            time.sleep(0.2)
+        super().__init__("node agent", argv, workdir / "agent.out")
+        wait_until(
+            "the node agent",
+            lambda: b"node agent running" in self.log.read_bytes(),
+            timeout=330,
+            check=self.check_alive,
+        )
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.out.close()
+    def stop(self, timeout: float = 120.0) -> None:  # it stops its pods first
+        super().stop(timeout)
 
 
 def apiserver_requests(client: kubernetes.client.ApiClient) -> dict[str, float]:

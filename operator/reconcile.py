@@ -496,8 +496,8 @@ class Reconciler:
                 self._deactivate_workload(namespace, obs.workload, obs.workload_version)
             self._record_attempt(obs, spec, status, record, interruption, storage_view, now, result)
             pods = list(obs.pods)
-            job = obs.job if interruption.outcome != "Succeeded" else None
-            after_status.append(lambda: self._clean_up_later(namespace, name, pods, job))
+            jobs = [obs.job] if obs.job is not None and interruption.outcome != "Succeeded" else []
+            after_status.append(lambda: self._clean_up_later(namespace, name, pods, jobs))
             result.requeue_after = 0.0  # the next attempt at once
         elif decision.action in ("finish", "cleanup"):
             leftovers = [p for pods in obs.pods_by_attempt.values() for p in pods]
@@ -636,7 +636,8 @@ class Reconciler:
         meta = obs.obj["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         attempt = obs.attempt + 1 if (recorded or obs.attempt == 0) else obs.attempt
-        # Earlier attempts' leftovers, cleaned up once this attempt's Job exists. Their pods have
+        # Earlier attempts' leftovers, cleaned up once this attempt's Job exists (in the
+        # background, like an ended attempt's, which usually did it already). Their pods have
         # all finished (the decision waits for that; the Jobs fail on exit and never replace a
         # pod), so nothing of theirs can write checkpoints any more.
         old_jobs = [
@@ -702,11 +703,7 @@ class Reconciler:
                 start_step=_int_or_none(ann.get(render.ANNOTATION_START_STEP)),
                 fence=fence,
             )
-        pending = self._cleanups.get((namespace, name))
-        if pending is None or pending.done():  # else the ended attempt's cleanup does it
-            for job in old_jobs:
-                self._delete_job(job)
-            self._release_pods(old_pods)
+        self._clean_up_later(namespace, name, old_pods, old_jobs)
         if _find_record(status, attempt) is None:
             status.attempts = [
                 *(status.attempts or []),
@@ -984,17 +981,31 @@ class Reconciler:
         return left
 
     def _clean_up_later(
-        self, namespace: str, name: str, pods: list[dict[str, Any]], job: dict[str, Any] | None
+        self,
+        namespace: str,
+        name: str,
+        pods: list[dict[str, Any]],
+        jobs: list[dict[str, Any]],
     ) -> None:
-        """Release an ended attempt's pods and delete its Job (``None``: keep it) in the
-        background, retried a few times; a later pass (the next attempt's creation, the job's
-        finish) catches what still fails."""
+        """Release ended attempts' pods and delete their ``jobs`` in the background, retried a
+        few times; a later pass (the next attempt's creation, the job's finish) catches what
+        still fails. Nothing is started while this TrainingJob's previous cleanup runs (it holds
+        the same pods and Jobs), or when all of them were released and deleted already."""
+        key = (namespace, name)
+        with self._lock:
+            pending = self._cleanups.get(key)
+        if pending is not None and not pending.done():
+            return
+        pods = [p for p in pods if p["metadata"].get("uid", "") not in self._released]
+        jobs = [j for j in jobs if j["metadata"].get("uid", "") not in self._deleted]
+        if not pods and not jobs:
+            return
 
         def run() -> None:
             for wait in (1.0, 2.0, 4.0, 0.0):
                 try:
                     left = self._release_pods(pods)
-                    if job is not None:
+                    for job in jobs:
                         self._delete_job(job)
                     if left == 0:
                         return
@@ -1004,7 +1015,6 @@ class Reconciler:
                 time.sleep(wait)
             log.warning("cleanup of %s/%s's ended attempt: %s", namespace, name, problem)
 
-        key = (namespace, name)
         future = self._cleanup_pool.submit(run)
         with self._lock:
             self._cleanups[key] = future
