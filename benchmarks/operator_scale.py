@@ -93,7 +93,7 @@ def _say(msg: str) -> None:
 
 # ------------------------------------------------------------------------------- the operator
 class Operator:
-    def __init__(self, kubeconfig: Path, log: Path) -> None:
+    def __init__(self, kubeconfig: Path, log: Path, extra: list[str] | None = None) -> None:
         self.metrics_port = free_port()
         argv = [
             sys.executable,
@@ -110,6 +110,7 @@ class Operator:
             "",
             "--log-format",
             "text",
+            *(extra or []),
         ]
         self.log = log.open("ab")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -375,7 +376,13 @@ class ReadyWatch(Watches):
 
 
 def bench_queued(
-    cp: ControlPlane, kueue: Kueue, op: Operator | None, n: int, root: Path, kubeconfig: Path
+    cp: ControlPlane,
+    kueue: Kueue,
+    op: Operator | None,
+    n: int,
+    root: Path,
+    kubeconfig: Path,
+    operator_args: list[str],
 ) -> tuple[dict[str, float], Operator]:
     """(a). ``op`` None: the TrainingJobs are created first and the operator started after (a
     restart with a backlog: the operator's own throughput, without the create stream)."""
@@ -393,7 +400,7 @@ def bench_queued(
             started = None
             if op is None:
                 _say(f"  {n} created in {created:.1f} s with no operator; starting it")
-                op = Operator(kubeconfig, root.parent / "operator.log")
+                op = Operator(kubeconfig, root.parent / "operator.log", operator_args)
                 started = time.monotonic()
             cpu0 = 0.0 if started is not None else op.cpu_seconds()
             eventually(
@@ -604,6 +611,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=60.0, help="steady-state window, seconds")
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument(
+        "--operator-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="pass ARG to the operator (repeatable), e.g. --operator-arg=--poll-interval=10",
+    )
     args = parser.parse_args(argv)
 
     workdir = Path(tempfile.mkdtemp(prefix="preemptible-bench-"))
@@ -638,12 +652,14 @@ def main(argv: list[str] | None = None) -> int:
         with cp.api_client() as client:
             install_crd(client)
         if not (args.queued and args.backlog):
-            op = Operator(cp.kubeconfig, workdir / "operator.log")
+            op = Operator(cp.kubeconfig, workdir / "operator.log", args.operator_arg)
             time.sleep(5)
         if args.queued:
             how = "created before the operator starts" if args.backlog else "created while it runs"
             _say(f"(a) {args.queued} queued TrainingJobs, {how} ...")
-            results["queued"], op = bench_queued(cp, kueue, op, args.queued, root, cp.kubeconfig)
+            results["queued"], op = bench_queued(
+                cp, kueue, op, args.queued, root, cp.kubeconfig, args.operator_arg
+            )
             _say(f"    {json.dumps(results['queued'])}")
         if args.running:
             _say(f"(b) {args.running} running stub jobs ...")

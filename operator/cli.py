@@ -97,6 +97,23 @@ def build_parser() -> argparse.ArgumentParser:
         "seconds; other status changes are written at once",
     )
     run.add_argument(
+        "--max-scrapes-per-second",
+        type=float,
+        default=20.0,
+        metavar="N",
+        help="budget of periodic passes (rank-0 scrapes), all running jobs together: above "
+        "poll-interval x N running jobs each job is polled less often (0: no budget)",
+    )
+    run.add_argument(
+        "--max-progress-writes-per-second",
+        type=float,
+        default=10.0,
+        metavar="N",
+        help="budget of progress-only status writes, all running jobs together: above "
+        "status-progress-interval x N running jobs each job's progress is written less often "
+        "(0: no budget)",
+    )
+    run.add_argument(
         "--workers", type=int, default=32, help="threads running reconcile passes (API-bound)"
     )
     run.add_argument("--no-scrape", action="store_true", help="do not read the pods' /metrics")
@@ -153,6 +170,11 @@ def _run(args: argparse.Namespace) -> int:
         options = json.loads(args.checkpoint_storage_options or "{}")
         if not isinstance(options, dict):
             raise ValueError("--checkpoint-storage-options must be a JSON object")
+        for flag in ("max_scrapes_per_second", "max_progress_writes_per_second"):
+            if getattr(args, flag) < 0:
+                raise ValueError(
+                    f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 0 (0: no budget)"
+                )
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return 2
@@ -164,6 +186,8 @@ def _run(args: argparse.Namespace) -> int:
             poll_interval=args.poll_interval,
             max_grace_seconds=args.max_grace_seconds,
             status_progress_interval=args.status_progress_interval,
+            max_scrapes_per_second=args.max_scrapes_per_second,
+            max_progress_writes_per_second=args.max_progress_writes_per_second,
             workers=args.workers,
             kueue=not args.no_kueue,
         ),

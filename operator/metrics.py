@@ -80,6 +80,12 @@ ATTEMPT_GRACE_SECONDS = Gauge(
     ["namespace", "name"],
 )
 
+POLL_INTERVAL_SECONDS = Gauge(
+    "preemptible_operator_poll_interval_seconds",
+    "Seconds between one running job's periodic passes now (--poll-interval, longer when the "
+    "running jobs together would exceed --max-scrapes-per-second).",
+)
+
 
 def forget_job(namespace: str, name: str) -> None:
     """Remove the per-job series of a finished or deleted TrainingJob (an operator that runs

@@ -30,6 +30,7 @@ from pydantic import ValidationError
 
 from preemptible_operator import conditions as cond
 from preemptible_operator import metrics, models, render
+from preemptible_operator.budget import spread_interval
 from preemptible_operator.checkpoint_store import CheckpointView, PathMap
 from preemptible_operator.classify import (
     ContainerEnd,
@@ -90,6 +91,13 @@ class OperatorConfig:
     status_progress_interval: float = 15.0
     """A running attempt's progress (step, timings) alone is written to the status at most this
     often; every other change is written at once."""
+    max_scrapes_per_second: float = 20.0
+    """Budget of periodic passes (each scrapes rank 0), all running jobs together: with more
+    than ``poll_interval x`` this many running jobs, each job's poll interval grows to keep the
+    total at the budget (500 jobs: every 25 s). 0: no budget."""
+    max_progress_writes_per_second: float = 10.0
+    """Budget of progress-only status writes, all running jobs together, the same way for
+    ``status_progress_interval`` (500 jobs: every 50 s). 0: no budget."""
     request_timeout: tuple[float, float] = (5.0, 30.0)
     """(connect, read) timeout of every API request, so a stuck call never holds a worker."""
     kueue: bool = True
@@ -172,6 +180,9 @@ class Reconciler:
         self._written: dict[tuple[str, str], tuple[tuple[str, ...], dict[str, Any]]] = {}
         # (namespace, name) -> monotonic time of the last status write of progress only.
         self._progress_written: dict[tuple[str, str], float] = {}
+        # TrainingJobs on the poll timer (an attempt's pods exist): the periodic budgets are
+        # shared among them.
+        self._polled: set[tuple[str, str]] = set()
         self._nodes: dict[str, tuple[float, bool]] = {}
         self._services: set[tuple[str, str, str]] = set()
         # uids of pods released and Jobs deleted: the watch cache may still show them as they
@@ -569,7 +580,7 @@ class Reconciler:
             # The runtime's step and timings alone: at most every status_progress_interval.
             with self._lock:
                 last = self._progress_written.get(key)
-            write = last is None or time.monotonic() - last >= self.config.status_progress_interval
+            write = last is None or time.monotonic() - last >= self.periodic_intervals()[1]
         if write:
             if not self._write_status(obs.obj, new_status, old_status):
                 result.requeue_after = 0.5
@@ -589,10 +600,30 @@ class Reconciler:
             # Watch events wake the next pass; a timer only where time itself matters: scraping
             # a running attempt, pods that may be on a lost node.
             busy = bool(obs.pods) and new_phase in ("Running", "Checkpointing", "Pending")
-            result.requeue_after = jittered(
-                self.config.poll_interval if busy else self.config.idle_resync
-            )
+            with self._lock:
+                if busy:
+                    self._polled.add(key)
+                else:
+                    self._polled.discard(key)
+            poll = self.periodic_intervals()[0]
+            result.requeue_after = jittered(poll if busy else self.config.idle_resync)
+        else:
+            with self._lock:
+                self._polled.discard(key)
         return result
+
+    def periodic_intervals(self) -> tuple[float, float]:
+        """(poll, progress-only status write) period of one running job now: the configured
+        ones, or longer where the running jobs together would exceed the budgets."""
+        with self._lock:
+            jobs = len(self._polled)
+        cfg = self.config
+        poll = spread_interval(cfg.poll_interval, jobs, cfg.max_scrapes_per_second)
+        metrics.POLL_INTERVAL_SECONDS.set(poll)
+        return (
+            poll,
+            spread_interval(cfg.status_progress_interval, jobs, cfg.max_progress_writes_per_second),
+        )
 
     def forget(self, namespace: str, name: str, *, series: bool = True) -> None:
         """Drop what the operator keeps for a finished or deleted TrainingJob; ``series``: its
@@ -600,6 +631,7 @@ class Reconciler:
         with self._lock:
             self._written.pop((namespace, name), None)
             self._progress_written.pop((namespace, name), None)
+            self._polled.discard((namespace, name))
             self._services = {k for k in self._services if k[:2] != (namespace, name)}
         if series:
             metrics.forget_job(namespace, name)

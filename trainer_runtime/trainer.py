@@ -53,6 +53,7 @@ from trainer_runtime.checkpoint.io import (
     OPTIMIZER_META_KEY,
     CheckpointReader,
     optimizer_state_to_tensors,
+    warm_local_writes,
     write_entry,
 )
 from trainer_runtime.checkpoint.layout import (
@@ -386,6 +387,13 @@ class Trainer(
         self._rng_for_checkpoint = None
         self._save_interval = save_interval_from_env()
         self._interval_anchor = None
+        if (
+            self.args.save_strategy != "no"
+            or self.args.enable_jit_checkpoint
+            or self._save_interval
+        ):
+            # the first save (often the JIT one) must not pay for its staging memory
+            warm_local_writes(str(self.args.output_dir))
         # Installed before the checkpoint is loaded: a SIGTERM during a slow resume is latched
         # (and answered with a checkpoint) instead of killing the process.
         if self.args.enable_jit_checkpoint:

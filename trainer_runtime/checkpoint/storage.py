@@ -270,6 +270,11 @@ class Storage:
         with self._op("create directory", rel):
             self.fs.makedirs(self._path(rel), exist_ok=True)
 
+    @property
+    def writes_direct(self) -> bool:
+        """Whether :meth:`open_write` writes around the page cache (local, ``O_DIRECT``)."""
+        return self.is_local and _direct_io_wanted()
+
     @contextmanager
     def open_write(self, rel: str) -> Iterator[HashingWriter | _LocalWriter]:
         """Write a file; on a clean exit it is flushed and fsynced (local) or uploaded (remote).
@@ -278,7 +283,7 @@ class Storage:
         ``$PREEMPTIBLE_DIRECT_IO`` is ``0``; the handle's ``size`` and ``sha256`` describe what
         was written."""
         path = self._path(rel)
-        if self.is_local and _direct_io_wanted():
+        if self.writes_direct:
             with self._op("open for writing", rel):
                 os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
                 direct = _LocalWriter(DirectFile(path), self, rel)

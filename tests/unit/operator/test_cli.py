@@ -45,6 +45,8 @@ def test_run_arguments() -> None:
         (["run", "--kubeconfig", "/nonexistent/kubeconfig"], "no such file"),
         (["run", "--checkpoint-path-map", "nomapping"], "POD_PREFIX=OPERATOR_PREFIX"),
         (["run", "--checkpoint-storage-options", "[1]"], "JSON object"),
+        (["run", "--max-scrapes-per-second", "-1"], "--max-scrapes-per-second -1.0: must be >= 0"),
+        (["run", "--max-progress-writes-per-second", "-2"], "must be >= 0 (0: no budget)"),
     ],
 )
 def test_run_rejects_bad_flags_before_starting(
