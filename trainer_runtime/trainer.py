@@ -387,13 +387,6 @@ class Trainer(
         self._rng_for_checkpoint = None
         self._save_interval = save_interval_from_env()
         self._interval_anchor = None
-        if (
-            self.args.save_strategy != "no"
-            or self.args.enable_jit_checkpoint
-            or self._save_interval
-        ):
-            # the first save (often the JIT one) must not pay for its staging memory
-            warm_local_writes(str(self.args.output_dir))
         # Installed before the checkpoint is loaded: a SIGTERM during a slow resume is latched
         # (and answered with a checkpoint) instead of killing the process.
         if self.args.enable_jit_checkpoint:
@@ -836,6 +829,14 @@ class Trainer(
     # -- the loop ----------------------------------------------------------------------------------
     def _train(self, checkpoint: CheckpointInfo | None) -> TrainOutput:
         self._setup(checkpoint)
+        if (
+            self.args.save_strategy != "no"
+            or self.args.enable_jit_checkpoint
+            or self._save_interval
+        ):
+            # The first save (often the JIT one) must not pay for its staging memory; warmed
+            # once the checkpoint is loaded, so that it never slows a resume down.
+            warm_local_writes(str(self.args.output_dir))
         self.preempted = False
         self.metrics = self.metrics or metrics_from_env()
         self._publish_metrics()

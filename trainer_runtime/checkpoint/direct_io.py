@@ -9,7 +9,8 @@ cache with gigabytes that fsync must then push out.
 
 :class:`DirectFile` stages the stream in a few aligned blocks (kept for the life of the
 process, so their pages stay resident), writes each full block with ``O_DIRECT`` on an I/O
-thread and feeds it to sha256 on a hashing thread while the caller fills the next block. The
+thread (two writes in flight) and feeds it to sha256 on a hashing thread while the caller
+fills the next block. The
 unaligned tail is written through the page cache (``O_DIRECT`` cleared with ``fcntl``), then
 the file is fsynced as before. A filesystem that refuses ``O_DIRECT`` (``EINVAL``, at open or
 at the first write) gets plain buffered writes on the same handle. This module is torch-free.
@@ -32,6 +33,9 @@ __all__ = ["BLOCK_BYTES", "DEPTH", "DirectFile", "direct_io_supported", "staging
 BLOCK_BYTES = 4 << 20
 # Blocks per file: one being filled, the others being written and hashed.
 DEPTH = 4
+# Writes in flight per file: with two, the device always has the next block queued while one
+# completes (measured here, 76 + 152 MB written at once: 161-170 ms against 175, raw 155).
+IO_THREADS = 2
 # O_DIRECT needs buffers, offsets and lengths aligned to the logical block size (<= 4096).
 ALIGN = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -106,6 +110,7 @@ class DirectFile:
         # bytes that went to the file around the page cache (the rest: the tail, or everything
         # where the filesystem refused O_DIRECT)
         self.direct_bytes = 0
+        self._count_lock = threading.Lock()  # direct_bytes and clearing O_DIRECT
         self._sha = hashlib.sha256()
         self._digest: str | None = None
         self._blocks: list[mmap.mmap] = []
@@ -148,10 +153,9 @@ class DirectFile:
         return self._views[self._current]
 
     def _helpers(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
-        # one thread each: writes in order (offsets need no order, but one request at a time
-        # already keeps the device busy: the kernel splits a block into many), hashes in order
+        # writes carry their offsets, so they may complete in any order; hashes must run in order
         if self._io is None or self._hash is None:
-            self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-write")
+            self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="ckpt-write")
             self._hash = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash")
         return self._io, self._hash
 
@@ -168,27 +172,32 @@ class DirectFile:
 
     def _pwrite(self, view: memoryview, offset: int) -> None:
         done = 0
+        retried = False
         while done < len(view):
             try:
                 n = os.pwrite(self.fd, view[done:], offset + done)
             except OSError as exc:
                 # a filesystem that accepted O_DIRECT at open but refuses these requests, or a
-                # short write that left us unaligned: go on through the page cache
-                if exc.errno != errno.EINVAL or not self.direct:
+                # short write that left us unaligned: go on through the page cache (once per
+                # request: the other writer thread may have cleared O_DIRECT already)
+                if exc.errno != errno.EINVAL or retried:
                     raise
                 self._clear_direct()
+                retried = True
                 continue
             if n == 0:
                 raise OSError(errno.EIO, "write returned 0 bytes")
             if self.direct:
-                self.direct_bytes += n
+                with self._count_lock:  # IO_THREADS writer threads
+                    self.direct_bytes += n
             done += n
 
     def _clear_direct(self) -> None:
-        if self.direct:
-            flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
-            fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
-            self.direct = False
+        with self._count_lock:
+            if self.direct:
+                flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+                self.direct = False
 
     # -- the end -----------------------------------------------------------------------------------
     def _drain(self) -> None:

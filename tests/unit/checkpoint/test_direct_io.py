@@ -6,6 +6,8 @@ import errno
 import fcntl
 import hashlib
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,17 @@ def small_blocks(monkeypatch: pytest.MonkeyPatch) -> int:
 
 def _payload(size: int) -> bytes:
     return hashlib.shake_256(b"checkpoint").digest(size)
+
+
+def _write_and_check(tmp_path: Path, size: int) -> DirectFile:
+    """Write ``size`` bytes in one call; the file and its sha256 hold exactly them."""
+    data = _payload(size)
+    f = DirectFile(str(tmp_path / "f.bin"))
+    f.write(data)
+    f.close()
+    assert (tmp_path / "f.bin").read_bytes() == data
+    assert f.sha256 == hashlib.sha256(data).hexdigest()
+    return f
 
 
 def _needs_direct(tmp_path: Path) -> None:
@@ -70,6 +83,39 @@ def test_whole_sectors_go_around_the_page_cache(tmp_path: Path, small_blocks: in
     assert f.direct_bytes == size - 100
 
 
+def test_both_writer_threads_fall_back_when_direct_requests_are_refused(
+    tmp_path: Path, small_blocks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two requests refused at the same time: the one whose thread finds O_DIRECT already
+    cleared by the other retries through the page cache instead of failing the save."""
+    assert direct_io.IO_THREADS >= 2
+    real = os.pwrite
+    both_in_flight = threading.Barrier(2, timeout=10)
+    lock = threading.Lock()
+    refused: list[int] = []
+
+    def refusing(fd: int, data: memoryview, offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            with lock:
+                refused.append(offset)
+                nth = len(refused)
+            if nth <= 2:
+                both_in_flight.wait()  # two requests issued with O_DIRECT, both in flight
+            if nth == 2:
+                # the second is refused only after the first one's thread cleared O_DIRECT
+                for _ in range(5000):
+                    if not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                        break
+                    time.sleep(0.001)
+                time.sleep(0.05)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(direct_io.os, "pwrite", refusing)
+    f = _write_and_check(tmp_path, 6 * small_blocks + 999)
+    assert len(refused) == 2 and not f.direct
+
+
 def test_callers_buffer_may_change_after_write(tmp_path: Path, small_blocks: int) -> None:
     buf = bytearray(_payload(3 * small_blocks))
     expected = bytes(buf)
@@ -92,12 +138,7 @@ def test_a_filesystem_refusing_direct_requests_gets_buffered_writes(
         return real(fd, data, offset)
 
     monkeypatch.setattr(direct_io.os, "pwrite", refusing)
-    data = _payload(4 * small_blocks + 999)
-    f = DirectFile(str(tmp_path / "f.bin"))
-    f.write(data)
-    f.close()
-    assert (tmp_path / "f.bin").read_bytes() == data
-    assert f.sha256 == hashlib.sha256(data).hexdigest()
+    f = _write_and_check(tmp_path, 4 * small_blocks + 999)
     assert f.direct_bytes == 0 and not f.direct
 
 
