@@ -18,6 +18,7 @@ at the first write) gets plain buffered writes on the same handle. This module i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -65,7 +66,10 @@ class _StagingPool:
                 block = self._free.pop()
                 if len(block) == BLOCK_BYTES:
                     return block
-                block.close()  # a block of an older BLOCK_BYTES
+                # A block of an older BLOCK_BYTES. One still viewed somewhere (a failed
+                # write's traceback can hold a slice of it) is unmapped once that goes.
+                with contextlib.suppress(BufferError):
+                    block.close()
         block = mmap.mmap(-1, BLOCK_BYTES)
         # touch every page now: a block's first write is then a plain memory copy
         for start in range(0, BLOCK_BYTES, len(_ZEROS)):

@@ -116,6 +116,23 @@ def test_both_writer_threads_fall_back_when_direct_requests_are_refused(
     assert len(refused) == 2 and not f.direct
 
 
+def test_a_pooled_block_still_viewed_elsewhere_never_fails_a_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block of another size that cannot be unmapped yet (a slice of it lives on, e.g. in a
+    failed write's traceback) is dropped from the pool, not an error for the next file."""
+    pool = direct_io._StagingPool()
+    monkeypatch.setattr(direct_io, "staging_pool", pool)
+    monkeypatch.setattr(direct_io, "BLOCK_BYTES", 1 << 20)
+    old = pool.take()
+    held = memoryview(old)[:10]  # an export: old.close() raises BufferError
+    pool.give([old])
+    monkeypatch.setattr(direct_io, "BLOCK_BYTES", 2 << 20)
+    f = _write_and_check(tmp_path, 3 * (2 << 20) + 5)
+    assert all(len(b) == 2 << 20 for b in pool._free) and f.size == 3 * (2 << 20) + 5
+    held.release()
+
+
 def test_callers_buffer_may_change_after_write(tmp_path: Path, small_blocks: int) -> None:
     buf = bytearray(_payload(3 * small_blocks))
     expected = bytes(buf)
