@@ -9,7 +9,8 @@ cache with gigabytes that fsync must then push out.
 
 :class:`DirectFile` stages the stream in a few aligned blocks (kept for the life of the
 process, so their pages stay resident), writes each full block with ``O_DIRECT`` on an I/O
-thread (two writes in flight) and feeds it to sha256 on a hashing thread while the caller
+thread (two writes in flight) and feeds it to the checksum (:mod:`digest`) on a hashing
+thread while the caller
 fills the next block. The
 unaligned tail is written through the page cache (``O_DIRECT`` cleared with ``fcntl``), then
 the file is fsynced as before. A filesystem that refuses ``O_DIRECT`` (``EINVAL``, at open or
@@ -21,11 +22,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+
+from trainer_runtime.checkpoint.digest import new_hasher
 
 __all__ = ["BLOCK_BYTES", "DEPTH", "DirectFile", "direct_io_supported", "staging_pool"]
 
@@ -93,8 +95,8 @@ staging_pool = _StagingPool()
 class DirectFile:
     """A write-only local file: ``write`` bytes, then :meth:`close` (durable) or :meth:`abort`.
 
-    ``size`` and ``sha256`` describe the bytes written. The caller's buffers are copied into
-    staging blocks, so they may change as soon as ``write`` returns.
+    ``size`` and ``digest`` (:data:`digest.ALGORITHM`) describe the bytes written. The caller's
+    buffers are copied into staging blocks, so they may change as soon as ``write`` returns.
     Raises OSError from the constructor when the file cannot be created.
     """
 
@@ -115,7 +117,7 @@ class DirectFile:
         # where the filesystem refused O_DIRECT)
         self.direct_bytes = 0
         self._count_lock = threading.Lock()  # direct_bytes and clearing O_DIRECT
-        self._sha = hashlib.sha256()
+        self._sha = new_hasher()
         self._digest: str | None = None
         self._blocks: list[mmap.mmap] = []
         self._views: list[memoryview] = []
@@ -264,7 +266,7 @@ class DirectFile:
         os.close(self.fd)
 
     @property
-    def sha256(self) -> str:
+    def digest(self) -> str:
         if self._digest is None:
-            raise RuntimeError("sha256 is known once the file is closed")
+            raise RuntimeError("the digest is known once the file is closed")
         return self._digest

@@ -28,7 +28,6 @@ rank. A node's copy is valid only with its own manifest.
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import json
 import os
 import socket
@@ -44,6 +43,12 @@ import torch
 from safetensors.torch import load as _st_load
 from safetensors.torch import load_file as _st_load_file
 
+from trainer_runtime.checkpoint.digest import (
+    ALGORITHMS,
+    file_record,
+    listed_digest,
+    new_hasher,
+)
 from trainer_runtime.checkpoint.direct_io import DEPTH, staging_pool
 from trainer_runtime.checkpoint.layout import (
     MANIFEST_FORMAT,
@@ -59,7 +64,7 @@ from trainer_runtime.checkpoint.layout import (
     rotation_victims,
 )
 from trainer_runtime.checkpoint.safetensors_stream import (
-    CHUNK_BYTES,
+    READ_BLOCK_BYTES,
     Cancelled,
     TensorFile,
     header_of,
@@ -267,7 +272,7 @@ class CheckpointWriter:
             raise CheckpointError(f"{self.path} is already committed")
 
     def write_bytes(self, filename: str, data: bytes, *, per_rank: bool = False) -> None:
-        """Write a file of this rank (flushed and fsynced; size and sha256 recorded).
+        """Write a file of this rank (flushed and fsynced; size and checksum recorded).
 
         ``per_rank``: a file only this rank has (its RNG state). With ``each_node`` such files,
         and every file of a rank that is not its node's main process, are held until
@@ -285,8 +290,8 @@ class CheckpointWriter:
     def _write_file(self, name: str, data: bytes) -> None:
         if self.cancel is not None and self.cancel.is_set():
             raise Cancelled()
-        size, sha = self.root.write_bytes(self._rel(name), data)
-        self._files[name] = {"path": name, "size": size, "sha256": sha}
+        size, digest = self.root.write_bytes(self._rel(name), data)
+        self._files[name] = file_record(name, size, digest)
 
     def write_tensors(
         self,
@@ -321,7 +326,7 @@ class CheckpointWriter:
             raise
         except CheckpointError as exc:
             raise CheckpointError(f"cannot serialise tensors for {self._rel(name)}: {exc}") from exc
-        self._files[name] = {"path": name, "size": fh.size, "sha256": fh.sha256}
+        self._files[name] = file_record(name, fh.size, fh.digest)
 
     def write_entry(
         self, filename: str, data: bytes | TensorFile, *, per_rank: bool = False
@@ -338,7 +343,7 @@ class CheckpointWriter:
         a callable returning either (built when written, after every other entry).
 
         Large safetensors files (the model's and the optimizer's) are written at the same time
-        on helper threads: each file's sha256 runs on one core, so two files hash on two cores
+        on helper threads: each file's checksum runs on one core, so two files hash on two cores
         while the disk writes both. The other entries follow in order, once those are written.
         """
         entries = list(entries)
@@ -387,7 +392,7 @@ class CheckpointWriter:
 
     def adopt_present(self) -> list[str]:
         """Coordinator: record every file already in the directory that this writer did not write
-        itself (size and sha256 read back from storage), so the manifest lists them. Call it after
+        itself (size and checksum read back from storage), so the manifest lists them. Call it after
         every rank's :meth:`sync_present` and a barrier. Returns the adopted paths."""
         self._require_open()
         adopted: list[str] = []
@@ -399,14 +404,14 @@ class CheckpointWriter:
                 continue  # an atomic write's temporary file, not part of the checkpoint
             if rel in self._files:
                 continue
-            size, sha = self.root.hash_file(self._rel(rel))
-            self._files[rel] = {"path": rel, "size": size, "sha256": sha}
+            size, digest = self.root.hash_file(self._rel(rel))
+            self._files[rel] = file_record(rel, size, digest)
             adopted.append(rel)
         return adopted
 
     @property
     def files(self) -> list[dict[str, Any]]:
-        """The files this rank wrote so far: path, size, sha256."""
+        """The files this rank wrote so far: path, size, checksum."""
         return [dict(v) for v in self._files.values()]
 
     # -- commit ----------------------------------------------------------------------------------
@@ -482,7 +487,9 @@ class CheckpointWriter:
                         f"file {entry['path']} of {self.path} written by ranks "
                         f"{owners[entry['path']]} and {rank}: give each rank its own file names"
                     )
-                merged[entry["path"]] = {k: entry[k] for k in ("path", "size", "sha256")}
+                merged[entry["path"]] = {
+                    k: v for k, v in entry.items() if k in ("path", "size", *ALGORITHMS)
+                }
                 owners[entry["path"]] = rank
         return merged
 
@@ -658,9 +665,9 @@ class CheckpointReader:
             raise ResumeError(f"cannot resume from {path}: checkpoint incomplete: {info.reason}")
         self.info = info
         listed = (info.manifest or {}).get("files", [])
-        self._sha = {e["path"]: e.get("sha256") for e in listed}
+        self._digests = {e["path"]: listed_digest(e) for e in listed}
         # checksums computed on helper threads while the tensors are loaded (wait_verified)
-        self._checks: list[tuple[str, Future[str], str]] = []
+        self._checks: list[tuple[str, Future[str], tuple[str, str]]] = []
         self._pool: ThreadPoolExecutor | None = None
 
     @property
@@ -672,8 +679,9 @@ class CheckpointReader:
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-verify")
         return self._pool
 
-    def _expected(self, filename: str) -> str | None:
-        return self._sha.get(filename) if self.verify else None
+    def _expected(self, filename: str) -> tuple[str, str] | None:
+        """(algorithm, digest) the manifest lists for ``filename``; None: nothing to check."""
+        return self._digests.get(filename) if self.verify else None
 
     def _local_path(self, filename: str) -> str | None:
         return self.storage._path(filename) if self.storage.is_local else None
@@ -685,10 +693,11 @@ class CheckpointReader:
 
         Local storage: ``owned=False`` memory-maps the file (the tensors are copy-on-write views
         of its pages: for weights that are copied into parameters right away); ``owned=True``
-        reads it with large reads into one host buffer the tensors are views of (for state kept
-        as is, e.g. the optimizer's). The sha256 listed in the manifest is computed on a helper
-        thread meanwhile; :meth:`wait_verified` waits for it and raises ResumeError on a
-        mismatch. Object stores: downloaded and checked inline.
+        reads it on two threads into one host buffer the tensors are views of (for state kept as
+        is, e.g. the optimizer's). The checksum listed in the manifest is computed meanwhile (on
+        a helper thread for a mapped file; block by block as they arrive for a read one);
+        :meth:`wait_verified` raises ResumeError on a mismatch. Object stores: downloaded and
+        checked inline.
         """
         path = self._local_path(filename)
         if path is None:
@@ -702,27 +711,25 @@ class CheckpointReader:
                     header, _ = read_header(fh)
                 if expected:
                     self._checks.append(
-                        (filename, self._helpers().submit(_sha256_of_file, path), expected)
+                        (
+                            filename,
+                            self._helpers().submit(_digest_of_file, path, expected[0]),
+                            expected,
+                        )
                     )
             else:
-                sha = hashlib.sha256() if expected else None
-                pending: list[Future[None]] = []
-
-                def on_block(block: memoryview) -> None:
-                    # in order: each block waits for the previous one's update
-                    if sha is not None:
-                        if pending:
-                            pending.pop().result()
-                        pending.append(self._helpers().submit(sha.update, block))
-
+                # blocks are hashed in file order on this thread while the reader threads
+                # read the next ones (the hash releases the GIL)
+                hasher = new_hasher(expected[0]) if expected else None
                 size = os.path.getsize(path)
                 with open(path, "rb", buffering=0) as fh:
-                    buf = read_into_buffer(fh, size, on_block)
+                    buf = read_into_buffer(fh, size, hasher.update if hasher else None)
                 header, base = header_of(memoryview(buf.numpy()))
                 tensors = tensors_from_buffer(buf, header, base)
-                if sha is not None:
-                    done: Future[str] = self._helpers().submit(_finish_hash, pending, sha)
+                if hasher is not None:
                     assert expected is not None
+                    done: Future[str] = Future()
+                    done.set_result(hasher.hexdigest())
                     self._checks.append((filename, done, expected))
         except (OSError, ValueError, CheckpointError) as exc:
             raise ResumeError(f"cannot read {filename} of {self.path}: {exc}") from exc
@@ -734,16 +741,13 @@ class CheckpointReader:
         """Wait for the checksums computed beside the loading; ResumeError on a mismatch."""
         checks, self._checks = self._checks, []
         try:
-            for filename, future, expected in checks:
+            for filename, future, (algorithm, expected) in checks:
                 try:
                     actual = future.result()
                 except OSError as exc:
                     raise ResumeError(f"cannot read {filename} of {self.path}: {exc}") from exc
                 if actual != expected:
-                    raise ResumeError(
-                        f"{filename} of {self.path} is corrupt: sha256 {actual} != {expected} "
-                        "(listed in manifest.json); resume from an earlier checkpoint"
-                    )
+                    raise self._corrupt(filename, algorithm, actual, expected)
         finally:
             if self._pool is not None and not self._checks:
                 self._pool.shutdown(wait=True)
@@ -753,22 +757,24 @@ class CheckpointReader:
         return self.storage.exists(filename)
 
     def load_bytes(self, filename: str) -> bytes:
-        """A file's bytes; with ``verify`` its sha256 is checked against the manifest."""
+        """A file's bytes; with ``verify`` its checksum is checked against the manifest."""
         try:
             data = self.storage.read_bytes(filename)
         except StorageError as exc:
             raise ResumeError(f"cannot read {filename} of {self.path}: {exc}") from exc
-        expected = self._sha.get(filename)
-        if self.verify and expected:
-            import hashlib
-
-            actual = hashlib.sha256(data).hexdigest()
-            if actual != expected:
-                raise ResumeError(
-                    f"{filename} of {self.path} is corrupt: sha256 {actual} != {expected} "
-                    "(listed in manifest.json); resume from an earlier checkpoint"
-                )
+        expected = self._expected(filename)
+        if expected:
+            hasher = new_hasher(expected[0])
+            hasher.update(data)
+            if hasher.hexdigest() != expected[1]:
+                raise self._corrupt(filename, expected[0], hasher.hexdigest(), expected[1])
         return data
+
+    def _corrupt(self, filename: str, algorithm: str, actual: str, expected: str) -> ResumeError:
+        return ResumeError(
+            f"{filename} of {self.path} is corrupt: {algorithm} {actual} != {expected} "
+            "(listed in manifest.json); resume from an earlier checkpoint"
+        )
 
     def load_tensors(self, filename: str) -> dict[str, torch.Tensor]:
         """A (small) safetensors file's tensors, read whole and checked before returning."""
@@ -805,12 +811,12 @@ class CheckpointReader:
 
 def write_entry(storage: Storage, rel: str, data: bytes | TensorFile) -> tuple[int, str]:
     """Write bytes, or a safetensors file as it is serialised, durably to ``storage``; returns
-    (size, sha256)."""
+    (size, checksum)."""
     if not isinstance(data, TensorFile):
         return storage.write_bytes(rel, data)
     with storage.open_write(rel) as fh:
         write_safetensors(fh.write, data.tensors, data.metadata)
-    return fh.size, fh.sha256
+    return fh.size, fh.digest
 
 
 def warm_local_writes(uri: str) -> threading.Thread | None:
@@ -832,18 +838,15 @@ def warm_local_writes(uri: str) -> threading.Thread | None:
     return thread
 
 
-def _sha256_of_file(path: str) -> str:
-    sha = hashlib.sha256()
+def _digest_of_file(path: str, algorithm: str) -> str:
+    hasher = new_hasher(algorithm)
+    # one buffer read into again and again: fresh memory per block is slow to touch here
+    block = bytearray(READ_BLOCK_BYTES)
+    view = memoryview(block)
     with open(path, "rb", buffering=0) as fh:
-        while block := fh.read(CHUNK_BYTES):
-            sha.update(block)
-    return sha.hexdigest()
-
-
-def _finish_hash(pending: list[Future[None]], sha: Any) -> str:
-    for future in pending:
-        future.result()
-    return str(sha.hexdigest())
+        while n := fh.readinto(block):
+            hasher.update(view[:n])
+    return hasher.hexdigest()
 
 
 def _safetensors_metadata(data: bytes) -> dict[str, str]:

@@ -10,18 +10,21 @@ size, and for a file of one dtype with at most one metadata key the bytes are id
 ``safetensors.torch.save``'s. Any safetensors reader (``safe_open``, ``load_file``,
 ``from_pretrained``) opens the files.
 
-:func:`read_into_buffer` reads a local file with large ``readinto`` calls into one host buffer
-(the tensors are views of it: one copy from the page cache, none afterwards), handing each block
-to a callback as soon as it is read (the checksum runs beside the reading).
+:func:`read_into_buffer` reads a local file with large positional reads, on two threads, into
+one host buffer (the tensors are views of it: one copy from the page cache, none afterwards),
+handing each block to a callback in file order as soon as it is read (the checksum runs beside
+the reading).
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import struct
 import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -44,6 +47,9 @@ __all__ = [
 # Block size of writes and reads: large enough for full disk bandwidth, small enough that a
 # cancellation is seen quickly and the hashing thread keeps pace.
 CHUNK_BYTES = 64 << 20
+# read_into_buffer: blocks read by READ_THREADS threads at once
+READ_BLOCK_BYTES = 16 << 20
+READ_THREADS = 2
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -178,20 +184,53 @@ def read_header(fh: BinaryIO) -> tuple[dict[str, Any], int]:
 
 
 def read_into_buffer(
-    fh: BinaryIO, size: int, on_block: Callable[[memoryview], None] | None = None
+    fh: BinaryIO,
+    size: int,
+    on_block: Callable[[memoryview], None] | None = None,
+    *,
+    threads: int = READ_THREADS,
 ) -> torch.Tensor:
-    """Read ``size`` bytes of ``fh`` (from its current position) into one new uint8 tensor,
-    calling ``on_block`` with each block right after it is read."""
+    """Read ``size`` bytes of the file ``fh`` (from its current position) into one new uint8
+    tensor, calling ``on_block`` (on the calling thread) with each block in file order as soon
+    as it and every block before it are read.
+
+    ``threads`` threads read blocks at once, each with positional reads into its own part of
+    the buffer. Copying from the page cache into fresh memory is bound by first touching that
+    memory (this VM faults every new page in the host too), and two threads fault in parallel:
+    an 800 MB optimizer file read in 0.29-0.33 s with two threads, 0.56-0.62 s with one.
+    """
     buf = torch.empty(size, dtype=torch.uint8)
     view = memoryview(buf.numpy()).cast("B")
-    done = 0
-    while done < size:
-        n = fh.readinto(view[done : done + CHUNK_BYTES])  # type: ignore[attr-defined]
-        if not n:
-            raise CheckpointError(f"file ended after {done} of {size} bytes")
-        if on_block is not None:
-            on_block(view[done : done + n])
-        done += n
+    start = fh.tell()
+    fd = fh.fileno()
+
+    def read(lo: int, hi: int) -> None:
+        done = lo
+        while done < hi:
+            n = os.preadv(fd, [view[done:hi]], start + done)
+            if not n:
+                raise CheckpointError(f"file ended after {done} of {size} bytes")
+            done += n
+
+    blocks = [(lo, min(lo + READ_BLOCK_BYTES, size)) for lo in range(0, size, READ_BLOCK_BYTES)]
+    if threads <= 1 or len(blocks) < 2:
+        for lo, hi in blocks:
+            read(lo, hi)
+            if on_block is not None:
+                on_block(view[lo:hi])
+    else:
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-read") as pool:
+            futures = [pool.submit(read, lo, hi) for lo, hi in blocks]
+            try:
+                for (lo, hi), future in zip(blocks, futures, strict=True):
+                    future.result()
+                    if on_block is not None:
+                        on_block(view[lo:hi])
+            except BaseException:
+                for future in futures:
+                    future.cancel()  # the pool's exit waits for the reads already running
+                raise
+    fh.seek(start + size)
     return buf
 
 

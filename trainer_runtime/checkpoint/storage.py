@@ -13,7 +13,6 @@ operation and the cause. This module is torch-free.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import uuid
@@ -25,6 +24,7 @@ from typing import Any, BinaryIO
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from trainer_runtime.checkpoint.digest import new_hasher
 from trainer_runtime.checkpoint.direct_io import DirectFile, direct_io_supported
 from trainer_runtime.errors import StorageError
 
@@ -39,11 +39,12 @@ _WRITEBACK_EVERY = 128 << 20
 
 
 class HashingWriter:
-    """A write-only file handle that counts bytes and computes sha256 while writing.
+    """A write-only file handle that counts bytes and computes the checksum (:mod:`digest`) while
+    writing.
 
     Checksums are computed from the bytes as they go out, never by reading the file back. Large
-    blocks are hashed on a helper thread while the next block is written (hashlib and file
-    writes release the GIL); the caller must not modify a block it passed until the next
+    blocks are hashed on a helper thread while the next block is written (the hash and
+    file writes release the GIL); the caller must not modify a block it passed until the next
     ``write`` or the end of the file (tensors of a checkpoint are not modified while saved).
     On local files, writeback to disk is started every 128 MiB (``fdatasync`` on a helper
     thread), so the fsync at the end of the file only waits for the tail.
@@ -53,7 +54,7 @@ class HashingWriter:
         self._handle = handle
         self._storage = storage
         self._rel = rel
-        self._sha = hashlib.sha256()
+        self._sha = new_hasher()
         self.size = 0
         self._pending: Future[None] | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -111,7 +112,7 @@ class HashingWriter:
                 self._pool = None
 
     @property
-    def sha256(self) -> str:
+    def digest(self) -> str:
         self._wait_hash()
         return self._sha.hexdigest()
 
@@ -133,8 +134,8 @@ class _LocalWriter:
         return self.file.size
 
     @property
-    def sha256(self) -> str:
-        return self.file.sha256
+    def digest(self) -> str:
+        return self.file.digest
 
 
 class Storage:
@@ -280,7 +281,7 @@ class Storage:
         """Write a file; on a clean exit it is flushed and fsynced (local) or uploaded (remote).
 
         Local files are written around the page cache (:mod:`direct_io`) unless
-        ``$PREEMPTIBLE_DIRECT_IO`` is ``0``; the handle's ``size`` and ``sha256`` describe what
+        ``$PREEMPTIBLE_DIRECT_IO`` is ``0``; the handle's ``size`` and ``digest`` describe what
         was written."""
         path = self._path(rel)
         if self.writes_direct:
@@ -321,10 +322,10 @@ class Storage:
             handle.close()
 
     def write_bytes(self, rel: str, data: bytes) -> tuple[int, str]:
-        """Write ``data`` durably; returns (size, sha256)."""
+        """Write ``data`` durably; returns (size, digest)."""
         with self.open_write(rel) as fh:
             fh.write(data)
-        return fh.size, fh.sha256
+        return fh.size, fh.digest
 
     def write_json(self, rel: str, obj: Any) -> tuple[int, str]:
         return self.write_bytes(rel, _json_bytes(obj))
@@ -381,8 +382,8 @@ class Storage:
                 os.close(fd)
 
     def hash_file(self, rel: str, chunk: int = 1 << 22) -> tuple[int, str]:
-        """(size, sha256) of an existing file, read in chunks (weights can be large)."""
-        sha = hashlib.sha256()
+        """(size, digest) of an existing file, read in chunks (weights can be large)."""
+        sha = new_hasher()
         size = 0
         with self._op("read for checksum", rel), self.fs.open(self._path(rel), "rb") as fh:
             while block := fh.read(chunk):

@@ -5,7 +5,7 @@ Save protocol (every rank calls :func:`save_sharded` at the same step)::
 
     coordinator: checkpoint-<step>/ + sentinel (fsynced), barrier       (CheckpointWriter.begin)
     every rank : its DCP shard files __<rank>_<i>.distcp (fsynced by DCP), rank 0 also .metadata
-    every rank : records its files (size + sha256, read back from storage)
+    every rank : records its files (size + checksum, read back from storage)
     rank 0     : extra JSON files (trainer_state.json, ...)
     coordinator: manifest.json (the commit point), removes the sentinel (CheckpointWriter.commit)
 
@@ -21,7 +21,6 @@ refused with a clear error on CPU.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer_runtime.checkpoint.digest import file_record, new_hasher
 from trainer_runtime.checkpoint.io import CheckpointReader, CheckpointWriter
 from trainer_runtime.checkpoint.layout import CheckpointInfo
 from trainer_runtime.distributed import collectives
@@ -210,17 +210,15 @@ class ShardedCheckpointWriter(CheckpointWriter):
     """A CheckpointWriter that also records files DCP wrote on its own."""
 
     def record_written(self, filename: str) -> None:
-        """Add a file already on storage to this rank's record (size and sha256 read back)."""
+        """Add a file already on storage to this rank's record (size and checksum read back)."""
         self._require_open()
         if filename in self._files:
             raise CheckpointError(f"{filename} recorded twice for {self.path}")
         data = self.root.read_bytes(self._rel(filename))
         # DCP wrote (and fsynced) the file; record it the way write_bytes records its own.
-        self._files[filename] = {
-            "path": filename,
-            "size": len(data),
-            "sha256": hashlib.sha256(data).hexdigest(),
-        }
+        hasher = new_hasher()
+        hasher.update(data)
+        self._files[filename] = file_record(filename, len(data), hasher.hexdigest())
 
 
 def _local_path(url: str) -> str | None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import errno
-import hashlib
 import json
 import shutil
 import subprocess
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 from safetensors.torch import save as st_save
 
 from tests.unit.checkpoint import _enospc_fs
@@ -95,7 +95,7 @@ def test_commit_writes_manifest_and_removes_sentinel(out: str) -> None:
     ]
     for f in m["files"]:
         data = store.storage.read_bytes(f"checkpoint-7/{f['path']}")
-        assert f["size"] == len(data) and f["sha256"] == hashlib.sha256(data).hexdigest()
+        assert f["size"] == len(data) and f["xxh3_128"] == xxhash.xxh3_128(data).hexdigest()
 
     r = CheckpointReader(info.path)
     loaded = r.load_tensors("model.safetensors")
@@ -197,7 +197,7 @@ def test_corrupt_file_is_detected_by_checksum(tmp_path: Path) -> None:
     data[-1] ^= 0xFF  # same size, so the completeness rule still passes
     f.write_bytes(bytes(data))
     r = CheckpointReader(info.path)
-    with pytest.raises(ResumeError, match="sha256"):
+    with pytest.raises(ResumeError, match="xxh3_128"):
         r.load_tensors("model.safetensors")
     assert (
         CheckpointReader(info.path, verify=False).load_tensors("model.safetensors")["w"].numel()
@@ -260,6 +260,9 @@ def test_multi_rank_merge(out: str) -> None:
         "model-rank2.safetensors",
         "trainer_state.json",
     ]
+    for entry in m["files"]:  # each rank's checksum survives the merge
+        data = CheckpointStore(out).storage.read_bytes(f"checkpoint-30/{entry['path']}")
+        assert entry["xxh3_128"] == xxhash.xxh3_128(data).hexdigest(), entry["path"]
     files = CheckpointStore(out).storage.walk_files("checkpoint-30")
     assert not [f for f in files if f.startswith(".partial-rank-")]  # records merged and removed
     reader = CheckpointReader(f"{out}/checkpoint-30")

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from trainer_runtime.checkpoint import direct_io
 from trainer_runtime.checkpoint.direct_io import ALIGN, DirectFile
@@ -32,13 +33,13 @@ def _payload(size: int) -> bytes:
 
 
 def _write_and_check(tmp_path: Path, size: int) -> DirectFile:
-    """Write ``size`` bytes in one call; the file and its sha256 hold exactly them."""
+    """Write ``size`` bytes in one call; the file and its checksum hold exactly them."""
     data = _payload(size)
     f = DirectFile(str(tmp_path / "f.bin"))
     f.write(data)
     f.close()
     assert (tmp_path / "f.bin").read_bytes() == data
-    assert f.sha256 == hashlib.sha256(data).hexdigest()
+    assert f.digest == xxhash.xxh3_128(data).hexdigest()
     return f
 
 
@@ -58,7 +59,7 @@ def _needs_direct(tmp_path: Path) -> None:
         [(1 << 20) * 9 + 123],  # one call spanning more blocks than the ring has
     ],
 )
-def test_bytes_size_and_sha256_match_what_was_written(
+def test_bytes_size_and_digest_match_what_was_written(
     tmp_path: Path, small_blocks: int, pieces: list[int]
 ) -> None:
     data = _payload(sum(pieces))
@@ -70,7 +71,7 @@ def test_bytes_size_and_sha256_match_what_was_written(
         at += n
     f.close()
     assert path.read_bytes() == data
-    assert f.size == len(data) and f.sha256 == hashlib.sha256(data).hexdigest()
+    assert f.size == len(data) and f.digest == xxhash.xxh3_128(data).hexdigest()
 
 
 def test_whole_sectors_go_around_the_page_cache(tmp_path: Path, small_blocks: int) -> None:
@@ -178,7 +179,7 @@ def test_storage_writes_local_files_directly_and_names_errors(
     with storage.open_write("sub/f.bin") as fh:
         fh.write(data)
     assert (tmp_path / "sub" / "f.bin").read_bytes() == data
-    assert (fh.size, fh.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    assert (fh.size, fh.digest) == (len(data), xxhash.xxh3_128(data).hexdigest())
 
 
 @pytest.mark.parametrize("size_blocks", [0, 5])  # the error at close / from a block's write

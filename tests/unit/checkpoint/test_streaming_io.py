@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-import hashlib
+import os
 import threading
 import tracemalloc
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from safetensors import safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as st_save
 
+from trainer_runtime.checkpoint import safetensors_stream
 from trainer_runtime.checkpoint import storage as storage_module
 from trainer_runtime.checkpoint.io import CheckpointReader, CheckpointWriter
 from trainer_runtime.checkpoint.layout import SENTINEL_NAME, CheckpointStore
 from trainer_runtime.checkpoint.safetensors_stream import Cancelled, TensorFile
 from trainer_runtime.checkpoint.storage import Storage
-from trainer_runtime.errors import ResumeError
+from trainer_runtime.errors import CheckpointError, ResumeError
 
 
 def _mixed() -> dict[str, torch.Tensor]:
@@ -101,7 +103,7 @@ def test_buffered_large_writes_hash_beside_writing_and_write_back_early(
             fh.write(block)
     data = (tmp_path / "f.bin").read_bytes()
     assert data == b"".join(blocks)
-    assert fh.size == len(data) and fh.sha256 == hashlib.sha256(data).hexdigest()
+    assert fh.size == len(data) and fh.digest == xxhash.xxh3_128(data).hexdigest()
     assert syncs, "writeback was never started before the final fsync"
 
 
@@ -129,7 +131,7 @@ def test_corruption_is_found_by_the_parallel_checksum(tmp_path: Path, owned: boo
     reader = CheckpointReader(info.path)
     tensors, _ = reader.load_tensors_and_metadata("optimizer.safetensors", owned=owned)
     assert tensors["a"].numel() == 1 << 18
-    with pytest.raises(ResumeError, match="corrupt: sha256"):
+    with pytest.raises(ResumeError, match="corrupt: xxh3_128"):
         reader.wait_verified()
 
 
@@ -203,4 +205,40 @@ def test_large_files_are_written_at_the_same_time_and_records_last(
     assert all(torch.equal(loaded[k], optim[k]) for k in optim)
     reader = CheckpointReader(info.path)
     reader.load_tensors_and_metadata("optimizer.safetensors", owned=True)
-    reader.wait_verified()  # the manifest's sha256 of both files
+    reader.wait_verified()  # the manifest's checksums of both files
+
+
+def test_a_file_is_read_on_two_threads_and_handed_over_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(safetensors_stream, "READ_BLOCK_BYTES", 4096)
+    data = os.urandom(4096 * 9 + 123)
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"head" + data + b"tail")
+    readers: set[str] = set()
+    real_preadv = os.preadv
+
+    def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        readers.add(threading.current_thread().name)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    handed: list[bytes] = []
+    with open(path, "rb", buffering=0) as fh:
+        fh.seek(4)
+        buf = safetensors_stream.read_into_buffer(fh, len(data), lambda b: handed.append(bytes(b)))
+        assert fh.tell() == 4 + len(data)  # as if read with read()
+    assert bytes(buf.numpy()) == data
+    assert b"".join(handed) == data and len(handed) == 10  # every block, in file order
+    assert len(readers) == 2 and all(r.startswith("ckpt-read") for r in readers)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_file_shorter_than_its_size_is_an_error(tmp_path: Path, threads: int) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * 1000)
+    with (
+        open(path, "rb", buffering=0) as fh,
+        pytest.raises(CheckpointError, match="file ended after 1000 of 40000000 bytes"),
+    ):
+        safetensors_stream.read_into_buffer(fh, 40_000_000, threads=threads)
