@@ -12,8 +12,7 @@ cryptographic hash bought nothing. A 128-bit hash leaves a random corruption und
 probability 2**-128.
 
 Checkpoints that list ``sha256`` (written before) are still verified with it. This module is
-torch-free; xxhash is imported on first use (the operator imports the storage modules but never
-hashes, and its image does not carry xxhash).
+torch-free (the operator imports the storage modules, so its image carries xxhash too).
 """
 
 from __future__ import annotations
@@ -21,6 +20,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from typing import Any, Protocol
+
+import xxhash
 
 from trainer_runtime.errors import CheckpointError
 
@@ -40,8 +41,6 @@ class Hasher(Protocol):
 def new_hasher(algorithm: str = ALGORITHM) -> Hasher:
     """A fresh hasher for ``algorithm`` (one of :data:`ALGORITHMS`)."""
     if algorithm == "xxh3_128":
-        import xxhash
-
         return xxhash.xxh3_128()
     if algorithm == "sha256":
         return hashlib.sha256()
