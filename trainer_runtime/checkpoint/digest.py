@@ -19,13 +19,21 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import xxhash
 
 from trainer_runtime.errors import CheckpointError
 
-__all__ = ["ALGORITHM", "ALGORITHMS", "Hasher", "file_record", "listed_digest", "new_hasher"]
+__all__ = [
+    "ALGORITHM",
+    "ALGORITHMS",
+    "Hasher",
+    "file_record",
+    "hash_stream",
+    "listed_digest",
+    "new_hasher",
+]
 
 ALGORITHM = "xxh3_128"
 # every algorithm a manifest may name, preferred first
@@ -47,6 +55,19 @@ def new_hasher(algorithm: str = ALGORITHM) -> Hasher:
     raise CheckpointError(
         f"unknown checksum algorithm {algorithm!r} (known: {', '.join(ALGORITHMS)})"
     )
+
+
+def hash_stream(fh: BinaryIO, algorithm: str = ALGORITHM, chunk: int = 16 << 20) -> tuple[int, str]:
+    """(size, hex digest) of what is left to read in ``fh``, read into one reused buffer
+    (a fresh buffer per block would be fresh memory to touch each time: slow on this VM)."""
+    hasher = new_hasher(algorithm)
+    block = bytearray(chunk)
+    view = memoryview(block)
+    size = 0
+    while n := fh.readinto(block):  # type: ignore[attr-defined]
+        hasher.update(view[:n])
+        size += n
+    return size, hasher.hexdigest()
 
 
 def listed_digest(entry: Mapping[str, Any]) -> tuple[str, str] | None:

@@ -117,7 +117,7 @@ class DirectFile:
         # where the filesystem refused O_DIRECT)
         self.direct_bytes = 0
         self._count_lock = threading.Lock()  # direct_bytes and clearing O_DIRECT
-        self._sha = new_hasher()
+        self._hasher = new_hasher()
         self._digest: str | None = None
         self._blocks: list[mmap.mmap] = []
         self._views: list[memoryview] = []
@@ -170,7 +170,7 @@ class DirectFile:
         view = self._views[self._current]
         self._busy[self._current] = [
             io.submit(self._pwrite, view, self._offset),
-            hasher.submit(self._sha.update, view),
+            hasher.submit(self._hasher.update, view),
         ]
         self._offset += BLOCK_BYTES
         self._fill = 0
@@ -228,10 +228,10 @@ class DirectFile:
             # the unaligned rest goes through the page cache (O_DIRECT needs whole sectors)
             self._clear_direct()
             self._pwrite(view[aligned : self._fill], self._offset + aligned)
-            self._sha.update(view[: self._fill])
+            self._hasher.update(view[: self._fill])
             self._fill = 0
         self._drain()
-        self._digest = self._sha.hexdigest()
+        self._digest = self._hasher.hexdigest()
 
     def close(self) -> None:
         """:meth:`flush`, fsync and close: the file is durable."""

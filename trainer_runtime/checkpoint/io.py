@@ -46,6 +46,7 @@ from safetensors.torch import load_file as _st_load_file
 from trainer_runtime.checkpoint.digest import (
     ALGORITHMS,
     file_record,
+    hash_stream,
     listed_digest,
     new_hasher,
 )
@@ -64,7 +65,6 @@ from trainer_runtime.checkpoint.layout import (
     rotation_victims,
 )
 from trainer_runtime.checkpoint.safetensors_stream import (
-    READ_BLOCK_BYTES,
     Cancelled,
     TensorFile,
     header_of,
@@ -766,8 +766,9 @@ class CheckpointReader:
         if expected:
             hasher = new_hasher(expected[0])
             hasher.update(data)
-            if hasher.hexdigest() != expected[1]:
-                raise self._corrupt(filename, expected[0], hasher.hexdigest(), expected[1])
+            actual = hasher.hexdigest()
+            if actual != expected[1]:
+                raise self._corrupt(filename, expected[0], actual, expected[1])
         return data
 
     def _corrupt(self, filename: str, algorithm: str, actual: str, expected: str) -> ResumeError:
@@ -839,14 +840,8 @@ def warm_local_writes(uri: str) -> threading.Thread | None:
 
 
 def _digest_of_file(path: str, algorithm: str) -> str:
-    hasher = new_hasher(algorithm)
-    # one buffer read into again and again: fresh memory per block is slow to touch here
-    block = bytearray(READ_BLOCK_BYTES)
-    view = memoryview(block)
     with open(path, "rb", buffering=0) as fh:
-        while n := fh.readinto(block):
-            hasher.update(view[:n])
-    return hasher.hexdigest()
+        return hash_stream(fh, algorithm)[1]
 
 
 def _safetensors_metadata(data: bytes) -> dict[str, str]:

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from trainer_runtime.checkpoint.digest import new_hasher
+from trainer_runtime.checkpoint.digest import hash_stream, new_hasher
 from trainer_runtime.checkpoint.direct_io import DirectFile, direct_io_supported
 from trainer_runtime.errors import StorageError
 
@@ -54,7 +54,7 @@ class HashingWriter:
         self._handle = handle
         self._storage = storage
         self._rel = rel
-        self._sha = new_hasher()
+        self._hasher = new_hasher()
         self.size = 0
         self._pending: Future[None] | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -69,10 +69,10 @@ class HashingWriter:
         n = len(data)
         if n >= _PIPELINE_MIN:
             self._wait_hash()
-            self._pending = self._helpers().submit(self._sha.update, data)
+            self._pending = self._helpers().submit(self._hasher.update, data)
         else:
             self._wait_hash()
-            self._sha.update(data)
+            self._hasher.update(data)
         with self._storage._op("write", self._rel):
             self._handle.write(data)
         self.size += n
@@ -114,7 +114,7 @@ class HashingWriter:
     @property
     def digest(self) -> str:
         self._wait_hash()
-        return self._sha.hexdigest()
+        return self._hasher.hexdigest()
 
 
 class _LocalWriter:
@@ -383,13 +383,8 @@ class Storage:
 
     def hash_file(self, rel: str, chunk: int = 1 << 22) -> tuple[int, str]:
         """(size, digest) of an existing file, read in chunks (weights can be large)."""
-        sha = new_hasher()
-        size = 0
         with self._op("read for checksum", rel), self.fs.open(self._path(rel), "rb") as fh:
-            while block := fh.read(chunk):
-                sha.update(block)
-                size += len(block)
-        return size, sha.hexdigest()
+            return hash_stream(fh, chunk=chunk)
 
     def fsync_dir(self, rel: str = "") -> None:
         """Make directory entries (new, renamed, removed files) durable; no-op off local disks."""

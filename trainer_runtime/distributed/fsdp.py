@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer_runtime.checkpoint.digest import file_record, new_hasher
+from trainer_runtime.checkpoint.digest import file_record
 from trainer_runtime.checkpoint.io import CheckpointReader, CheckpointWriter
 from trainer_runtime.checkpoint.layout import CheckpointInfo
 from trainer_runtime.distributed import collectives
@@ -214,11 +214,9 @@ class ShardedCheckpointWriter(CheckpointWriter):
         self._require_open()
         if filename in self._files:
             raise CheckpointError(f"{filename} recorded twice for {self.path}")
-        data = self.root.read_bytes(self._rel(filename))
         # DCP wrote (and fsynced) the file; record it the way write_bytes records its own.
-        hasher = new_hasher()
-        hasher.update(data)
-        self._files[filename] = file_record(filename, len(data), hasher.hexdigest())
+        size, digest = self.root.hash_file(self._rel(filename))
+        self._files[filename] = file_record(filename, size, digest)
 
 
 def _local_path(url: str) -> str | None:
