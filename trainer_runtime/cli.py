@@ -127,7 +127,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(
             f"sharded: {sharding.get('format')} (FSDP model"
             f"{' and optimizer' if sharding.get('optimizer', True) else ''} shards of {world} "
-            "ranks, torch.distributed.checkpoint); resume it with fsdp set"
+            "ranks); resume it with fsdp set, at any number of ranks"
         )
     copy = (latest.manifest or {}).get("node_copy") if latest else None
     if isinstance(copy, dict):

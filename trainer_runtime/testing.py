@@ -325,13 +325,29 @@ def register_test_filesystems() -> None:
 
 
 def load_model_tensors(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """Every tensor of ``<checkpoint_dir>/model.safetensors`` (imports torch)."""
+    """Every tensor of the model a checkpoint holds (imports torch): ``model.safetensors``, the
+    shards of ``model.safetensors.index.json`` (a save the ranks shared), or the pieces of a
+    sharded (FSDP) checkpoint put together."""
+    import json
+
     from safetensors.torch import load_file
 
-    path = Path(checkpoint_dir) / "model.safetensors"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: is {checkpoint_dir} a model checkpoint?")
-    return load_file(str(path))
+    root = Path(checkpoint_dir)
+    path = root / "model.safetensors"
+    if path.is_file():
+        return load_file(str(path))
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        tensors: dict[str, Any] = {}
+        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            tensors.update(load_file(str(root / shard)))
+        return tensors
+    manifest = root / "manifest.json"
+    if manifest.is_file() and "sharding" in json.loads(manifest.read_text()):
+        from trainer_runtime.distributed.fsdp import consolidated_model
+
+        return consolidated_model(str(root))
+    raise FileNotFoundError(f"{path} does not exist: is {checkpoint_dir} a model checkpoint?")
 
 
 def weights_identical(

@@ -46,12 +46,14 @@ from trainer_runtime.checkpoint.hf_format import (
     load_hf_rng_state,
     load_model_files,
     model_file_entries,
+    model_weights,
     side_files,
     torch_load,
 )
 from trainer_runtime.checkpoint.io import (
     OPTIMIZER_META_KEY,
     CheckpointReader,
+    CheckpointWriter,
     optimizer_state_to_tensors,
     warm_local_writes,
     write_entry,
@@ -65,7 +67,10 @@ from trainer_runtime.checkpoint.layout import (
     inspect_checkpoint,
 )
 from trainer_runtime.checkpoint.model_state import (
+    MODEL_STEM,
+    OPTIMIZER_INDEX_NAME,
     OPTIMIZER_NAME,
+    OPTIMIZER_STEM,
     SCHEDULER_NAME,
     TRAINING_ARGS_NAME,
     rng_file_name,
@@ -73,6 +78,7 @@ from trainer_runtime.checkpoint.model_state import (
 from trainer_runtime.checkpoint.resharding import DataShape, reshard_position
 from trainer_runtime.checkpoint.rng import restore_rng_state
 from trainer_runtime.checkpoint.safetensors_stream import TensorFile
+from trainer_runtime.checkpoint.shares import ShareGroup, share_entries
 from trainer_runtime.checkpoint.storage import Storage
 from trainer_runtime.data.arguments import (
     build_train_dataloader,
@@ -1421,10 +1427,8 @@ class Trainer(
             return self._start_async_save()
         writer = self._new_checkpoint_writer(step)
         writer.begin()
-        # fsdp: model and optimizer go into every rank's shards (manifest entry "sharding").
-        sharding = self._write_model_shards(writer) if self._fsdp is not None else {}
         writer.write_entries(self._checkpoint_entries(writer.is_coordinator, jit))
-        info = writer.commit(sharding)
+        info = writer.commit(self._manifest_extra())
         seconds = info.save_seconds if info.save_seconds is not None else None
         if seconds is None:
             seconds = time.perf_counter() - started
@@ -1433,7 +1437,7 @@ class Trainer(
         return info
 
     def _new_checkpoint_writer(self, step: int) -> Any:
-        return self._checkpoint_writer_class()(
+        return CheckpointWriter(
             str(self.args.output_dir),
             step,
             rank=collectives.rank(),
@@ -1453,23 +1457,36 @@ class Trainer(
         training may go on changing the originals."""
         entries: list[tuple[str, Any, bool]] = []
         rank, world = collectives.rank(), collectives.world_size()
+        # DDP: the replicated model and optimizer state is split across the ranks by bytes,
+        # each writing its share at once (shares.py); one copy per node keeps whole files.
+        share = world > 1 and self._fsdp is None and not per_node.each_node_active(self.args)
+        groups: list[ShareGroup] = []
+        # The model as transformers saves it (a PreTrainedModel opens with from_pretrained, a
+        # PEFT model's checkpoint holds the adapter only) and the processing class's files.
+        processing = self._processing_class_to_save()
+        weights = model_weights(self.model) if share else None
+        if weights is not None:
+            groups.append(ShareGroup(MODEL_STEM, weights.tensors, weights.metadata))
+        if self._fsdp is not None:
+            # every rank: its own pieces of the sharded model and optimizer state (fsdp.py)
+            entries += [(n, d, False) for n, d in self._fsdp_entries(main, jit)]
         if main:
-            # The model as transformers saves it (a PreTrainedModel opens with from_pretrained, a
-            # PEFT model's checkpoint holds the adapter only) and the processing class's files.
-            processing = self._processing_class_to_save()
-            if self._fsdp is None:
+            if self._fsdp is None and weights is None:
                 # the weights stay tensors: written as they are serialised, no file in memory
                 entries += [(n, d, False) for n, d in model_file_entries(self.model, processing)]
             else:
                 entries += [(n, d, False) for n, d in side_files(self.model, processing)]
         if not self.args.save_only_model:
             assert self.optimizer is not None and self.lr_scheduler is not None
+            if self._fsdp is None and (main or share):
+                tensors, meta = optimizer_state_to_tensors(self.optimizer.state_dict())
+                if share:
+                    extra = {OPTIMIZER_META_KEY: meta}
+                    groups.append(ShareGroup(OPTIMIZER_STEM, tensors, index_extra=extra))
+                else:
+                    file = TensorFile(tensors, {OPTIMIZER_META_KEY: meta})
+                    entries.append((OPTIMIZER_NAME, file, False))
             if main:
-                if self._fsdp is None:
-                    tensors, meta = optimizer_state_to_tensors(self.optimizer.state_dict())
-                    entries.append(
-                        (OPTIMIZER_NAME, TensorFile(tensors, {OPTIMIZER_META_KEY: meta}), False)
-                    )
                 entries.append((SCHEDULER_NAME, _json_bytes(self.lr_scheduler.state_dict()), False))
             rng_tensors, rng_meta = self._checkpoint_rng_state()
             entries.append((rng_file_name(rank, world), TensorFile(rng_tensors, rng_meta), True))
@@ -1481,6 +1498,7 @@ class Trainer(
                     entries.append(
                         (dataset_state_file_name(rank, world), _json_bytes(dataset_state), True)
                     )
+        entries += [(n, d, False) for n, d in share_entries(groups, rank, world, coordinator=main)]
         # Every rank records the best checkpoint, so every rank loads it at the end.
         self._before_checkpoint_write()
         if main:
@@ -1593,7 +1611,7 @@ class Trainer(
                 f"the background write of {save.writer.path} failed on another rank"
             )
         committing = time.perf_counter()
-        info = save.writer.commit({})
+        info = save.writer.commit(self._manifest_extra())
         self._after_checkpoint_commit(info, save.seconds + time.perf_counter() - committing)
 
     def _settle_async_save(self, *, jit: bool) -> float:
@@ -1796,11 +1814,7 @@ class Trainer(
     def _load_checkpoint(self, info: CheckpointInfo) -> None:
         """Restore model, optimizer, scheduler, RNG, state and data position from ``info``."""
         reader = CheckpointReader(info.path)
-        listed = {e["path"] for e in (reader.info.manifest or {}).get("files", [])}
-
-        def has(name: str) -> bool:
-            # Stock Hugging Face checkpoints have no manifest: look at the directory.
-            return name in listed if reader.info.manifest else reader.exists(name)
+        has = reader.has
 
         # fsdp: model (and optimizer) from every rank's shards; False: optimizer not in them.
         sharded_optimizer = self._load_model_shards(info) if self._fsdp is not None else None
@@ -1849,10 +1863,16 @@ class Trainer(
         assert self.optimizer is not None and self.lr_scheduler is not None
         rank, world = collectives.rank(), collectives.world_size()
         rng_name = rng_file_name(rank, world)
-        optimizer_saved = has(OPTIMIZER_NAME) if sharded_optimizer is None else sharded_optimizer
+        optimizer_saved = (
+            has(OPTIMIZER_NAME) or has(OPTIMIZER_INDEX_NAME)
+            if sharded_optimizer is None
+            else sharded_optimizer
+        )
         if optimizer_saved and has(SCHEDULER_NAME):
             if sharded_optimizer is None:
-                self.optimizer.load_state_dict(reader.load_optimizer_state(OPTIMIZER_NAME))
+                optimizer_state = reader.load_optimizer()
+                assert optimizer_state is not None
+                self.optimizer.load_state_dict(optimizer_state)
             self.lr_scheduler.load_state_dict(reader.load_json(SCHEDULER_NAME))
         elif sharded_optimizer is None and has(HF_OPTIMIZER_NAME) and has(HF_SCHEDULER_NAME):
             # A transformers.Trainer checkpoint (or one of ours exported for it).

@@ -1,4 +1,4 @@
-"""FSDP (fully_shard) on CPU/gloo: a sharded checkpoint through torch.distributed.checkpoint is
+"""FSDP (fully_shard) on CPU/gloo: a sharded checkpoint, every rank writing its own pieces, is
 committed by our manifest, resumes bit-identically, and is refused once incomplete."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,17 +18,16 @@ from trainer_runtime.distributed.fsdp import FsdpConfig, check_fsdp_config
 from trainer_runtime.errors import ConfigurationError
 
 
-@pytest.mark.runtime
-@pytest.mark.timeout(400)
-def test_sharded_checkpoint_roundtrip_on_gloo(tmp_path: Path) -> None:
+def _run_ranks(world: int, module: str, *argv: str) -> list[dict[str, Any]]:
+    """``world`` gloo ranks of ``python -m module argv``; each one's RESULT line."""
     port = free_port()
     procs = []
-    for rank in range(WORLD_SIZE):
+    for rank in range(world):
         env = {
             **os.environ,
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
-            "WORLD_SIZE": str(WORLD_SIZE),
+            "WORLD_SIZE": str(world),
             "RANK": str(rank),
             "LOCAL_RANK": "0",
             "OMP_NUM_THREADS": "1",
@@ -35,7 +35,7 @@ def test_sharded_checkpoint_roundtrip_on_gloo(tmp_path: Path) -> None:
         env.pop("PREEMPTIBLE_ATTEMPT", None)
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "tests.distributed.fsdp_worker", str(tmp_path / "out")],
+                [sys.executable, "-m", module, *argv],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -56,17 +56,49 @@ def test_sharded_checkpoint_roundtrip_on_gloo(tmp_path: Path) -> None:
         for line in text.splitlines()
         if line.startswith("RESULT ")
     ]
-    assert len(results) == WORLD_SIZE, outputs
+    assert len(results) == world, outputs
+    return sorted(results, key=lambda r: r["rank"])
+
+
+@pytest.mark.runtime
+@pytest.mark.timeout(400)
+def test_sharded_checkpoint_roundtrip_on_gloo(tmp_path: Path) -> None:
+    results = _run_ranks(WORLD_SIZE, "tests.distributed.fsdp_worker", str(tmp_path / "out"))
     for r in results:
         assert r["complete"], r
-        # every rank's shard, DCP's metadata and the JSON, all listed in one manifest
-        assert r["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "trainer_state.json"]
+        # every rank's file of pieces and the JSON, all listed in one manifest
+        assert r["files"] == [
+            "fsdp-state-00001-of-00002.safetensors",
+            "fsdp-state-00002-of-00002.safetensors",
+            "trainer_state.json",
+        ]
         assert r["extra"] == {"trainer_state.json": {"step": 3}}, r
         assert r["identical"], f"rank {r['rank']}: resumed sharded run differs"
         assert "checkpoint-is-incomplete.txt" in r["refused"] or "incomplete" in r["refused"], r
     manifest = json.loads((tmp_path / "out" / "checkpoint-3" / "manifest.json").read_text())
     assert manifest["world_size"] == WORLD_SIZE
-    assert manifest["sharding"]["format"] == "fsdp-dcp/1"
+    assert manifest["sharding"]["format"] == "fsdp-shards/1"
+
+
+@pytest.mark.runtime
+@pytest.mark.timeout(400)
+def test_sharded_checkpoint_loads_at_another_world_size(tmp_path: Path) -> None:
+    """Saved by 2 ranks, loaded by 3: every rank's new piece (uneven, one empty) is rebuilt from
+    the slices of the saved pieces it overlaps, and the gathered model and optimizer state are
+    exactly what was saved."""
+    out, ref = str(tmp_path / "out"), str(tmp_path / "reference.pt")
+    saved = _run_ranks(2, "tests.distributed.fsdp_reshard_worker", "save", out, ref)
+    assert all(r["complete"] for r in saved), saved
+    assert saved[0]["files"] == [
+        "fsdp-state-00001-of-00002.safetensors",
+        "fsdp-state-00002-of-00002.safetensors",
+    ]
+    loaded = _run_ranks(3, "tests.distributed.fsdp_reshard_worker", "load", out, ref)
+    for r in loaded:
+        assert r["keys_match"] and r["differ"] == [], r
+    # the toy's last layer has 4 output rows: over 3 ranks, pieces of 2, 2 and 0 rows
+    rows = [r["local_rows"]["net.3.weight"][0] for r in loaded]
+    assert rows == [2, 2, 0], rows
 
 
 @pytest.mark.parametrize(

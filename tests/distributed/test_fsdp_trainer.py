@@ -15,13 +15,15 @@ import time
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
-from tests.distributed.conftest import MAX_STEPS, RUN_TIMEOUT, WORLD_SIZE, toy_args
+from tests.distributed.conftest import MAX_STEPS, RUN_TIMEOUT, SAVE_STEPS, WORLD_SIZE, toy_args
 from tests.distributed.ranks import RankedRun, free_port
 from trainer_runtime.checkpoint.layout import SENTINEL_NAME, CheckpointStore
 from trainer_runtime.cli import main as cli_main
 from trainer_runtime.protocol import EXIT_PREEMPTED
 from trainer_runtime.testing import weights_identical
+from trainer_runtime.toy import FEATURES, HIDDEN
 
 pytestmark = [pytest.mark.runtime, pytest.mark.timeout(600)]
 
@@ -82,22 +84,28 @@ def test_sigterm_to_one_fsdp_rank_then_resume_is_bit_identical(
     assert info.complete, info.reason
     manifest = info.manifest
     assert manifest is not None and manifest["world_size"] == WORLD_SIZE
+    shards = [f"fsdp-state-0000{r + 1}-of-00002.safetensors" for r in range(WORLD_SIZE)]
     assert manifest["sharding"] == {
-        "format": "fsdp-dcp/1",
-        "metadata": ".metadata",
+        "format": "fsdp-shards/1",
+        "world_size": WORLD_SIZE,
+        "files": shards,
         "optimizer": True,
     }
     listed = {f["path"] for f in manifest["files"]}
-    shards = {f"__{r}_0.distcp" for r in range(WORLD_SIZE)}
     rngs = {f"rng_state_{r}.safetensors" for r in range(WORLD_SIZE)}
-    assert {".metadata", "model.safetensors", "trainer_state.json", *shards, *rngs} <= listed
-    assert "optimizer.safetensors" not in listed  # the optimizer state is in the shards
+    assert {"trainer_state.json", *shards, *rngs} <= listed
+    # the optimizer state is in the shards; a JIT save never gathers the full model
+    assert "optimizer.safetensors" not in listed and "model.safetensors" not in listed
+    # every rank wrote its own pieces (half of each layer's rows), nothing gathered
+    for shard in shards:
+        pieces = load_file(str(Path(info.path) / shard))
+        assert pieces["model.net.0.weight"].shape == (HIDDEN // WORLD_SIZE, FEATURES), shard
     assert not (Path(info.path) / SENTINEL_NAME).exists()
     # trainer-runtime inspect describes it as sharded.
     assert cli_main(["inspect", str(out)]) == 0
     shown = capsys.readouterr().out
     assert f"newest complete: checkpoint-{msg.step}" in shown, shown
-    assert "sharded: fsdp-dcp/1 (FSDP model and optimizer shards of 2 ranks" in shown, shown
+    assert "sharded: fsdp-shards/1 (FSDP model and optimizer shards of 2 ranks" in shown, shown
 
     # The next attempt resumes from the newest complete checkpoint and trains to the end.
     with RankedRun(
@@ -202,3 +210,40 @@ def test_evaluate_predict_save_model_and_best_model_under_fsdp(tmp_path: Path) -
     # SHARDED_STATE_DICT: checkpoints hold only the shards, no gathered model.safetensors.
     manifest = json.loads(Path(zero["best"], "manifest.json").read_text())
     assert "model.safetensors" not in {f["path"] for f in manifest["files"]}
+
+
+def test_fsdp_background_saves_jit_supersedes_and_resume_is_bit_identical(
+    tmp_path: Path, fsdp_reference: Path
+) -> None:
+    """save_async with FSDP: each rank snapshots its own shards and writes them on its writer
+    thread; a SIGTERM while a write is in flight ends in a complete sharded JIT checkpoint (the
+    write in flight superseded), and the resumed run ends bit-identical."""
+    out = tmp_path / "out"
+    args = [*fsdp_args(step_sleep=0.05), "--save-sleep", "1.5", "--save-async", "true"]
+    with RankedRun(out, tmp_path, world_size=WORLD_SIZE, args=args) as run:
+        run.ranks[0].wait_for_event("save_begin", step=SAVE_STEPS, timeout=RUN_TIMEOUT)
+        for rank in range(WORLD_SIZE):  # both ranks train on while checkpoint-4 is written
+            run.ranks[rank].wait_for_event("step_begin", step=SAVE_STEPS + 1, timeout=RUN_TIMEOUT)
+        run.send(1, signal.SIGTERM)
+        codes = run.wait(RUN_TIMEOUT)
+    assert codes == [EXIT_PREEMPTED] * WORLD_SIZE, f"exit codes {codes}\n{run.tails()}"
+    msg = run.ranks[0].termination_message()
+    assert msg.reason == "preempted" and msg.complete and msg.step > SAVE_STEPS, msg
+    assert not (out / f"checkpoint-{SAVE_STEPS}").exists()
+    jit = CheckpointStore(str(out)).inspect(f"checkpoint-{msg.step}")
+    assert jit.complete and jit.manifest is not None
+    assert jit.manifest["sharding"]["format"] == "fsdp-shards/1"
+    with RankedRun(
+        out,
+        tmp_path,
+        world_size=WORLD_SIZE,
+        args=[*fsdp_args(), "--save-async", "true"],
+        attempt=2,
+        resume_from="latest",
+    ) as resumed:
+        codes = resumed.wait(RUN_TIMEOUT)
+    assert codes == [0] * WORLD_SIZE, f"resumed run exited {codes}\n{resumed.tails()}"
+    same, detail = weights_identical(
+        out / f"checkpoint-{MAX_STEPS}", fsdp_reference / f"checkpoint-{MAX_STEPS}"
+    )
+    assert same, f"resumed FSDP run differs from the uninterrupted one: {detail}"

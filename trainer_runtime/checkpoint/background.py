@@ -91,8 +91,9 @@ def resolve_save_async(args: Any, *, operator: bool, world_size: int, fsdp: bool
     single process, where nothing observes a checkpoint at ``on_save`` time but our own code:
     not with FSDP, save_on_each_node, save_strategy='best', load_best_model_at_end or
     push_to_hub. As a plain library the default keeps transformers' timing (``on_save`` right
-    after the checkpoint's step). ``save_async=True`` is refused with FSDP (its sharded writer
-    is collective) and with save_on_each_node.
+    after the checkpoint's step). ``save_async=True`` works with DDP and FSDP (each rank
+    snapshots and writes its own share or shards) and is refused with save_on_each_node (its
+    writer gathers every rank's files at the commit).
     """
     value = getattr(args, "save_async", None)
     each_node = bool(getattr(args, "save_on_each_node", False)) and world_size > 1
@@ -106,11 +107,11 @@ def resolve_save_async(args: Any, *, operator: bool, world_size: int, fsdp: bool
             and not getattr(args, "load_best_model_at_end", False)
             and not getattr(args, "push_to_hub", False)
         )
-    if value and (fsdp or each_node):
-        what = "fsdp" if fsdp else "save_on_each_node=True"
+    if value and each_node:
         raise ConfigurationError(
-            f"save_async=True is not supported with {what} (its checkpoint writer is collective "
-            "and cannot run beside training); set save_async=False or leave it None"
+            "save_async=True is not supported with save_on_each_node=True (its checkpoint "
+            "writer is collective and cannot run beside training); set save_async=False or "
+            "leave it None"
         )
     return bool(value)
 

@@ -37,13 +37,13 @@ from torch import nn
 from trainer_runtime.checkpoint.model_state import (
     ALIASES_KEY,
     MODEL_NAME,
-    OPTIMIZER_NAME,
     SCHEDULER_NAME,
     load_model_state,
     model_state_tensors,
     storage_key,
 )
 from trainer_runtime.checkpoint.safetensors_stream import TensorFile
+from trainer_runtime.checkpoint.shares import index_name, load_indexed
 from trainer_runtime.errors import CheckpointError, ResumeError
 
 __all__ = [
@@ -62,6 +62,7 @@ __all__ = [
     "load_model_files",
     "model_file_entries",
     "model_files",
+    "model_weights",
     "side_files",
     "torch_load",
 ]
@@ -72,7 +73,7 @@ CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
-WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+WEIGHTS_INDEX_NAME = index_name("model")
 HF_OPTIMIZER_NAME = "optimizer.pt"
 HF_SCHEDULER_NAME = "scheduler.pt"
 
@@ -129,7 +130,8 @@ def model_file_entries(
 ) -> Entries:
     """:func:`model_files` with ``model.safetensors`` as a :class:`TensorFile`: the tensors
     are the model's own (on their device), serialised only as the file is written."""
-    if is_peft_model(model):
+    weights = model_weights(model, gathered=gathered)
+    if weights is None:  # PEFT: the adapter, as its save_pretrained writes it
         files = _saved_files(lambda d: model.save_pretrained(d))  # type: ignore[operator]
         if not any(name.split("/")[-1] == ADAPTER_WEIGHTS_NAME for name, _ in files):
             raise CheckpointError(
@@ -137,15 +139,23 @@ def model_file_entries(
                 f"{sorted(n for n, _ in files)}): cannot checkpoint this adapter"
             )
         return [*files, *processing_files(processing_class)]
-    weights: TensorFile
-    if is_pretrained_model(model):
-        weights = _pretrained_weights(model, gathered)
-    elif gathered is not None:
-        weights = TensorFile(gathered)
-    else:
-        tensors, meta = model_state_tensors(model, to_cpu=False)
-        weights = TensorFile(tensors, meta or None)
     return [(MODEL_NAME, weights), *side_files(model, processing_class)]
+
+
+def model_weights(
+    model: nn.Module, *, gathered: dict[str, torch.Tensor] | None = None
+) -> TensorFile | None:
+    """The tensors of ``model.safetensors`` (transformers' names, tied duplicates dropped and
+    recorded as aliases), still on their device; None for a PEFT model, whose checkpoint is
+    its adapter as PEFT writes it. ``gathered``: see :func:`model_files`."""
+    if is_peft_model(model):
+        return None
+    if is_pretrained_model(model):
+        return _pretrained_weights(model, gathered)
+    if gathered is not None:
+        return TensorFile(gathered)
+    tensors, meta = model_state_tensors(model, to_cpu=False)
+    return TensorFile(tensors, meta or None)
 
 
 def side_files(model: nn.Module, processing_class: Any = None) -> Files:
@@ -264,10 +274,9 @@ def load_model_files(
     if has(MODEL_NAME):
         tensors, meta = tensors_of(MODEL_NAME)
     elif has(WEIGHTS_INDEX_NAME):
+        # transformers' shards, or ours (a save shared by the ranks, shares.py)
         index = json.loads(read(WEIGHTS_INDEX_NAME))
-        tensors, meta = {}, {}
-        for shard in sorted(set(index.get("weight_map", {}).values())):
-            tensors.update(tensors_of(shard)[0])
+        tensors, meta = load_indexed(index, tensors_of, f"{where}/{WEIGHTS_INDEX_NAME}")
     else:
         raise ResumeError(
             f"cannot load the model from {where}: it has no {MODEL_NAME} nor {WEIGHTS_INDEX_NAME} "
@@ -369,9 +378,11 @@ def export_transformers_state(
     if not reader.info.manifest:
         raise CheckpointError(f"{path} has no manifest.json: it is not a checkpoint of ours")
     out: Files = []
-    if OPTIMIZER_NAME in listed and SCHEDULER_NAME in listed:
+    optimizer = reader.load_optimizer() if SCHEDULER_NAME in listed else None
+    if optimizer is not None:
+        reader.wait_verified()
         for name, obj in (
-            (HF_OPTIMIZER_NAME, reader.load_optimizer_state(OPTIMIZER_NAME)),
+            (HF_OPTIMIZER_NAME, optimizer),
             (HF_SCHEDULER_NAME, reader.load_json(SCHEDULER_NAME)),
         ):
             buf = io.BytesIO()

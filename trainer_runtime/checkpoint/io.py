@@ -64,6 +64,7 @@ from trainer_runtime.checkpoint.layout import (
     inspect_checkpoint,
     rotation_victims,
 )
+from trainer_runtime.checkpoint.model_state import OPTIMIZER_INDEX_NAME, OPTIMIZER_NAME
 from trainer_runtime.checkpoint.safetensors_stream import (
     Cancelled,
     TensorFile,
@@ -73,6 +74,7 @@ from trainer_runtime.checkpoint.safetensors_stream import (
     tensors_from_buffer,
     write_safetensors,
 )
+from trainer_runtime.checkpoint.shares import load_indexed
 from trainer_runtime.checkpoint.storage import Storage
 from trainer_runtime.errors import CheckpointError, ConfigurationError, ResumeError, StorageError
 
@@ -737,6 +739,24 @@ class CheckpointReader:
             raise ResumeError(f"cannot read {filename} of {self.path}: {exc}") from exc
         return tensors, dict(header.get("__metadata__") or {})
 
+    def verify_in_background(self, filename: str) -> None:
+        """Check ``filename`` against the manifest on a helper thread (for a file read some
+        other way, e.g. in slices); :meth:`wait_verified` reports the outcome."""
+        expected = self._expected(filename)
+        if not expected:
+            return
+        path = self._local_path(filename)
+        future: Future[str]
+        if path is not None:
+            future = self._helpers().submit(_digest_of_file, path, expected[0])
+        else:
+            future = self._helpers().submit(self._remote_digest, filename, expected[0])
+        self._checks.append((filename, future, expected))
+
+    def _remote_digest(self, filename: str, algorithm: str) -> str:
+        with self.storage.open_read(filename) as fh:
+            return hash_stream(fh, algorithm)[1]
+
     def wait_verified(self) -> None:
         """Wait for the checksums computed beside the loading; ResumeError on a mismatch."""
         checks, self._checks = self._checks, []
@@ -755,6 +775,32 @@ class CheckpointReader:
 
     def exists(self, filename: str) -> bool:
         return self.storage.exists(filename)
+
+    def has(self, filename: str) -> bool:
+        """Whether the checkpoint holds ``filename``: listed in the manifest, or (a stock
+        transformers checkpoint, which has none) present in the directory."""
+        if self.info.manifest:
+            return filename in self._digests
+        return self.exists(filename)
+
+    def load_optimizer(self) -> dict[str, Any] | None:
+        """The optimizer state_dict this runtime saved: one file, or the shards every rank
+        wrote of it (shares.py) read back as one state; None when there is none (the
+        checkpoint of a ``save_only_model`` run, or of transformers.Trainer). Call
+        :meth:`wait_verified` before relying on it."""
+        if self.has(OPTIMIZER_NAME):
+            return self.load_optimizer_state(OPTIMIZER_NAME)
+        if not self.has(OPTIMIZER_INDEX_NAME):
+            return None
+        index = self.load_json(OPTIMIZER_INDEX_NAME)
+        where = f"{self.path}/{OPTIMIZER_INDEX_NAME}"
+        meta = index.get(OPTIMIZER_META_KEY) if isinstance(index, dict) else None
+        if not isinstance(meta, str):
+            raise ResumeError(f"{where} has no {OPTIMIZER_META_KEY}: not an index of ours")
+        tensors, _ = load_indexed(
+            index, lambda name: self.load_tensors_and_metadata(name, owned=True), where
+        )
+        return optimizer_state_from_tensors(tensors, meta)
 
     def load_bytes(self, filename: str) -> bytes:
         """A file's bytes; with ``verify`` its checksum is checked against the manifest."""

@@ -15,7 +15,10 @@ from torch import nn
 __all__ = [
     "ALIASES_KEY",
     "MODEL_NAME",
+    "MODEL_STEM",
+    "OPTIMIZER_INDEX_NAME",
     "OPTIMIZER_NAME",
+    "OPTIMIZER_STEM",
     "SCHEDULER_NAME",
     "TRAINING_ARGS_NAME",
     "load_model_state",
@@ -27,6 +30,10 @@ __all__ = [
 # Checkpoint file names (Hugging Face names where they exist; safetensors/JSON instead of pickles).
 MODEL_NAME = "model.safetensors"
 OPTIMIZER_NAME = "optimizer.safetensors"
+# A save shared by the ranks (shares.py): <stem>-0000i-of-0000n.safetensors + <stem> index
+MODEL_STEM = "model"
+OPTIMIZER_STEM = "optimizer"
+OPTIMIZER_INDEX_NAME = "optimizer.safetensors.index.json"
 SCHEDULER_NAME = "scheduler.json"
 TRAINING_ARGS_NAME = "training_args.json"
 # safetensors metadata key: state_dict entries dropped as tied duplicates -> the entry kept

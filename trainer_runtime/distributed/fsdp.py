@@ -1,18 +1,25 @@
-"""FSDP (fully_shard) models: sharded checkpoints through torch.distributed.checkpoint (DCP), under
-the same commit rules as every other checkpoint.
+"""FSDP (fully_shard) models: sharded checkpoints every rank writes at once, under the same commit
+rules as every other checkpoint.
 
-Save protocol (every rank calls :func:`save_sharded` at the same step)::
+Save protocol (every rank calls :func:`save_sharded`, or the Trainer's save, at the same step)::
 
     coordinator: checkpoint-<step>/ + sentinel (fsynced), barrier       (CheckpointWriter.begin)
-    every rank : its DCP shard files __<rank>_<i>.distcp (fsynced by DCP), rank 0 also .metadata
-    every rank : records its files (size + checksum, read back from storage)
-    rank 0     : extra JSON files (trainer_state.json, ...)
+    every rank : fsdp-state-<rank+1>-of-<N>.safetensors: its pieces of every sharded tensor,
+                 written from the local shards as they are serialised, checksummed as written
+    rank 0     : also the replicated tensors (optimizer steps, buffers), the optimizer's
+                 structure (in its file's metadata) and the JSON files (trainer_state.json, ...)
     coordinator: manifest.json (the commit point), removes the sentinel (CheckpointWriter.commit)
 
-So a rank killed in the middle leaves a checkpoint without manifest, which every reader treats as
-incomplete, exactly like a DDP checkpoint. :func:`load_sharded` opens the checkpoint through
-:class:`CheckpointReader` (refusing incomplete ones) before DCP reads a byte; DCP re-shards on load,
-so a sharded checkpoint can be loaded by a different number of ranks.
+Nothing is gathered: no rank ever holds more than its own shards, and each writes about
+``total / N`` bytes. A file's safetensors metadata records where each of its pieces sits in its
+global tensor (offsets and global shape, from the DTensor's chunk), so :func:`load_sharded`
+rebuilds any other sharding: each rank reads, from every file, the slices that overlap its new
+piece (memory-mapped on local storage), and checks a share of the files' checksums, the ranks
+agreeing before the state is used. A rank killed in the middle leaves a checkpoint without
+manifest, which every reader treats as incomplete, exactly like a DDP checkpoint.
+
+Checkpoints of earlier versions (``fsdp-dcp/1``, written by torch.distributed.checkpoint) still
+load through DCP.
 
 Scope: FSDP2 (``torch.distributed.fsdp.fully_shard``) on CPU with gloo and on CUDA with NCCL.
 Options that only make sense on GPUs are validated up front by :func:`check_fsdp_config` and
@@ -21,6 +28,7 @@ refused with a clear error on CPU.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -29,30 +37,43 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer_runtime.checkpoint.digest import file_record
-from trainer_runtime.checkpoint.io import CheckpointReader, CheckpointWriter
+from trainer_runtime.checkpoint import shares
+from trainer_runtime.checkpoint.io import (
+    OPTIMIZER_META_KEY,
+    CheckpointReader,
+    CheckpointWriter,
+    optimizer_state_from_tensors,
+    optimizer_state_to_tensors,
+)
 from trainer_runtime.checkpoint.layout import CheckpointInfo
+from trainer_runtime.checkpoint.safetensors_stream import TensorFile
 from trainer_runtime.distributed import collectives
 from trainer_runtime.errors import CheckpointError, ConfigurationError, ResumeError
 
 __all__ = [
-    "DCP_METADATA_NAME",
     "SHARDED_FORMAT",
     "FsdpConfig",
-    "ShardedCheckpointWriter",
     "check_fsdp_config",
+    "consolidated_model",
     "full_state_tensors",
     "load_sharded",
+    "local_state_file",
     "save_sharded",
+    "shard_file_name",
     "shard_model",
     "sharded_manifest",
+    "sharded_manifest_entry",
     "wrap_targets",
-    "write_shards",
 ]
 
-SHARDED_FORMAT = "fsdp-dcp/1"
-DCP_METADATA_NAME = ".metadata"
+SHARDED_FORMAT = "fsdp-shards/1"
+# Checkpoints of earlier versions (torch.distributed.checkpoint files): still loaded.
+_DCP_FORMAT = "fsdp-dcp/1"
 _MANIFEST_KEY = "sharding"
+SHARD_STEM = "fsdp-state"
+# safetensors metadata: where each piece of a file sits in its global tensor
+_LAYOUT_KEY = "preemptible.fsdp"
+_MODEL_PREFIX = "model."
 
 
 @dataclass(frozen=True)
@@ -206,54 +227,99 @@ def full_state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous() for k, v in state.items()}
 
 
-class ShardedCheckpointWriter(CheckpointWriter):
-    """A CheckpointWriter that also records files DCP wrote on its own."""
-
-    def record_written(self, filename: str) -> None:
-        """Add a file already on storage to this rank's record (size and checksum read back)."""
-        self._require_open()
-        if filename in self._files:
-            raise CheckpointError(f"{filename} recorded twice for {self.path}")
-        # DCP wrote (and fsynced) the file; record it the way write_bytes records its own.
-        size, digest = self.root.hash_file(self._rel(filename))
-        self._files[filename] = file_record(filename, size, digest)
+# -- sharded checkpoints ------------------------------------------------------------------------
+def shard_file_name(rank: int, world_size: int) -> str:
+    """The file of ``rank``'s pieces of the state."""
+    return shares.shard_file_name(SHARD_STEM, rank + 1, world_size)
 
 
-def _local_path(url: str) -> str | None:
-    if "://" not in url:
-        return url
-    if url.startswith("file://"):
-        return url.removeprefix("file://")
-    return None
+def _chunk(t: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(offsets, sizes) of this rank's piece of DTensor ``t`` in the global tensor."""
+    chunks = t.__create_chunk_list__()  # type: ignore[attr-defined]
+    if len(chunks) != 1:
+        raise CheckpointError(f"a DTensor with {len(chunks)} local chunks cannot be saved")
+    return list(chunks[0].offsets), list(chunks[0].sizes)
 
 
-def _writer_for(path: str) -> Any:
-    import torch.distributed.checkpoint as dcp
+def _owns_replica(t: torch.Tensor) -> bool:
+    """Whether this rank writes DTensor ``t``'s piece: on a mesh dimension where the tensor is
+    replicated only the first coordinate does (under fully_shard, every rank writes its own)."""
+    from torch.distributed.tensor import Replicate
 
-    local = _local_path(path)
-    if local is not None:
-        return dcp.FileSystemWriter(local, sync_files=True)
-    from torch.distributed.checkpoint.fsspec_filesystem import FsspecWriter
-
-    return FsspecWriter(path, sync_files=True)
-
-
-def _reader_for(path: str) -> Any:
-    import torch.distributed.checkpoint as dcp
-
-    local = _local_path(path)
-    if local is not None:
-        return dcp.FileSystemReader(local)
-    from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader
-
-    return FsspecReader(path)
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    return all(
+        mesh.get_local_rank(dim) == 0
+        for dim, placement in enumerate(t.placements)  # type: ignore[attr-defined]
+        if isinstance(placement, Replicate)
+    )
 
 
-def _own_files(listing: dict[str, int], rank: int) -> list[str]:
-    own = [n for n in listing if n.startswith(f"__{rank}_") and n.endswith(".distcp")]
-    if rank == 0 and DCP_METADATA_NAME in listing:
-        own.append(DCP_METADATA_NAME)
-    return sorted(own)
+def _state_dicts(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The model's and the optimizer's state dicts keyed by parameter names, with sharded
+    parameters and moments as DTensors (nothing gathered). Creates an empty optimizer's state."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return dict(get_model_state_dict(model)), None
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return dict(model_sd), dict(optim_sd)
+
+
+def _flatten(
+    model_sd: dict[str, Any], optim_sd: dict[str, Any] | None
+) -> tuple[dict[str, torch.Tensor], str | None]:
+    """Every tensor of both state dicts under one key (``model.<name>``, and the optimizer's
+    keys of :func:`optimizer_state_to_tensors`), and the optimizer's structure."""
+    flat = {
+        f"{_MODEL_PREFIX}{name}": t for name, t in model_sd.items() if isinstance(t, torch.Tensor)
+    }
+    meta = None
+    if optim_sd is not None:
+        tensors, meta = optimizer_state_to_tensors(optim_sd)
+        flat.update(tensors)
+    return flat, meta
+
+
+def local_state_file(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int, world_size: int
+) -> tuple[str, TensorFile]:
+    """This rank's file of a sharded checkpoint: its pieces of every sharded tensor (no gather,
+    no copy: views of the local shards, written as they are serialised) and, on rank 0, the
+    replicated tensors (optimizer steps, buffers) and the optimizer's structure. The safetensors
+    metadata records where each piece sits in its global tensor."""
+    from torch.distributed.tensor import DTensor
+
+    flat, optimizer_meta = _flatten(*_state_dicts(model, optimizer))
+    tensors: dict[str, torch.Tensor] = {}
+    pieces: dict[str, dict[str, list[int]]] = {}
+    for key, t in flat.items():
+        if isinstance(t, DTensor):
+            if not _owns_replica(t):
+                continue
+            offsets, _ = _chunk(t)
+            tensors[key] = t.to_local().detach()
+            pieces[key] = {"offsets": offsets, "shape": list(t.shape)}
+        elif rank == 0:
+            tensors[key] = t.detach()
+    layout = {"format": SHARDED_FORMAT, "rank": rank, "world_size": world_size, "pieces": pieces}
+    metadata = {_LAYOUT_KEY: json.dumps(layout, separators=(",", ":"), sort_keys=True)}
+    if rank == 0 and optimizer_meta is not None:
+        metadata[OPTIMIZER_META_KEY] = optimizer_meta
+    return shard_file_name(rank, world_size), TensorFile(tensors, metadata)
+
+
+def sharded_manifest_entry(world_size: int, *, optimizer: bool) -> dict[str, Any]:
+    """The manifest entry that marks a checkpoint as sharded (pass it to ``writer.commit``)."""
+    return {
+        _MANIFEST_KEY: {
+            "format": SHARDED_FORMAT,
+            "world_size": world_size,
+            "files": [shard_file_name(r, world_size) for r in range(world_size)],
+            "optimizer": optimizer,
+        }
+    }
 
 
 def save_sharded(
@@ -269,11 +335,12 @@ def save_sharded(
 ) -> CheckpointInfo:
     """Write ``checkpoint-<step>`` of a sharded model (and optimizer) from every rank.
 
-    ``write_extra(writer)`` runs on every rank after the shards are written and before the
-    commit, to add files of its own (per-rank RNG state, the gathered model, trainer state).
+    Every rank writes its own file of pieces at the same time (checksummed as written); rank 0
+    also writes ``json_files``. ``write_extra(writer)`` runs on every rank before the commit, to
+    add files of its own (per-rank RNG state, trainer state).
     """
     rank, world = collectives.rank(), collectives.world_size()
-    writer = ShardedCheckpointWriter(
+    writer = CheckpointWriter(
         output_dir,
         step,
         rank=rank,
@@ -283,49 +350,169 @@ def save_sharded(
         storage_options=storage_options,
     )
     writer.begin()
-    manifest = write_shards(writer, model, optimizer)
+    name, data = local_state_file(model, optimizer, rank, world)
+    writer.write_entry(name, data)
     if rank == 0:
-        for name, obj in (json_files or {}).items():
-            writer.write_json(name, obj)
+        for filename, obj in (json_files or {}).items():
+            writer.write_json(filename, obj)
     if write_extra is not None:
         write_extra(writer)
-    return writer.commit(manifest)
-
-
-def write_shards(
-    writer: ShardedCheckpointWriter,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-) -> dict[str, Any]:
-    """Write this rank's DCP shards of ``model`` (and ``optimizer``) into the begun checkpoint of
-    ``writer`` and record them; every rank calls it. Returns the manifest entry to pass to
-    ``writer.commit`` (it marks the checkpoint as sharded)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-    else:
-        state = {"model": get_state_dict(model, [])[0]}
-    # DCP gathers every rank's write result and raises on all ranks when one failed, so an error
-    # here leaves every rank without a commit: the sentinel stays, the checkpoint is incomplete.
-    dcp.save(state, storage_writer=_writer_for(writer.path))
-    for name in _own_files(writer.root.listdir(writer.name), writer.rank):
-        writer.record_written(name)
-    return {
-        _MANIFEST_KEY: {
-            "format": SHARDED_FORMAT,
-            "metadata": DCP_METADATA_NAME,
-            "optimizer": optimizer is not None,
-        }
-    }
+    return writer.commit(sharded_manifest_entry(world, optimizer=optimizer is not None))
 
 
 def sharded_manifest(info: CheckpointInfo) -> dict[str, Any] | None:
     """The sharding entry of a checkpoint's manifest; None for a checkpoint that is not sharded."""
     entry = (info.manifest or {}).get(_MANIFEST_KEY)
     return dict(entry) if isinstance(entry, dict) else None
+
+
+class _Pieces:
+    """The pieces every rank saved, found through the files' headers; read slice by slice."""
+
+    def __init__(self, reader: CheckpointReader, files: list[str]) -> None:
+        self.reader = reader
+        self.where: dict[str, list[tuple[str, list[int], list[int]]]] = {}
+        self.replicated: dict[str, str] = {}
+        self.optimizer_meta: str | None = None
+        self._open: dict[str, Any] = {}
+        self._loaded: dict[str, dict[str, torch.Tensor]] = {}
+        for name in files:
+            metadata = reader.load_metadata(name)
+            layout = json.loads(metadata.get(_LAYOUT_KEY) or "{}")
+            if layout.get("format") != SHARDED_FORMAT:
+                raise ResumeError(f"{name} of {reader.path} is not a file of {SHARDED_FORMAT}")
+            pieces = layout.get("pieces") or {}
+            for key, entry in pieces.items():
+                self.where.setdefault(key, []).append(
+                    (name, list(entry["offsets"]), list(entry["shape"]))
+                )
+            for key in self._keys(name):
+                if key not in pieces:
+                    self.replicated.setdefault(key, name)
+            if OPTIMIZER_META_KEY in metadata:
+                self.optimizer_meta = metadata[OPTIMIZER_META_KEY]
+
+    def _keys(self, name: str) -> list[str]:
+        path = self.reader._local_path(name)
+        if path is not None:
+            from safetensors import safe_open
+
+            handle = self._open.get(name)
+            if handle is None:
+                handle = self._open[name] = safe_open(path, framework="pt")
+            return list(handle.keys())
+        return list(self._whole(name))
+
+    def _whole(self, name: str) -> dict[str, torch.Tensor]:
+        """A remote file, downloaded once (object stores: no slicing without ranged reads)."""
+        if name not in self._loaded:
+            self._loaded[name] = self.reader.load_tensors_and_metadata(name)[0]
+        return self._loaded[name]
+
+    def _slice(self, name: str, key: str, lo: list[int], hi: list[int]) -> torch.Tensor:
+        index = tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))
+        if name in self._open:
+            return self._open[name].get_slice(key)[index]
+        return self._whole(name)[key][index]
+
+    def fill(self, key: str, target: torch.Tensor) -> None:
+        """Copy the saved values of ``key`` into ``target`` (a DTensor: its local piece)."""
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(target, DTensor):
+            name = self.replicated.get(key)
+            if name is None:
+                raise ResumeError(f"{self.reader.path} holds no {key!r}")
+            with torch.no_grad():
+                target.copy_(self._slice(name, key, [0] * target.dim(), list(target.shape)))
+            return
+        saved = self.where.get(key)
+        if not saved:
+            raise ResumeError(f"{self.reader.path} holds no sharded {key!r}")
+        offsets, sizes = _chunk(target)
+        if list(saved[0][2]) != list(target.shape):
+            raise ResumeError(
+                f"{key!r} in {self.reader.path} has shape {saved[0][2]}, this model "
+                f"{list(target.shape)}: resume with the model it was saved from"
+            )
+        local = target.to_local()
+        covered = 0
+        with torch.no_grad():
+            for name, start, _ in saved:
+                piece_shape = self._piece_shape(name, key)
+                lo = [max(a, b) for a, b in zip(start, offsets, strict=True)]
+                hi = [
+                    min(a + n, b + m)
+                    for a, n, b, m in zip(start, piece_shape, offsets, sizes, strict=True)
+                ]
+                if any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)):
+                    continue
+                src = self._slice(
+                    name,
+                    key,
+                    [a - s for a, s in zip(lo, start, strict=True)],
+                    [h - s for h, s in zip(hi, start, strict=True)],
+                )
+                dst = local[
+                    tuple(slice(a - o, h - o) for a, h, o in zip(lo, hi, offsets, strict=True))
+                ]
+                dst.copy_(src)
+                covered += src.numel()
+        if covered != local.numel():
+            raise ResumeError(
+                f"{key!r}: the pieces in {self.reader.path} cover {covered} of this rank's "
+                f"{local.numel()} values of its piece (global shape {list(target.shape)})"
+            )
+
+    def whole(self, name: str, key: str) -> torch.Tensor:
+        """The piece of ``key`` in file ``name``, whole."""
+        if name in self._open:
+            return self._open[name].get_tensor(key)
+        return self._whole(name)[key]
+
+    def _piece_shape(self, name: str, key: str) -> list[int]:
+        if name in self._open:
+            return list(self._open[name].get_slice(key).get_shape())
+        return list(self._whole(name)[key].shape)
+
+    def close(self) -> None:
+        self._open.clear()
+        self._loaded.clear()
+
+
+def consolidated_model(
+    path: str, storage_options: dict[str, Any] | None = None
+) -> dict[str, torch.Tensor]:
+    """The whole model state of a complete sharded checkpoint as plain CPU tensors, rebuilt
+    from every rank's pieces in one process (no process group: for inspection, comparison and
+    export; it holds the whole model in memory). Checksums are checked."""
+    reader = CheckpointReader(path, storage_options=storage_options)
+    sharding = sharded_manifest(reader.info) or {}
+    if sharding.get("format") != SHARDED_FORMAT:
+        raise ResumeError(f"{path} is not a {SHARDED_FORMAT} checkpoint: {sharding or 'absent'}")
+    files = [str(f) for f in sharding.get("files") or []]
+    for name in files:
+        reader.verify_in_background(name)
+    pieces = _Pieces(reader, files)
+    out: dict[str, torch.Tensor] = {}
+    try:
+        for key, name in pieces.replicated.items():
+            if key.startswith(_MODEL_PREFIX):
+                out[key.removeprefix(_MODEL_PREFIX)] = pieces.whole(name, key)
+        for key, saved in pieces.where.items():
+            if not key.startswith(_MODEL_PREFIX):
+                continue
+            first = saved[0][0]
+            full = torch.empty(saved[0][2], dtype=pieces.whole(first, key).dtype)
+            for name, start, _ in saved:
+                part = pieces.whole(name, key)
+                index = tuple(slice(a, a + n) for a, n in zip(start, part.shape, strict=True))
+                full[index] = part
+            out[key.removeprefix(_MODEL_PREFIX)] = full
+    finally:
+        pieces.close()
+    reader.wait_verified()
+    return out
 
 
 def load_sharded(
@@ -335,37 +522,102 @@ def load_sharded(
     *,
     storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Load a complete sharded checkpoint into ``model`` (and ``optimizer``) on every rank.
+    """Load a complete sharded checkpoint into ``model`` (and ``optimizer``) on every rank, at
+    any number of ranks (each reads the slices of the saved pieces that overlap its own).
 
     Returns the checkpoint's JSON files (name -> object). Raises ResumeError when the checkpoint
-    is incomplete or not a sharded one.
+    is incomplete, not a sharded one, or a file does not match its checksum (each file is
+    checked by one rank; the ranks agree before any state is used).
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     reader = CheckpointReader(path, storage_options=storage_options)
-    sharding = (reader.info.manifest or {}).get(_MANIFEST_KEY) or {}
-    if sharding.get("format") != SHARDED_FORMAT:
+    sharding = sharded_manifest(reader.info) or {}
+    if sharding.get("format") == _DCP_FORMAT:
+        _load_dcp(reader, model, optimizer)
+    elif sharding.get("format") == SHARDED_FORMAT:
+        _load_pieces(reader, sharding, model, optimizer)
+    else:
         raise ResumeError(
             f"{path} is not a sharded (FSDP) checkpoint (manifest {_MANIFEST_KEY!r}: "
             f"{sharding or 'absent'}); load it with the Trainer's regular resume"
         )
+    files = {e["path"] for e in (reader.info.manifest or {}).get("files", [])}
+    return {n: reader.load_json(n) for n in sorted(files) if n.endswith(".json")}
+
+
+def _check_optimizer(reader: CheckpointReader, sharding: dict[str, Any], optimizer: Any) -> None:
     if optimizer is not None and sharding.get("optimizer") is False:
         raise ResumeError(
-            f"{path} holds no optimizer shards (saved with save_only_model); load it without "
-            "an optimizer"
+            f"{reader.path} holds no optimizer shards (saved with save_only_model); load it "
+            "without an optimizer"
         )
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+
+
+def _load_pieces(
+    reader: CheckpointReader,
+    sharding: dict[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+) -> None:
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    _check_optimizer(reader, sharding, optimizer)
+    files = [str(f) for f in sharding.get("files") or []]
+    rank, world = collectives.rank(), collectives.world_size()
+    for i, name in enumerate(files):
+        if i % world == rank:  # every file checked once, by one rank
+            reader.verify_in_background(name)
+    pieces = _Pieces(reader, files)
+    try:
+        model_sd, optim_sd = _state_dicts(model, optimizer)
+        targets, _ = _flatten(model_sd, optim_sd)
+        for key, target in targets.items():
+            pieces.fill(key, target)
+        if optim_sd is not None:
+            if pieces.optimizer_meta is None:
+                raise ResumeError(f"{reader.path} holds no optimizer structure")
+            optim_sd = optimizer_state_from_tensors(targets, pieces.optimizer_meta)
+    finally:
+        pieces.close()
+    error: ResumeError | None = None
+    try:
+        reader.wait_verified()
+    except ResumeError as exc:
+        error = exc
+    if collectives.agree_to_stop(error is not None):
+        raise error or ResumeError(f"{reader.path}: a file failed its checksum on another rank")
+    if optim_sd is not None:
+        assert optimizer is not None
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     else:
-        state = {"model": get_state_dict(model, [])[0]}
-    dcp.load(state, storage_reader=_reader_for(reader.info.path))
+        set_state_dict(model, [], model_state_dict=model_sd, optim_state_dict={})
+
+
+def _load_dcp(
+    reader: CheckpointReader, model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> None:
+    """A checkpoint of an earlier version, written by torch.distributed.checkpoint (DCP)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    _check_optimizer(reader, sharded_manifest(reader.info) or {}, optimizer)
+    model_sd, optim_sd = _state_dicts(model, optimizer)
+    state: dict[str, Any] = {"model": model_sd}
+    if optim_sd is not None:
+        state["optim"] = optim_sd
+    dcp.load(state, storage_reader=_dcp_reader_for(reader.info.path))
     if optimizer is not None:
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
     else:
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
-    files = {e["path"] for e in (reader.info.manifest or {}).get("files", [])}
-    return {n: reader.load_json(n) for n in sorted(files) if n.endswith(".json")}
+
+
+def _dcp_reader_for(path: str) -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    if "://" not in path or path.startswith("file://"):
+        return dcp.FileSystemReader(path.removeprefix("file://"))
+    from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader
+
+    return FsspecReader(path)

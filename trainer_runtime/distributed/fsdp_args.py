@@ -81,9 +81,11 @@ class FsdpConfigArguments(BaseModel):
         "rank starts from the same weights (as DDP does).",
     )
     state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] = Field(
-        "FULL_STATE_DICT",
-        description="Checkpoints always hold the sharded state (resume); FULL_STATE_DICT also "
-        "writes the gathered model.safetensors from rank 0 into every checkpoint.",
+        "SHARDED_STATE_DICT",
+        description="Checkpoints always hold the sharded state (resume), each rank writing its "
+        "own shards. FULL_STATE_DICT also writes the gathered model.safetensors (rank 0 holds "
+        "the whole model in host memory while it writes) into every periodic checkpoint, never "
+        "into a JIT one; save_model() always writes it. The default is accelerate's for FSDP2.",
     )
     auto_wrap_policy: Literal["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"] | None = (
         Field(

@@ -3,14 +3,15 @@
 With FSDP on, the Trainer shards the model with
 :func:`~trainer_runtime.distributed.fsdp.shard_model` at construction (accelerate never wraps it in
 DDP), builds the optimizer over the sharded parameters, and writes every checkpoint (periodic, JIT,
-best) through the Trainer's usual writer, now a
-:class:`~trainer_runtime.distributed.fsdp.ShardedCheckpointWriter`:
-:func:`~trainer_runtime.distributed.fsdp.write_shards` puts the model and optimizer into DCP shards
-of every rank, next to the files a DDP checkpoint has (scheduler, per-rank RNG state, trainer state
-with the data position, training arguments) and, with ``state_dict_type='FULL_STATE_DICT'`` (the
-default), the gathered ``model.safetensors``; the manifest commits them all at once. Resume loads
-the shards with :func:`~trainer_runtime.distributed.fsdp.load_sharded`, which refuses incomplete
-checkpoints like every other reader. ``save_model`` always writes the gathered weights.
+best, in the background with ``save_async``) through the Trainer's usual writer: each rank writes
+its own file of pieces of the model and optimizer state
+(:func:`~trainer_runtime.distributed.fsdp.local_state_file`), next to the files a DDP checkpoint
+has (scheduler, per-rank RNG state, trainer state with the data position, training arguments);
+with ``state_dict_type='FULL_STATE_DICT'`` periodic checkpoints also hold the gathered
+``model.safetensors``, JIT checkpoints never. The manifest commits them all at once. Resume loads
+the pieces with :func:`~trainer_runtime.distributed.fsdp.load_sharded` at any number of ranks,
+refusing incomplete checkpoints like every other reader. ``save_model`` always writes the gathered
+weights.
 
 Relies on these Trainer attributes: ``args``, ``model``, ``optimizer``, ``accelerator``,
 ``state``.
@@ -26,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer_runtime.checkpoint.io import CheckpointWriter
 from trainer_runtime.checkpoint.layout import CheckpointInfo
+from trainer_runtime.checkpoint.model_state import MODEL_NAME
 from trainer_runtime.distributed import collectives
 from trainer_runtime.distributed.fsdp_args import check_fsdp_runtime, fsdp_settings
 
@@ -88,32 +89,35 @@ class FsdpTrainerMixin:
         return float(full() if callable(full) else norm)
 
     # -- checkpoints -------------------------------------------------------------------------------
-    def _checkpoint_writer_class(self) -> type[CheckpointWriter]:
-        if self._fsdp is None:
-            return CheckpointWriter
-        from trainer_runtime.distributed.fsdp import ShardedCheckpointWriter
+    def _fsdp_entries(self, main: bool, jit: bool) -> list[tuple[str, Any]]:
+        """This rank's file of the sharded model (and optimizer) state: its own pieces, written
+        at the same time as every other rank's, nothing gathered. A periodic save with
+        ``state_dict_type='FULL_STATE_DICT'`` also writes the gathered ``model.safetensors``
+        (a collective: every rank takes part, the coordinator writes it); a JIT save never
+        does, its deadline is the whole point."""
+        from trainer_runtime.checkpoint.hf_format import model_weights
+        from trainer_runtime.distributed.fsdp import full_state_tensors, local_state_file
 
-        return ShardedCheckpointWriter
-
-    def _write_model_shards(self, writer: CheckpointWriter) -> dict[str, Any]:
-        """Every rank: its model (and optimizer) shards, and with FULL_STATE_DICT the gathered
-        model.safetensors from the coordinator. Returns the manifest entry for the commit."""
-        from trainer_runtime.checkpoint.model_state import MODEL_NAME
-        from trainer_runtime.distributed.fsdp import (
-            ShardedCheckpointWriter,
-            full_state_tensors,
-            write_shards,
-        )
-
-        assert isinstance(writer, ShardedCheckpointWriter)
         optimizer = None if self.args.save_only_model else self.optimizer
-        manifest = write_shards(writer, self.model, optimizer)
+        rank, world = collectives.rank(), collectives.world_size()
+        entries: list[tuple[str, Any]] = [local_state_file(self.model, optimizer, rank, world)]
         config = self.args.fsdp_config
-        if config is None or config.state_dict_type == "FULL_STATE_DICT":
-            tensors = full_state_tensors(self.model)  # a collective: every rank takes part
-            if writer.is_coordinator:
-                writer.write_tensors(MODEL_NAME, tensors)
-        return manifest
+        if not jit and config is not None and config.state_dict_type == "FULL_STATE_DICT":
+            gathered = full_state_tensors(self.model)
+            weights = model_weights(self.model, gathered=gathered) if main else None
+            if weights is not None:
+                entries.append((MODEL_NAME, weights))
+        return entries
+
+    def _manifest_extra(self) -> dict[str, Any]:
+        """What the manifest records besides the files: under FSDP, that the state is sharded."""
+        if self._fsdp is None:
+            return {}
+        from trainer_runtime.distributed.fsdp import sharded_manifest_entry
+
+        return sharded_manifest_entry(
+            collectives.world_size(), optimizer=not self.args.save_only_model
+        )
 
     def _load_model_shards(self, info: CheckpointInfo) -> bool:
         """Load the shards of ``info`` into the sharded model, and into the optimizer when the

@@ -109,10 +109,15 @@ def test_two_rank_training_jit_stop_and_bit_identical_resume(tmp_path) -> None: 
         results = manager.dict()
         mp.spawn(_trainer_worker, args=(port, str(tmp_path), results), nprocs=2, join=True)
         results = dict(results)
+    # the replicated model and optimizer state is shared by the two ranks (shares.py)
     files = [
         "manifest.json",
-        "model.safetensors",
-        "optimizer.safetensors",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "optimizer-00001-of-00002.safetensors",
+        "optimizer-00002-of-00002.safetensors",
+        "optimizer.safetensors.index.json",
         "preemptible_state.json",
         "rng_state_0.safetensors",
         "rng_state_1.safetensors",

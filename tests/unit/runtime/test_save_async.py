@@ -190,6 +190,8 @@ def _args(**kw: Any) -> SimpleNamespace:
         (_args(save_async=True), False, 2, False, True),
         (_args(save_async=False), True, 1, False, False),
         (_args(save_async=False), True, 1, True, False),
+        # FSDP: each rank snapshots and writes its own shards
+        (_args(save_async=True), True, 2, True, True),
     ],
 )
 def test_resolve_save_async(
@@ -201,7 +203,6 @@ def test_resolve_save_async(
 @pytest.mark.parametrize(
     ("args", "fsdp", "match"),
     [
-        (_args(save_async=True), True, "fsdp"),
         (_args(save_async=True, save_on_each_node=True), False, "save_on_each_node"),
     ],
 )

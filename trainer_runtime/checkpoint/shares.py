@@ -1,0 +1,178 @@
+"""Replicated state written by every rank: the save of a data-parallel (DDP) job split by bytes.
+
+Under DDP every rank holds the same model and optimizer state. One rank writing all of it makes
+the save as slow as one process's bandwidth (a 7B full fine-tune is about 98 GB: 14 GB of bf16
+weights, 84 GB of fp32 Adam state), so the tensors are split across the ranks by bytes and each
+rank writes its share at the same time:
+
+* :func:`plan_shares` assigns every tensor of every group (the model's, the optimizer's) to a
+  rank: largest first, each to the rank with the fewest bytes so far (ties: the lowest rank).
+  Pure and deterministic, so every rank computes the same plan from the same names and sizes,
+  with no collective. A rank's bytes are at most ``total / N`` plus the largest tensor (a tensor
+  is never split).
+* Each group is written as transformers writes a sharded model:
+  ``<stem>-00001-of-0000M.safetensors`` (one file per rank that holds any tensor of the group,
+  numbered in rank order) and an index
+  ``<stem>.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map":
+  {tensor: file}}``) that the coordinator writes. ``from_pretrained`` opens the model's shards;
+  our resume reads the union at any world size (:func:`load_indexed`).
+
+The group's safetensors metadata (e.g. tied-weight aliases) goes into every shard of the group;
+metadata too large to repeat (the optimizer's structure) goes into the index only.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trainer_runtime.checkpoint.safetensors_stream import TensorFile
+from trainer_runtime.errors import ConfigurationError, ResumeError
+
+__all__ = [
+    "ShareGroup",
+    "index_name",
+    "load_indexed",
+    "plan_shares",
+    "shard_file_name",
+    "share_entries",
+]
+
+# The index's own format key (transformers reads "total_size" only and ignores the rest).
+_INDEX_FORMAT_KEY = "preemptible.format"
+_INDEX_FORMAT = "preemptible-shares/1"
+
+
+def shard_file_name(stem: str, index: int, count: int) -> str:
+    """transformers' name of shard ``index`` (1-based) of ``count``."""
+    return f"{stem}-{index:05d}-of-{count:05d}.safetensors"
+
+
+def index_name(stem: str) -> str:
+    """The index of a sharded group, e.g. ``model.safetensors.index.json``."""
+    return f"{stem}.safetensors.index.json"
+
+
+def plan_shares(
+    sizes: Sequence[tuple[str, int]], world_size: int
+) -> tuple[list[list[str]], list[int]]:
+    """Assign items ``(key, bytes)`` to ``world_size`` ranks; returns each rank's keys (in the
+    order given) and its bytes.
+
+    Largest first, each to the least loaded rank (ties: the lowest rank): the greedy
+    "longest processing time" rule, within ``total / N + largest item`` of an even split.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigurationError(f"world_size={world_size!r} is invalid: use an int >= 1")
+    keys = [k for k, _ in sizes]
+    if len(set(keys)) != len(keys):
+        dupes = sorted({k for k in keys if keys.count(k) > 1})
+        raise ConfigurationError(f"tensor names must be unique across a save: {dupes[:5]}")
+    order = {k: i for i, k in enumerate(keys)}
+    heap = [(0, rank) for rank in range(world_size)]
+    owner: dict[str, int] = {}
+    for key, nbytes in sorted(sizes, key=lambda kv: (-kv[1], order[kv[0]])):
+        load, rank = heapq.heappop(heap)
+        owner[key] = rank
+        heapq.heappush(heap, (load + max(0, nbytes), rank))
+    shares: list[list[str]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for key, nbytes in sizes:
+        shares[owner[key]].append(key)
+        loads[owner[key]] += max(0, nbytes)
+    return shares, loads
+
+
+@dataclass(frozen=True)
+class ShareGroup:
+    """Tensors saved as one sharded group (``stem`` names its files and its index).
+
+    ``metadata`` goes into every shard's safetensors header; ``index_extra`` into the index
+    only (written once, by the coordinator).
+    """
+
+    stem: str
+    tensors: Mapping[str, torch.Tensor]
+    metadata: Mapping[str, str] | None = None
+    index_extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def share_entries(
+    groups: Sequence[ShareGroup], rank: int, world_size: int, *, coordinator: bool
+) -> list[tuple[str, TensorFile | bytes]]:
+    """This rank's files of ``groups`` split across ``world_size`` ranks: its shards (as
+    TensorFiles, written as they are serialised) and, on the coordinator, every group's index.
+
+    Every rank must pass the same groups (names, shapes, dtypes): the plan is computed from them
+    on each rank independently.
+    """
+    if not 0 <= rank < world_size:
+        raise ConfigurationError(f"rank={rank!r} must be within [0, {world_size})")
+    items = [(f"{g.stem}\0{name}", _nbytes(t)) for g in groups for name, t in g.tensors.items()]
+    shares, _ = plan_shares(items, world_size)
+    owner = {key: r for r, keys in enumerate(shares) for key in keys}
+    entries: list[tuple[str, TensorFile | bytes]] = []
+    for group in groups:
+        holders = sorted({owner[f"{group.stem}\0{name}"] for name in group.tensors})
+        count = len(holders)
+        files = {r: shard_file_name(group.stem, i + 1, count) for i, r in enumerate(holders)}
+        if rank in files:
+            mine = {
+                name: t
+                for name, t in group.tensors.items()
+                if owner[f"{group.stem}\0{name}"] == rank
+            }
+            entries.append((files[rank], TensorFile(mine, dict(group.metadata or {}) or None)))
+        if coordinator:
+            index = {
+                "metadata": {
+                    "total_size": sum(_nbytes(t) for t in group.tensors.values()),
+                    _INDEX_FORMAT_KEY: _INDEX_FORMAT,
+                },
+                **dict(group.index_extra),
+                "weight_map": {
+                    name: files[owner[f"{group.stem}\0{name}"]] for name in sorted(group.tensors)
+                },
+            }
+            text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+            entries.append((index_name(group.stem), text.encode("utf-8")))
+    return entries
+
+
+LoadFile = Callable[[str], tuple[dict[str, torch.Tensor], dict[str, str]]]
+
+
+def load_indexed(
+    index: Mapping[str, Any], load: LoadFile, where: str
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The union of the shards an index lists: every tensor of the weight map, and the shards'
+    safetensors metadata merged (our shards of one group carry the same metadata).
+
+    ``load(file)`` returns a shard's (tensors, metadata). Raises ResumeError when a tensor the
+    index maps is not in its shard.
+    """
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, Mapping) or not weight_map:
+        raise ResumeError(f"{where}: the index has no weight_map")
+    tensors: dict[str, torch.Tensor] = {}
+    metadata: dict[str, str] = {}
+    for shard in sorted(set(weight_map.values())):
+        got, meta = load(str(shard))
+        tensors.update(got)
+        metadata.update(meta)
+    missing = sorted(name for name in weight_map if name not in tensors)
+    if missing:
+        raise ResumeError(
+            f"{where}: {len(missing)} tensor(s) of the index are not in their shards "
+            f"({missing[:5]}{' ...' if len(missing) > 5 else ''})"
+        )
+    return tensors, metadata
