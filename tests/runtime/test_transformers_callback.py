@@ -185,6 +185,12 @@ def _preempt_and_resume(
     listed = {f["path"] for f in info.manifest["files"]}
     assert {"model.safetensors", "optimizer.pt", "trainer_state.json", RUNTIME_STATE_NAME} <= listed
     assert info.attempt == 1
+    # the JIT save read nothing back (sizes only); the periodic checkpoint-4 is hashed
+    entries = {f["path"]: f for f in info.manifest["files"]}
+    assert "xxh3_128" not in entries["optimizer.pt"], entries["optimizer.pt"]
+    assert info.manifest["checksums"].startswith("sizes only"), info.manifest
+    periodic = CheckpointStore(str(out_env)).inspect("checkpoint-4")
+    assert all("xxh3_128" in f for f in (periodic.manifest or {})["files"]), periodic.manifest
 
     second = Run(
         tmp_path / "a2",

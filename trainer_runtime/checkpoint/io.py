@@ -392,24 +392,40 @@ class CheckpointWriter:
         self.root.fsync_dir(self.name)
         return present
 
-    def adopt_present(self) -> list[str]:
-        """Coordinator: record every file already in the directory that this writer did not write
-        itself (size and checksum read back from storage), so the manifest lists them. Call it after
-        every rank's :meth:`sync_present` and a barrier. Returns the adopted paths."""
+    def present_files(self) -> dict[str, int]:
+        """Files already in the directory that this writer did not write itself (written by
+        another library's save) and that belong to the checkpoint: path -> size."""
         self._require_open()
-        adopted: list[str] = []
-        for rel in sorted(self.root.walk_files(self.name)):
+        present: dict[str, int] = {}
+        for rel, size in sorted(self.root.walk_files(self.name).items()):
             base = rel.rsplit("/", 1)[-1]
             if rel in (SENTINEL_NAME, MANIFEST_NAME) or base.startswith(PARTIAL_PREFIX):
                 continue
             if base.startswith(".") and ".tmp-" in base:
                 continue  # an atomic write's temporary file, not part of the checkpoint
-            if rel in self._files:
-                continue
-            size, digest = self.root.hash_file(self._rel(rel))
-            self._files[rel] = file_record(rel, size, digest)
-            adopted.append(rel)
-        return adopted
+            if rel not in self._files:
+                present[rel] = size
+        return present
+
+    def adopt(self, files: Mapping[str, int], *, checksum: bool = True) -> list[str]:
+        """Record files another library wrote (e.g. from :meth:`present_files`) so the
+        manifest lists them: their size, and with ``checksum`` their checksum read back from
+        storage. ``checksum=False`` records the size only (a JIT save, where reading the whole
+        checkpoint back would take much of the grace period); readers then check the size.
+        Every file must be adopted by exactly one rank."""
+        self._require_open()
+        for rel in sorted(files):
+            if checksum:
+                size, digest = self.root.hash_file(self._rel(rel))
+                self._files[rel] = file_record(rel, size, digest)
+            else:
+                self._files[rel] = {"path": rel, "size": int(files[rel])}
+        return sorted(files)
+
+    def adopt_present(self) -> list[str]:
+        """Coordinator: :meth:`adopt` every file of :meth:`present_files`, checksums read back.
+        Call it after every rank's :meth:`sync_present` and a barrier."""
+        return self.adopt(self.present_files())
 
     @property
     def files(self) -> list[dict[str, Any]]:

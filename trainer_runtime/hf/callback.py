@@ -35,6 +35,8 @@ from trainer_runtime.checkpoint.layout import (
     CheckpointInfo,
     CheckpointStore,
 )
+from trainer_runtime.checkpoint.per_node import gather_objects
+from trainer_runtime.checkpoint.shares import plan_shares
 from trainer_runtime.distributed import collectives
 from trainer_runtime.errors import ConfigurationError, ResumeError
 from trainer_runtime.metrics import TrainingMetrics, metrics_from_env
@@ -47,7 +49,7 @@ from trainer_runtime.protocol import (
 from trainer_runtime.signals import SigtermLatch
 from trainer_runtime.timings import SaveTimer, StepTimer, timings_record, write_termination
 
-__all__ = ["PreemptibleCallback", "attach", "attach_preemptible", "resolve_resume"]
+__all__ = ["PreemptibleCallback", "adoption", "attach", "attach_preemptible", "resolve_resume"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +112,18 @@ def resolve_resume(resume: bool | str | None, output_dir: str) -> str | bool | N
     if not info.complete:
         raise ResumeError(f"cannot resume from {resume}: {info.reason or 'checkpoint incomplete'}")
     return info.path
+
+
+def adoption(
+    listing: dict[str, int], rank: int, world_size: int, *, jit: bool
+) -> tuple[dict[str, int], bool]:
+    """Pure: which of the files transformers wrote (path -> size) ``rank`` records in the
+    manifest, and whether it hashes them. A JIT save: rank 0 records every file, sizes only. A
+    periodic save: every file is hashed by exactly one rank, the ranks sharing the bytes."""
+    if jit:
+        return (dict(listing) if rank == 0 else {}), False
+    shares, _ = plan_shares(sorted(listing.items()), world_size)
+    return {name: listing[name] for name in shares[rank]}, True
 
 
 class PreemptibleCallback(TrainerCallback):
@@ -222,13 +236,15 @@ class PreemptibleCallback(TrainerCallback):
             result = original(model, trial, *a, **kw)
         finally:
             trainer.args.save_total_limit = limit
-        if writer.is_coordinator:
-            writer.write_json(RUNTIME_STATE_NAME, self._record(self.preempted))
         writer.sync_present()  # each rank flushes what it (or transformers for it) wrote
         collectives.barrier()
+        self._adopt(writer)
         if writer.is_coordinator:
-            writer.adopt_present()
-        info = writer.commit({"producer": PRODUCER})  # manifest last, sentinel removed last
+            writer.write_json(RUNTIME_STATE_NAME, self._record(self.preempted))
+        extra: dict[str, Any] = {"producer": PRODUCER}
+        if self.preempted:
+            extra["checksums"] = "sizes only: JIT save of transformers.Trainer"
+        info = writer.commit(extra)  # manifest last, sentinel removed last
         self.save_timer.record(time.monotonic() - started)
         self.last_checkpoint = info
         if limit and writer.is_coordinator:
@@ -238,6 +254,19 @@ class PreemptibleCallback(TrainerCallback):
         self._publish(trainer.state)
         logger.info("checkpoint %s committed (%.3f s)", info.path, self.save_timer.last or 0.0)
         return result
+
+    def _adopt(self, writer: CheckpointWriter) -> None:
+        """List what transformers wrote in the manifest. A JIT save records sizes only: reading
+        the checkpoint back to hash it (about 98 GB at 7B with fp32 Adam state) would take much
+        of the grace period, and a reader checks sizes. A periodic save hashes every file, each
+        rank a share of them by bytes (shares.plan_shares), read back while they are likely
+        still in the page cache; the coordinator's listing is the one every rank splits."""
+        listing = writer.present_files() if writer.is_coordinator else None
+        if writer.world_size > 1:
+            listing = gather_objects(listing)[0]
+        assert listing is not None
+        files, checksum = adoption(listing, writer.rank, writer.world_size, jit=self.preempted)
+        writer.adopt(files, checksum=checksum)
 
     # -- train -------------------------------------------------------------------------------------
     def wrapped_train(

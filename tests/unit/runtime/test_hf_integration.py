@@ -74,6 +74,56 @@ def test_adopted_files_are_listed_with_sizes_and_checksums(tmp_path: Path) -> No
     assert not again.complete and "optimizer.pt" in (again.reason or "")
 
 
+@pytest.mark.parametrize(
+    ("rank", "world", "jit", "files", "checksum"),
+    [
+        # a JIT save: the coordinator records everything, sizes only; nobody reads a byte back
+        (0, 1, True, {"model.safetensors": 60, "optimizer.pt": 300, "rng.pth": 5}, False),
+        (0, 2, True, {"model.safetensors": 60, "optimizer.pt": 300, "rng.pth": 5}, False),
+        (1, 2, True, {}, False),
+        # a periodic save: each file hashed by one rank, the bytes shared
+        (0, 1, False, {"model.safetensors": 60, "optimizer.pt": 300, "rng.pth": 5}, True),
+        (0, 2, False, {"optimizer.pt": 300}, True),
+        (1, 2, False, {"model.safetensors": 60, "rng.pth": 5}, True),
+        (2, 3, False, {"rng.pth": 5}, True),
+    ],
+)
+def test_adoption_table(
+    rank: int, world: int, jit: bool, files: dict[str, int], checksum: bool
+) -> None:
+    from trainer_runtime.hf.callback import adoption
+
+    listing = {"model.safetensors": 60, "optimizer.pt": 300, "rng.pth": 5}
+    assert adoption(listing, rank, world, jit=jit) == (files, checksum)
+
+
+def test_a_jit_checkpoint_adopted_by_size_only_is_complete_and_resumable(tmp_path: Path) -> None:
+    from trainer_runtime.checkpoint.io import CheckpointReader
+
+    w = CheckpointWriter(str(tmp_path), 6, attempt=1)
+    w.begin()
+    _hf_files(tmp_path / "checkpoint-6", 6)
+    w.sync_present()
+    assert w.adopt(w.present_files(), checksum=False) == [
+        "model.safetensors",
+        "optimizer.pt",
+        "rng_state.pth",
+        "trainer_state.json",
+    ]
+    w.commit({"producer": "transformers.Trainer"})
+    info = CheckpointStore(str(tmp_path)).inspect("checkpoint-6")
+    assert info.complete, info
+    assert {f["path"]: sorted(f) for f in info.manifest["files"]}["optimizer.pt"] == [
+        "path",
+        "size",
+    ]
+    reader = CheckpointReader(str(tmp_path / "checkpoint-6"))
+    assert reader.has("optimizer.pt") and len(reader.load_bytes("optimizer.pt")) == 300
+    # the size is still checked: a torn file makes the checkpoint incomplete
+    (tmp_path / "checkpoint-6" / "optimizer.pt").write_bytes(b"torn")
+    assert not CheckpointStore(str(tmp_path)).inspect("checkpoint-6").complete
+
+
 def test_adopt_requires_begin(tmp_path: Path) -> None:
     w = CheckpointWriter(str(tmp_path), 1)
     with pytest.raises(Exception, match="begin"):
