@@ -161,8 +161,9 @@ def load_indexed(
     index maps is not in its shard.
     """
     weight_map = index.get("weight_map")
-    if not isinstance(weight_map, Mapping) or not weight_map:
+    if not isinstance(weight_map, Mapping):
         raise ResumeError(f"{where}: the index has no weight_map")
+    # (an empty map is valid: an optimizer without state tensors, e.g. SGD without momentum)
     tensors: dict[str, torch.Tensor] = {}
     metadata: dict[str, str] = {}
     for shard in sorted(set(weight_map.values())):

@@ -209,6 +209,16 @@ def test_an_index_naming_a_missing_tensor_is_refused() -> None:
         load_indexed({"weight_map": {"a": "f1", "b": "f1"}}, load, "ckpt/index")
     with pytest.raises(ResumeError, match="no weight_map"):
         load_indexed({}, load, "ckpt/index")
+    # an optimizer without state tensors (SGD without momentum) has an empty map
+    assert load_indexed({"weight_map": {}}, load, "ckpt/index") == ({}, {})
+
+
+def test_a_group_without_tensors_writes_an_empty_index() -> None:
+    groups = [ShareGroup(OPTIMIZER_STEM, {}, index_extra={OPTIMIZER_META_KEY: "{}"})]
+    (entry,) = share_entries(groups, 0, 2, coordinator=True)
+    assert entry[0] == "optimizer.safetensors.index.json"
+    assert json.loads(entry[1])["weight_map"] == {}
+    assert share_entries(groups, 1, 2, coordinator=False) == []
 
 
 def test_from_pretrained_opens_a_model_shared_by_two_ranks(tmp_path: Path) -> None:

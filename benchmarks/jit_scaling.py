@@ -1,0 +1,299 @@
+"""How a JIT save scales with ranks: bytes, extra host memory and time per rank (DDP and FSDP).
+
+For each mode (``ddp``: replicated state, split across the ranks by bytes; ``fsdp``: every rank
+its own shards) and each number of ranks, one run of N real processes (gloo on CPU, or one CUDA
+process with ``--device cuda``) trains a model of about ``--params`` parameters (an embedding and
+blocks of two square and two 4x-wide linear layers, fp32, AdamW) for one step through our
+Trainer, then every rank calls the Trainer's JIT save (``save_checkpoint(jit=True)``: what a
+SIGTERM triggers) at the same moment. Each rank measures, around that call only:
+
+* bytes written: the growth of ``wchar`` in ``/proc/self/io`` (every byte the process passed to
+  write calls, O_DIRECT or not; our own bookkeeping is not trusted for this);
+* peak extra host memory: its resident set sampled every 2 ms, peak minus the value just before;
+* seconds: the call's wall time; the slowest rank's is the save's time.
+
+Targets (issue 28): bytes per rank <= 1.1 x total / N; extra host memory per rank <= its share
+(total / N) + 256 MB; no gathered full-model file in an FSDP JIT checkpoint.
+
+    python -P benchmarks/jit_scaling.py [--ranks 1,2,4] [--modes ddp,fsdp] [--params 200M]
+                                         [--device cpu|cuda] [--workdir DIR]
+
+FSDP needs at least 2 ranks (``--ranks 1`` runs DDP only). On this 2-core VM 4 ranks share two
+cores and the save times are not what 4 GPUs' hosts give; bytes and memory per rank are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+WIDTH = 1024
+VOCAB = 32_000
+EXTRA_MB = 256
+
+
+def _model(params: int) -> Any:
+    import torch
+    from torch import nn
+
+    per_block = 2 * WIDTH * WIDTH + 2 * 4 * WIDTH * WIDTH
+    blocks = max(1, round((params - VOCAB * WIDTH) / per_block))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Linear(WIDTH, WIDTH, bias=False)
+            self.o = nn.Linear(WIDTH, WIDTH, bias=False)
+            self.up = nn.Linear(WIDTH, 4 * WIDTH, bias=False)
+            self.down = nn.Linear(4 * WIDTH, WIDTH, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x + self.o(torch.tanh(self.q(x)))
+            return x + self.down(torch.relu(self.up(x)))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, WIDTH)
+            self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+
+        def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+            x = self.embed(ids)
+            for block in self.blocks:
+                x = block(x)
+            loss = x.float().pow(2).mean()
+            return {"loss": loss, "logits": x}
+
+    return Net()
+
+
+class _Data:
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        import torch
+
+        return {"ids": torch.tensor([i % VOCAB, (7 * i) % VOCAB])}
+
+
+def _io_written() -> int:
+    with open("/proc/self/io") as fh:
+        for line in fh:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    raise RuntimeError("/proc/self/io has no wchar")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _PeakRss:
+    """Samples the resident set on a thread until stopped; ``peak`` is the largest seen."""
+
+    def __init__(self) -> None:
+        self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _rss())
+
+    def __enter__(self) -> _PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+
+def _worker(spec: dict[str, Any]) -> None:
+    import torch
+
+    from trainer_runtime import Trainer, TrainingArguments
+    from trainer_runtime.distributed import collectives
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cuda = spec["device"] == "cuda"
+    model = _model(spec["params"])
+    if cuda:
+        model = model.to("cuda")
+    kwargs: dict[str, Any] = {}
+    if spec["mode"] == "fsdp":
+        kwargs["fsdp"] = "full_shard"
+    args = TrainingArguments(
+        output_dir=spec["output_dir"],
+        max_steps=1,
+        per_device_train_batch_size=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        logging_strategy="no",
+        use_cpu=not cuda,
+        save_async=False,
+        **kwargs,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=_Data())
+    trainer.train()
+    collectives.barrier()
+    before_io, before_rss = _io_written(), _rss()
+    started = time.perf_counter()
+    with _PeakRss() as peak:
+        info = trainer.save_checkpoint(jit=True)
+    seconds = time.perf_counter() - started
+    result = {
+        "rank": collectives.rank(),
+        "bytes": _io_written() - before_io,
+        "extra_rss": peak.peak - before_rss,
+        "seconds": seconds,
+        "files": sorted(f["path"] for f in (info.manifest or {}).get("files", [])),
+        "total": sum(f["size"] for f in (info.manifest or {}).get("files", [])),
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(mode: str, ranks: int, params: int, device: str, workdir: Path) -> list[dict[str, Any]]:
+    out = workdir / f"{mode}-{ranks}"
+    shutil.rmtree(out, ignore_errors=True)
+    spec = {"mode": mode, "params": params, "device": device, "output_dir": str(out)}
+    port = _free_port()
+    procs = []
+    for rank in range(ranks):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREEMPTIBLE_")}
+        env.update(OMP_NUM_THREADS="1", PREEMPTIBLE_HOST_MALLOC="0")
+        if ranks > 1:
+            env.update(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                WORLD_SIZE=str(ranks),
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(ranks),
+            )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-P", __file__, "--worker", json.dumps(spec)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = [p.communicate(timeout=1800)[0] for p in procs]
+    results = []
+    for p, text in zip(procs, outputs, strict=True):
+        if p.returncode != 0:
+            raise SystemExit(f"{mode} x {ranks}: a rank exited {p.returncode}\n{text[-4000:]}")
+        results += [
+            json.loads(line.removeprefix("RESULT "))
+            for line in text.splitlines()
+            if line.startswith("RESULT ")
+        ]
+    shutil.rmtree(out, ignore_errors=True)
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.0f}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--ranks", default="1,2,4", help="numbers of ranks, e.g. 1,2,4")
+    p.add_argument("--modes", default="ddp,fsdp", help="ddp, fsdp or both")
+    p.add_argument("--params", default="200M", help="model size, e.g. 200M")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        _worker(json.loads(a.worker))
+        return 0
+    text = a.params.strip().upper()
+    params = int(float(text[:-1]) * {"M": 1e6, "B": 1e9}[text[-1]]) if text[-1] in "MB" else int(text)
+    rank_counts = [int(x) for x in a.ranks.split(",")]
+    if a.device == "cuda" and rank_counts != [1]:
+        raise SystemExit("--device cuda runs one rank (one GPU): use --ranks 1")
+    workdir = Path(a.workdir or tempfile.mkdtemp(prefix="jit-scaling-"))
+    rows, failures = [], []
+    for mode in [m.strip() for m in a.modes.split(",")]:
+        for ranks in rank_counts:
+            if mode == "fsdp" and ranks < 2:
+                continue
+            results = _run(mode, ranks, params, a.device, workdir)
+            total = results[0]["total"]
+            share = total / ranks
+            per_rank = [r["bytes"] for r in results]
+            extra = [r["extra_rss"] for r in results]
+            seconds = [r["seconds"] for r in results]
+            full_file = "model.safetensors" in results[0]["files"]
+            ok_bytes = max(per_rank) <= 1.1 * share
+            ok_mem = max(extra) <= share + EXTRA_MB * 1e6
+            ok_file = not (mode == "fsdp" and full_file)
+            for name, ok in (("bytes", ok_bytes), ("memory", ok_mem), ("no full file", ok_file)):
+                if not ok:
+                    failures.append(f"{mode} x {ranks}: {name}")
+            rows.append(
+                (
+                    mode,
+                    ranks,
+                    _mb(total),
+                    " / ".join(_mb(b) for b in per_rank),
+                    f"{max(per_rank) / share:.2f}",
+                    " / ".join(_mb(x) for x in extra),
+                    _mb(share + EXTRA_MB * 1e6),
+                    " / ".join(f"{s:.2f}" for s in seconds),
+                    f"{max(seconds):.2f}",
+                    f"{statistics.mean(seconds):.2f}",
+                    "yes" if full_file else "no",
+                )
+            )
+    head = (
+        "mode",
+        "ranks",
+        "total MB",
+        "written MB per rank",
+        "max/(total/N)",
+        "extra host MB per rank",
+        "limit MB",
+        "save s per rank",
+        "slowest s",
+        "mean s",
+        "full model file",
+    )
+    print(f"params {params:,} ({a.device}); targets: bytes <= 1.1 x total/N, extra host memory")
+    print(f"<= total/N + {EXTRA_MB} MB, no full-model file in an FSDP JIT checkpoint")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for row in rows:
+        print("| " + " | ".join(str(c) for c in row) + " |")
+    print("all targets met" if not failures else "NOT MET: " + "; ".join(failures))
+    return 0 if not failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
