@@ -234,7 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _worker(json.loads(a.worker))
         return 0
     text = a.params.strip().upper()
-    params = int(float(text[:-1]) * {"M": 1e6, "B": 1e9}[text[-1]]) if text[-1] in "MB" else int(text)
+    scale = {"M": 1e6, "B": 1e9}.get(text[-1])
+    params = int(float(text[:-1]) * scale) if scale else int(text)
     rank_counts = [int(x) for x in a.ranks.split(",")]
     if a.device == "cuda" and rank_counts != [1]:
         raise SystemExit("--device cuda runs one rank (one GPU): use --ranks 1")
