@@ -125,6 +125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         record["agent"] = "error"
         record["error"] = f"{type(exc).__name__}: {exc}"[:1000]
         traceback.print_exc()
+    # The workers are gone; a termination signal now (the pod deleted after another pod's end)
+    # must not kill this process before the record is written: torchrun restored the default
+    # handlers when it shut its workers down.
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     record["ordered"] = bool(failures)
     record["workers"] = ordered_ends(handles, failures)
     if handles:

@@ -481,6 +481,12 @@ def pod_end(
             if first.exit_code is not None
             else "ended (exit code unknown)"
         )
+        if said and code > 128 and (code - 128) in _STOP_SIGNALS:
+            # It reported its own failure (an exception: exit 1) and was then stopped while it
+            # wound down (torchrun SIGTERMs the others when one worker ends): the pod's code is
+            # the failure's, not that of the signal, which would read as a stop from outside.
+            how = f"failed (then stopped by signal {code - 128} while winding down)"
+            code = 1
         text = f"{first.name()} {how}" + (f": {said}" if said else "")
         return code, TerminationMessage(
             reason="failed",

@@ -248,6 +248,9 @@ PEER = _m("failed", peer_gone=True, failed_rank=0, message="rank 2 stopped: rank
         ([_w(1, 1, _m("failed", message="RuntimeError: boom")), _w(0, EXIT_PEER_FAILED, PEER)],
          {"agent_code": 1}, 1, "failed", (1, 3, "RuntimeError: boom")),
         ([_w(1, 139), _w(0, 143)], {"agent_code": 1}, 139, "failed", (1, 3, "exited 139")),
+        # It raised (its own message) and torchrun's SIGTERM ended its winding down: exit 1.
+        ([_w(0, EXIT_PEER_FAILED, PEER), _w(1, 143, _m("failed", message="RuntimeError: x"))],
+         {"agent_code": 1}, 1, "failed", (1, 3, "then stopped by signal 15")),
         # A worker SIGKILLed with nobody asking (the OOM killer of one process): a failure.
         ([_w(1, 137), _w(0, 75, _m())], {"agent_code": 1}, 137, "failed", (1, 3, "exited 137")),
         # Without times (torchrun signalled), a failure that is a lost connection is not the cause.
