@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from preemptible_operator.conditions import Reason
 from preemptible_operator.render import CONTAINER_NAME
+from preemptible_operator.timestamps import parse_rfc3339
 from trainer_runtime import protocol
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "killed_at_grace",
     "pending_detail",
     "pod_finished",
+    "pod_sigterm_to_exit",
     "workload_condition",
 ]
 
@@ -85,6 +87,8 @@ class ContainerEnd:
     raw_message: str | None = None
     grace_seconds: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    observed_sigterm_to_exit: float | None = None
+    """SIGTERM-to-exit read from the pod object (pod_sigterm_to_exit), whole seconds."""
 
     @property
     def oom(self) -> bool:
@@ -92,27 +96,77 @@ class ContainerEnd:
         return self.reason == "OOMKilled"
 
     @property
+    def failed_on_its_own(self) -> bool:
+        """Its termination message says it failed (not for a peer): under our launcher a worker
+        SIGKILLed on its own (the OOM killer of one process) ends the pod with 137 and this
+        message, which a pod killed at the grace deadline could not have written."""
+        msg = self.message
+        return msg is not None and msg.reason == "failed" and not msg.peer_gone
+
+    @property
     def killed(self) -> bool:
         """SIGKILLed by someone other than the OOM killer (e.g. at the grace deadline)."""
-        return self.exit_code == SIGKILL_EXIT and not self.oom
+        return self.exit_code == SIGKILL_EXIT and not self.oom and not self.failed_on_its_own
+
+    @property
+    def stopped_for_preemption(self) -> bool:
+        """Its runtime says it stopped for a preemption (reason ``preempted`` or
+        ``deadline_too_short``), whatever the exit code: a launcher that does not map its
+        workers' exit 75 ends with its own (torchrun exits 1, accelerate launch 128 + the signal),
+        and only the pod's main process wrote the message."""
+        return self.message is not None and self.message.reason in (
+            "preempted",
+            protocol.REASON_DEADLINE_TOO_SHORT,
+        )
+
+    @property
+    def preempted_with_checkpoint(self) -> bool:
+        """A non-zero exit after a complete JIT checkpoint (``preempted``, ``complete``)."""
+        msg = self.message
+        return (
+            self.exit_code not in (0, None)
+            and not self.oom
+            and msg is not None
+            and msg.reason == "preempted"
+            and msg.complete
+        )
+
+    @property
+    def sigterm_to_exit(self) -> float | None:
+        """The longer of the runtime's own measure (termination message) and what the pod object
+        shows: a launcher that does not measure to the pod's end (plain torchrun, accelerate
+        launch) reports only its main worker's time."""
+        own = self.message.sigterm_to_exit_seconds if self.message is not None else None
+        values = [v for v in (own, self.observed_sigterm_to_exit) if v is not None]
+        return max(values) if values else None
 
     @property
     def peer_failed(self) -> bool:
-        """Stopped because another rank was gone (the runtime's EXIT_PEER_FAILED): the cause is
-        that other rank's end, not this one."""
-        return self.exit_code == protocol.EXIT_PEER_FAILED and not self.oom
+        """Stopped because another rank was gone (the runtime's EXIT_PEER_FAILED, or a message
+        saying so under a launcher that exits with its own code): the cause is that other
+        rank's end, not this one."""
+        if self.oom:
+            return False
+        if self.exit_code == protocol.EXIT_PEER_FAILED:
+            return True
+        return (
+            self.exit_code not in (0, None)
+            and self.message is not None
+            and bool(self.message.peer_gone)
+        )
 
     @property
     def real_failure(self) -> bool:
         """Failed on its own: OOM, or a non-zero exit that is neither a SIGKILL, the runtime's
-        preemption exit, nor its exit for another rank's end."""
-        return self.oom or self.exit_code not in (
-            0,
-            None,
-            SIGKILL_EXIT,
-            protocol.EXIT_PREEMPTED,
-            protocol.EXIT_PEER_FAILED,
-        )
+        preemption exit (or a launcher's exit after its runtime stopped for a preemption), nor
+        an exit for another rank's end."""
+        if self.oom:
+            return True
+        if self.exit_code == SIGKILL_EXIT:
+            return self.failed_on_its_own
+        if self.exit_code in (0, None, protocol.EXIT_PREEMPTED):
+            return False
+        return not (self.peer_failed or self.stopped_for_preemption)
 
 
 def killed_at_grace(ends: Iterable[ContainerEnd]) -> bool:
@@ -180,8 +234,31 @@ def container_end(pod: Mapping[str, Any]) -> ContainerEnd | None:
             message=protocol.read_termination_message(raw),
             raw_message=raw,
             grace_seconds=(pod.get("spec") or {}).get("terminationGracePeriodSeconds"),
+            observed_sigterm_to_exit=pod_sigterm_to_exit(pod, terminated),
         )
     return None
+
+
+def pod_sigterm_to_exit(
+    pod: Mapping[str, Any], terminated: Mapping[str, Any] | None = None
+) -> float | None:
+    """Seconds from the SIGTERM of a graceful deletion to the container's end, from the pod
+    object alone: the deletion sets ``deletionTimestamp`` = the time of the delete request (when
+    the kubelet sends SIGTERM) + ``deletionGracePeriodSeconds``, and the container's
+    ``finishedAt`` is its end. Both have one second's resolution, so the result is within a
+    second of the truth either way. None when the pod was not deleted, or its container had
+    ended before the deletion (its end was not caused by it)."""
+    meta = pod.get("metadata") or {}
+    deleted = parse_rfc3339(meta.get("deletionTimestamp"))
+    grace = meta.get("deletionGracePeriodSeconds")
+    if terminated is None:
+        end = container_end(pod)
+        return end.observed_sigterm_to_exit if end is not None else None
+    finished = parse_rfc3339(terminated.get("finishedAt"))
+    if deleted is None or grace is None or finished is None:
+        return None
+    took = finished - (deleted - float(grace))
+    return took if took >= 0 else None
 
 
 def pod_finished(
@@ -346,6 +423,19 @@ def classify_interruption(
             "Preempted",
             Reason.RUNTIME_PREEMPTED,
             f"pod {first.pod} exited {protocol.EXIT_PREEMPTED} after a JIT checkpoint",
+        )
+    # A launcher that does not map its workers' exit 75 (plain torchrun: 1, accelerate launch:
+    # 128 + the signal) around a runtime that committed its JIT checkpoint: a preemption all the
+    # same, unless a real failure is there too.
+    relaunched = [e for e in ends if e.preempted_with_checkpoint]
+    if relaunched and not any(e.real_failure for e in ends):
+        first = relaunched[0]
+        return Interruption(
+            "Preempted",
+            Reason.RUNTIME_PREEMPTED,
+            f"pod {first.pod} exited {first.exit_code} after a complete JIT checkpoint "
+            f"(step {first.message.step if first.message else '?'}; the exit code is its "
+            "launcher's, the termination message its runtime's)",
         )
     failed = [e for e in ends if e.exit_code not in (0, None)]
     # The root cause first: an OOM kill, then a rank that failed on its own, then the ranks

@@ -24,12 +24,21 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from preemptible_operator.spec_rules import Matches, NotAbove, NotOneOf, Rule
+from preemptible_operator.spec_rules import (
+    IntOrWord,
+    Matches,
+    NeedsItems,
+    NotAbove,
+    NotOneOf,
+    Rule,
+    WordNeedsKey,
+)
 from trainer_runtime import protocol
 from trainer_runtime.grace import GracePolicy
 
 __all__ = [
     "API_VERSION",
+    "GPU_RESOURCE",
     "GROUP",
     "KIND",
     "PLURAL",
@@ -96,8 +105,19 @@ RESERVED_ENV = frozenset(
         "RANK",
         "LOCAL_RANK",
         "NODE_RANK",
+        # torchrun's options as environment, rendered for numProcPerNode (render.py)
+        "PET_NNODES",
+        "PET_NPROC_PER_NODE",
+        "PET_NODE_RANK",
+        "PET_MASTER_ADDR",
+        "PET_MASTER_PORT",
     }
 )
+
+# The extended resource `numProcPerNode: auto` counts (one process per GPU the pod requests).
+GPU_RESOURCE = "nvidia.com/gpu"
+# spec.shmSize: a Kubernetes quantity written as a string (what an emptyDir's sizeLimit takes).
+_QUANTITY = r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?"
 
 # Kubernetes label value: at most 63 characters, alphanumerics with - _ . inside.
 _LABEL_VALUE = r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?"
@@ -290,7 +310,21 @@ class TrainingJobSpec(_Model):
     working_dir: str | None = None
     """Working directory of the training container."""
     num_nodes: int = Field(default=1, ge=1)
-    """Number of pods (one process per pod); becomes the Job's completions and parallelism."""
+    """Number of pods (one node's worth of processes each, see numProcPerNode); becomes the Job's
+    completions and parallelism."""
+    num_proc_per_node: int | str | None = None
+    """Training processes per pod: an integer >= 1, or `auto` (one per nvidia.com/gpu in
+    resourcesPerNode). Unset or 1: one process per pod, the command as it is. Above 1 the
+    operator starts the command through `trainer-runtime launch` (torchrun underneath; a command
+    that starts torchrun, accelerate launch or trainer-runtime launch itself is kept as it is),
+    renders torchrun's PET_NNODES / PET_NPROC_PER_NODE / PET_NODE_RANK / PET_MASTER_ADDR /
+    PET_MASTER_PORT and WORLD_SIZE = numNodes x processes, and mounts a memory-backed /dev/shm
+    (shmSize). Needs spec.command."""
+    shm_size: str | None = Field(default=None, max_length=32, pattern=f"^{_QUANTITY}$")
+    """Size limit of the memory-backed /dev/shm (a quantity, e.g. 16Gi) mounted in each pod.
+    Default: 2Gi per process when numProcPerNode is above 1, none otherwise (the container
+    runtime's own, often 64 MiB); 0: none. What is written there counts against the container's
+    memory limit."""
     resources_per_node: ResourcesPerNode | None = None
     """Resources of the training container in each pod."""
     env: list[EnvVar] | None = Field(default=None, max_length=MAX_ENV)
@@ -330,6 +364,29 @@ class TrainingJobSpec(_Model):
         Matches('"{queueName}"' + _LABEL_VALUE_RULE, field="queueName", pattern=_LABEL_VALUE),
         Matches(
             '"{priorityClass}"' + _LABEL_VALUE_RULE, field="priorityClass", pattern=_LABEL_VALUE
+        ),
+        IntOrWord(
+            "numProcPerNode ({numProcPerNode}) must be a positive integer (processes per pod) or "
+            "'auto' (one per nvidia.com/gpu the pod requests)",
+            field="numProcPerNode",
+            minimum=1,
+            word="auto",
+        ),
+        WordNeedsKey(
+            "numProcPerNode: auto starts one process per GPU, but resourcesPerNode requests no "
+            f"{GPU_RESOURCE}: add resourcesPerNode.limits['{GPU_RESOURCE}'] or give a number",
+            field="numProcPerNode",
+            word="auto",
+            key=GPU_RESOURCE,
+            maps=(("resourcesPerNode", "limits"), ("resourcesPerNode", "requests")),
+        ),
+        NeedsItems(
+            "numProcPerNode ({numProcPerNode}) starts the training command through the "
+            "launcher, so spec.command must name it (the image's entrypoint is unknown to the "
+            "operator): set command, e.g. [python, train.py]",
+            field="numProcPerNode",
+            other="command",
+            unless=1,
         ),
     )
 

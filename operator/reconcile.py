@@ -785,17 +785,20 @@ class Reconciler:
         ends: list[ContainerEnd] = [e for e in (container_end(p) for p in obs.pods) if e]
         ends.sort(key=lambda e: (e.index is None, e.index or 0))
         messages = [e.message for e in ends if e.message is not None]
-        rank0 = next((e for e in ends if e.index == 0 and e.message is not None), None)
+        rank0 = next((e for e in ends if e.index == 0 and e.sigterm_to_exit is not None), None)
         timings = status.timings or models.Timings()
+        for end in ends:
+            # Ground truth for the grace rule: the runtime's measure or the pod object's (a
+            # launcher's teardown after its main worker measured), whichever is longer.
+            timings.sigterm_to_exit_seconds_max = _max(
+                timings.sigterm_to_exit_seconds_max, end.sigterm_to_exit
+            )
         for msg in messages:
             timings.step_seconds_max = _max(timings.step_seconds_max, msg.step_seconds.max)
             timings.step_seconds_p99 = msg.step_seconds.p99 or timings.step_seconds_p99
             timings.step_seconds_ema = msg.step_seconds.ema or timings.step_seconds_ema
             timings.save_seconds_max = _max(timings.save_seconds_max, msg.save_seconds.max)
             timings.save_seconds_last = msg.save_seconds.last or timings.save_seconds_last
-            timings.sigterm_to_exit_seconds_max = _max(
-                timings.sigterm_to_exit_seconds_max, msg.sigterm_to_exit_seconds
-            )
             if msg.micro_batch_seconds is not None:
                 timings.micro_batch_seconds_max = _max(
                     timings.micro_batch_seconds_max, msg.micro_batch_seconds.max
@@ -844,9 +847,9 @@ class Reconciler:
         record.exit_codes = [e.exit_code for e in ends if e.exit_code is not None] or None
         record.killed = killed
         record.lost_steps = lost
-        sigterm = rank0.message.sigterm_to_exit_seconds if rank0 and rank0.message else None
+        sigterm = rank0.sigterm_to_exit if rank0 is not None else None
         if sigterm is None:
-            sigterm = _max(None, *(m.sigterm_to_exit_seconds for m in messages))
+            sigterm = _max(None, *(e.sigterm_to_exit for e in ends))
         record.sigterm_to_exit_seconds = sigterm
         if sigterm is not None:
             metrics.SIGTERM_TO_EXIT_SECONDS.labels(meta["namespace"], meta["name"]).set(sigterm)

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from preemptible_operator import models
+from preemptible_operator import models, shape
 from trainer_runtime import protocol
 
 __all__ = [
@@ -58,6 +58,9 @@ JOB_COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 # has recorded the attempt, even when Kueue or an eviction deleted them; removed right after.
 ATTEMPT_FINALIZER = "preemptible.dev/attempt-record"
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+# The memory-backed /dev/shm of a pod of several processes (shape.shm_size_limit).
+SHM_VOLUME = "preemptible-shm"
+SHM_PATH = "/dev/shm"
 
 # Pod hostnames are "<job>-<index>" and must be DNS labels (<= 63): "<name>-a9999-9999" fits.
 MAX_NAME_LENGTH = 52
@@ -161,19 +164,47 @@ def _runtime_env(
         },
     ]
     env.extend(_deadline_env(spec, params))
-    if spec.num_nodes == 1:
+    procs = shape.procs_per_node(spec)
+    nodes = spec.num_nodes
+    if nodes == 1 and procs == 1:
         # One process needs no process group; LOCAL_RANK alone would make accelerate start one
         # (and wait on MASTER_ADDR).
         return env
+    master_addr = f"{jname}-0.{service_name(name)}.{namespace}.svc"
+    master = [
+        {"name": "MASTER_ADDR", "value": master_addr},
+        {"name": "MASTER_PORT", "value": str(spec.master_port)},
+    ]
+    if procs == 1:
+        return [
+            *env,
+            *master,
+            {"name": "WORLD_SIZE", "value": str(nodes)},
+            {"name": "NODE_RANK", "valueFrom": index_ref},
+            # One process per pod: the global rank is the node rank.
+            {"name": "RANK", "valueFrom": index_ref},
+            {"name": "LOCAL_RANK", "value": "0"},
+        ]
+    # Several processes per pod: the launcher (ours, torchrun or accelerate's) gives each worker
+    # its RANK and LOCAL_RANK, so the pod sets neither. torchrun reads every option it is not
+    # given from PET_<OPTION>: with these a plain `torchrun train.py` (and `trainer-runtime
+    # launch`) starts the right number of workers in the right place.
     return [
         *env,
-        {"name": "MASTER_ADDR", "value": f"{jname}-0.{service_name(name)}.{namespace}.svc"},
-        {"name": "MASTER_PORT", "value": str(spec.master_port)},
-        {"name": "WORLD_SIZE", "value": str(spec.num_nodes)},
+        *(master if nodes > 1 else []),
+        {"name": "WORLD_SIZE", "value": str(nodes * procs)},
         {"name": "NODE_RANK", "valueFrom": index_ref},
-        # One process per pod: the global rank is the node rank.
-        {"name": "RANK", "valueFrom": index_ref},
-        {"name": "LOCAL_RANK", "value": "0"},
+        {"name": "PET_NNODES", "value": str(nodes)},
+        {"name": "PET_NPROC_PER_NODE", "value": str(procs)},
+        {"name": "PET_NODE_RANK", "valueFrom": index_ref},
+        *(
+            [
+                {"name": "PET_MASTER_ADDR", "value": master_addr},
+                {"name": "PET_MASTER_PORT", "value": str(spec.master_port)},
+            ]
+            if nodes > 1
+            else []
+        ),
     ]
 
 
@@ -268,7 +299,13 @@ def _merge_containers(
                         sub: {**base.get(sub, {}), **value.get(sub, {})} for sub in {*base, *value}
                     }
                 else:
-                    target[key] = {**base, **value}
+                    context = {**base, **value}
+                    # `capabilities: {add: [IPC_LOCK]}` (RDMA) keeps our `drop: [ALL]`: drop
+                    # everything, add back what is named; a `drop` of the user's replaces ours.
+                    our_caps, their_caps = base.get("capabilities"), value.get("capabilities")
+                    if isinstance(our_caps, dict) and isinstance(their_caps, dict):
+                        context["capabilities"] = {**our_caps, **their_caps}
+                    target[key] = context
             elif key in target:
                 continue  # image, command, args, terminationMessage*: ours
             else:
@@ -300,8 +337,9 @@ def render_pod_template(
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
-    if spec.command:
-        container["command"] = list(spec.command)
+    command = shape.pod_command(spec)
+    if command:
+        container["command"] = command
     if spec.args:
         container["args"] = list(spec.args)
     if spec.working_dir:
@@ -310,6 +348,13 @@ def render_pod_template(
         container["resources"] = spec.resources_per_node.to_k8s()
     if spec.volume_mounts:
         container["volumeMounts"] = copy.deepcopy(spec.volume_mounts)
+    shm = shape.shm_size_limit(spec)
+    if shm:
+        # Before the user's mounts (merged by mountPath, ours first): one /dev/shm.
+        container["volumeMounts"] = [
+            {"name": SHM_VOLUME, "mountPath": SHM_PATH},
+            *(m for m in container.get("volumeMounts", []) if m.get("mountPath") != SHM_PATH),
+        ]
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "subdomain": service_name(name),
@@ -325,6 +370,11 @@ def render_pod_template(
     }
     if spec.volumes:
         pod_spec["volumes"] = copy.deepcopy(spec.volumes)
+    if shm:
+        pod_spec["volumes"] = [
+            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm}},
+            *pod_spec.get("volumes", []),
+        ]
     template = {
         "metadata": {
             # No Kueue labels on pods: Kueue manages the Job, and labelled pods could be taken

@@ -19,10 +19,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
+    "IntOrWord",
     "Matches",
+    "NeedsItems",
     "NotAbove",
     "NotOneOf",
     "Rule",
+    "WordNeedsKey",
     "cel_message",
     "cel_string",
     "render_message",
@@ -170,3 +173,88 @@ class Matches(FieldRule):
 
     def cel_condition(self) -> str:
         return f"self.{self.field}.matches({cel_string('^' + self.pattern + '$')})"
+
+
+def _wire(value: Any) -> Any:
+    """A nested model as the apiserver sees it (camelCase dict); anything else as it is."""
+    dump = getattr(value, "model_dump", None)
+    return dump(by_alias=True, exclude_none=True) if callable(dump) else value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _cel_is_int(field: str) -> str:
+    # An int-or-string field is dynamic in CEL: test its type before comparing it with a number
+    # or a string (a comparison across types is an evaluation error, not false).
+    return f"type(self.{field}) == int"
+
+
+@dataclass(frozen=True)
+class IntOrWord(FieldRule):
+    """An int-or-string field: an integer ``>= minimum``, or exactly ``word``."""
+
+    minimum: int = 1
+    word: str = ""
+
+    def holds(self, values: Mapping[str, Any]) -> bool:
+        value = values[self.field]
+        return (_is_int(value) and value >= self.minimum) or value == self.word
+
+    def cel_condition(self) -> str:
+        f = self.field
+        word = cel_string(self.word)
+        return f"{_cel_is_int(f)} ? self.{f} >= {self.minimum} : self.{f} == {word}"
+
+
+@dataclass(frozen=True)
+class WordNeedsKey(FieldRule):
+    """When the field is ``word``, one of the maps ``maps`` (``(object, map)`` field names of the
+    same model, e.g. ``("resourcesPerNode", "limits")``) has ``key``."""
+
+    word: str = ""
+    key: str = ""
+    maps: tuple[tuple[str, str], ...] = ()
+
+    def holds(self, values: Mapping[str, Any]) -> bool:
+        if values[self.field] != self.word:
+            return True
+        for obj, name in self.maps:
+            found = _wire(values.get(obj)) or {}
+            if self.key in (found.get(name) or {}):
+                return True
+        return False
+
+    def cel_condition(self) -> str:
+        f = self.field
+        has_key = " || ".join(
+            f"(has(self.{obj}) && has(self.{obj}.{name}) && "
+            f"{cel_string(self.key)} in self.{obj}.{name})"
+            for obj, name in self.maps
+        )
+        return f"!(type(self.{f}) == string && self.{f} == {cel_string(self.word)}) || {has_key}"
+
+
+@dataclass(frozen=True)
+class NeedsItems(FieldRule):
+    """When the field is present and not the integer ``unless``, the list field ``other`` of
+    the same model has at least one item."""
+
+    other: str = ""
+    unless: int = 1
+
+    @property
+    def field_path(self) -> str | None:
+        return self.other  # what is missing
+
+    def holds(self, values: Mapping[str, Any]) -> bool:
+        value = values[self.field]
+        return (_is_int(value) and value == self.unless) or bool(values.get(self.other))
+
+    def cel_condition(self) -> str:
+        f, o = self.field, self.other
+        return (
+            f"({_cel_is_int(f)} && self.{f} == {self.unless}) || "
+            f"(has(self.{o}) && size(self.{o}) > 0)"
+        )

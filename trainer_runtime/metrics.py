@@ -12,7 +12,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-from trainer_runtime.protocol import ENV_METRICS_HOST, ENV_METRICS_PORT, METRIC_NAMES
+from trainer_runtime.protocol import (
+    ENV_METRICS_HOST,
+    ENV_METRICS_PORT,
+    METRIC_NAMES,
+    local_rank_from_env,
+)
 
 __all__ = ["TrainingMetrics", "metrics_from_env"]
 
@@ -102,12 +107,18 @@ class TrainingMetrics:
 
 
 def metrics_from_env() -> TrainingMetrics | None:
-    """A served TrainingMetrics when $PREEMPTIBLE_METRICS_PORT is set, else None.
+    """A served TrainingMetrics when $PREEMPTIBLE_METRICS_PORT is set and this is the pod's main
+    process (local rank 0), else None.
 
     A port that cannot be bound is logged, not fatal: training matters more than its metrics.
     """
     raw = os.environ.get(ENV_METRICS_PORT, "").strip()
     if not raw:
+        return None
+    if local_rank_from_env(os.environ) != 0:
+        # One /metrics per pod, on the one port the pod declares: torchrun (and our launcher)
+        # start several workers with the same environment, and only local rank 0 serves it
+        # (the others would fail to bind, and whichever bound first would be scraped).
         return None
     try:
         port = int(raw)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,6 +28,7 @@ __all__ = [
     "ENV_RESUME_FROM",
     "ENV_SAVE_INTERVAL_SECONDS",
     "ENV_STOP_POLICY",
+    "ENV_TERMINATION_DIR",
     "ENV_TERMINATION_LOG",
     "EXIT_PEER_FAILED",
     "EXIT_PREEMPTED",
@@ -36,8 +38,12 @@ __all__ = [
     "SaveTimings",
     "StepTimings",
     "TerminationMessage",
+    "local_rank_from_env",
     "read_termination_message",
+    "termination_message_path",
+    "worker_termination_file",
     "write_termination_message",
+    "writes_termination_message",
 ]
 
 ENV_OUTPUT_DIR = "PREEMPTIBLE_OUTPUT_DIR"
@@ -59,6 +65,10 @@ ENV_METRICS_PORT = "PREEMPTIBLE_METRICS_PORT"
 ENV_METRICS_HOST = "PREEMPTIBLE_METRICS_HOST"
 # Where the termination message goes; default /dev/termination-log when that file exists.
 ENV_TERMINATION_LOG = "PREEMPTIBLE_TERMINATION_LOG"
+# Set by `trainer-runtime launch` for its workers: every worker writes its own message to
+# <dir>/local-rank-<LOCAL_RANK>.json, and the launcher merges them into the pod's one message
+# (with the pod's exit code), so a pod of several processes ends as one unit.
+ENV_TERMINATION_DIR = "PREEMPTIBLE_TERMINATION_DIR"
 
 DEFAULT_KILL_WAIT_SECONDS = 3.0
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
@@ -156,18 +166,64 @@ class TerminationMessage(BaseModel):
         default=None,
         description="With peer_gone: the rank that is gone, when known.",
     )
+    rank: int | None = Field(
+        default=None,
+        description="Written by `trainer-runtime launch`: the global rank whose end decided the "
+        "pod's exit code (a failure's first failing rank).",
+    )
+    local_rank: int | None = Field(
+        default=None, description="With rank: that rank's local rank in the pod."
+    )
+    exit_codes: list[int | None] | None = Field(
+        default=None,
+        description="Written by `trainer-runtime launch`: each local rank's exit code, by local "
+        "rank (None: unknown).",
+    )
+
+
+def worker_termination_file(directory: str, local_rank: int) -> str:
+    """Where the worker of ``local_rank`` writes its message under `trainer-runtime launch`."""
+    return os.path.join(directory, f"local-rank-{local_rank}.json")
+
+
+def local_rank_from_env(env: Mapping[str, str]) -> int:
+    """$LOCAL_RANK (0 when unset or not a number: a process launched without torchrun)."""
+    try:
+        return int(env.get("LOCAL_RANK", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def writes_termination_message(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process writes a termination message: under `trainer-runtime launch` every
+    worker does (to its own file, merged by the launcher); otherwise only a pod's main process
+    (local rank 0), since /dev/termination-log is one file per pod and plain torchrun or
+    accelerate launch start several workers that would overwrite each other's."""
+    env = os.environ if env is None else env
+    return bool(env.get(ENV_TERMINATION_DIR)) or local_rank_from_env(env) == 0
+
+
+def termination_message_path(env: Mapping[str, str] | None = None) -> str | None:
+    """The file this process writes its termination message to: its own file in
+    $PREEMPTIBLE_TERMINATION_DIR (under `trainer-runtime launch`), else
+    $PREEMPTIBLE_TERMINATION_LOG, else /dev/termination-log if it exists, else None."""
+    env = os.environ if env is None else env
+    directory = env.get(ENV_TERMINATION_DIR)
+    if directory:
+        return worker_termination_file(directory, local_rank_from_env(env))
+    target = env.get(ENV_TERMINATION_LOG)
+    if target:
+        return target
+    return DEFAULT_TERMINATION_LOG if os.path.exists(DEFAULT_TERMINATION_LOG) else None
 
 
 def write_termination_message(msg: TerminationMessage, path: str | None = None) -> str | None:
-    """Write ``msg`` where Kubernetes reads it; returns the path used, or None when there is none.
-
-    The path is ``path``, else $PREEMPTIBLE_TERMINATION_LOG, else /dev/termination-log if it exists.
-    """
-    target = path or os.environ.get(ENV_TERMINATION_LOG)
+    """Write ``msg`` where Kubernetes (or `trainer-runtime launch`) reads it; returns the path
+    used, or None when there is none. The path is ``path``, else
+    :func:`termination_message_path`."""
+    target = path or termination_message_path()
     if not target:
-        if not os.path.exists(DEFAULT_TERMINATION_LOG):
-            return None
-        target = DEFAULT_TERMINATION_LOG
+        return None
     data = msg.model_dump_json(exclude_none=True)
     with open(target, "w", encoding="utf-8") as fh:
         fh.write(data)

@@ -131,6 +131,7 @@ from trainer_runtime.protocol import (
     ENV_ATTEMPT,
     ENV_OUTPUT_DIR,
     ENV_RESUME_FROM,
+    ENV_TERMINATION_DIR,
     EXIT_PEER_FAILED,
     EXIT_PREEMPTED,
     REASON_DEADLINE_TOO_SHORT,
@@ -2057,8 +2058,9 @@ class Trainer(
         peer_gone: bool = False,
     ) -> None:
         # One message per pod: its main process (local rank 0) writes it, so every pod of a
-        # multi-node attempt (and `trainer-runtime launch` on it) knows how its workers ended.
-        if not self.accelerator.is_local_main_process:
+        # multi-node attempt knows how its workers ended; under `trainer-runtime launch` every
+        # worker writes its own file, which the launcher merges into the pod's message.
+        if not (self.accelerator.is_local_main_process or os.environ.get(ENV_TERMINATION_DIR)):
             return
         no_save = reason == REASON_DEADLINE_TOO_SHORT
         write_termination(

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,6 +107,32 @@ exec "$@"
 """
 
 
+# Set in every container's environment (unique per run): when the container's main process ends,
+# the agent SIGKILLs every process still carrying it, as the kernel does to a PID namespace whose
+# init ends. Killing the process group alone misses processes that started their own session
+# (torchrun's workers, and torchrun itself under `trainer-runtime launch`).
+CONTAINER_MARKER = "NODE_AGENT_CONTAINER"
+
+
+def _kill_marked(marker: str) -> list[int]:
+    """SIGKILL every process whose environment holds ``CONTAINER_MARKER=marker``; their pids."""
+    needle = f"{CONTAINER_MARKER}={marker}".encode()
+    killed = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as fh:
+                environ = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if needle in environ:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+    return killed
+
+
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
@@ -130,6 +157,7 @@ class ContainerRun:
     exit: ContainerExit | None = None
     message: str = ""
     killed: bool = False  # the agent had to SIGKILL it after the grace period
+    marker: str = ""  # CONTAINER_MARKER's value in its environment
 
     @property
     def seconds_after_sigterm(self) -> float | None:
@@ -636,6 +664,8 @@ class _PodWorker(threading.Thread):
         log = self.record.directory / f"{stem}.log"
         message_file = self.record.directory / f"{stem}.termination-log"
         env = self._environment(spec, mounts, message_file)
+        marker = f"{self.record.uid}/{stem}/{uuid.uuid4().hex[:8]}"
+        env[CONTAINER_MARKER] = marker
         command = [mounts.rewrite(expand(a, env)) for a in spec.get("command") or []]
         args = [mounts.rewrite(expand(a, env)) for a in spec.get("args") or []]
         # No image entrypoint exists: without a command, args are the command (image CMD form).
@@ -682,6 +712,7 @@ class _PodWorker(threading.Thread):
             log=log,
             message_file=message_file,
             started_at=_now(),
+            marker=marker,
         )
         c.restart_at = None
         self.record.runs.append(c.run)
@@ -720,6 +751,8 @@ class _PodWorker(threading.Thread):
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(c.popen.pid, signal.SIGKILL)
+        if c.run is not None and c.run.marker:
+            _kill_marked(c.run.marker)
         with contextlib.suppress(Exception):
             c.popen.wait(5)
 

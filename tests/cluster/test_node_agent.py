@@ -113,6 +113,37 @@ def test_fallback_to_logs_on_error(
     assert terminated["message"] == "first\nboom: bad input\n"
 
 
+ESCAPER = """
+import os, pathlib, subprocess, sys, time
+# A child in a session of its own (as torchrun starts its workers): the container's process group
+# does not hold it, a PID namespace would.
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                         start_new_session=True)
+pathlib.Path(os.environ["PREEMPTIBLE_TERMINATION_LOG"]).write_text(str(child.pid))
+sys.exit(4)
+"""
+
+
+def test_processes_that_left_the_group_end_with_the_container(
+    control_plane: ControlPlane, node_agent: NodeAgent, namespace: str
+) -> None:
+    with control_plane.api_client() as client:
+        pod = _pod("escaper", [python_container(ESCAPER)])
+        kubernetes.client.CoreV1Api(client).create_namespaced_pod(namespace, pod)
+        status = _terminal(client, namespace, "escaper")["status"]
+    terminated = status["containerStatuses"][0]["state"]["terminated"]
+    assert terminated["exitCode"] == 4
+    child = int(terminated["message"])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        stat = Path(f"/proc/{child}/stat").read_text().split()
+        if stat[2] == "Z":  # killed, not yet reaped by its (gone) parent's reaper
+            break
+        time.sleep(0.05)
+    else:
+        assert not Path(f"/proc/{child}").exists(), f"pid {child} outlived its container"
+
+
 def test_on_failure_restarts_in_place(
     control_plane: ControlPlane, node_agent: NodeAgent, namespace: str
 ) -> None:

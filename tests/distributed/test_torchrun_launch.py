@@ -111,3 +111,9 @@ def test_sigterm_to_torchrun_agent(tmp_path: Path, launcher: str) -> None:
         f"the JIT save took {info.save_seconds} s: not longer than the hostile 1 s timeout, "
         "so this test proves nothing; raise --save-sleep"
     )
+    # One message for the pod: both workers committed their part; the SIGTERM-to-exit time is
+    # the launcher's, to the end of the last worker (within what this test saw from outside).
+    assert msg.exit_codes == [EXIT_PREEMPTED, EXIT_PREEMPTED], msg
+    assert msg.sigterm_to_exit_seconds is not None, msg
+    assert info.save_seconds is not None and msg.sigterm_to_exit_seconds > info.save_seconds
+    assert msg.sigterm_to_exit_seconds <= took + 0.5, (msg, took)

@@ -31,6 +31,17 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"gracePeriod": {"headroom": -0.5}}, "spec.gracePeriod.headroom"),
     ({"metricsPort": 70000}, "spec.metricsPort"),
     ({"maxRestarts": -1}, "spec.maxRestarts"),
+    ({"numProcPerNode": 0}, "spec.numProcPerNode"),
+    ({"numProcPerNode": "eight"}, "spec.numProcPerNode"),
+    ({"numProcPerNode": "8"}, "spec.numProcPerNode"),
+    ({"numProcPerNode": "auto"}, "spec.numProcPerNode"),
+    (
+        {"numProcPerNode": "auto", "resourcesPerNode": {"requests": {"cpu": 1}}},
+        "spec.numProcPerNode",
+    ),
+    ({"numProcPerNode": 2, "command": []}, "spec.command"),
+    ({"shmSize": "a lot"}, "spec.shmSize"),
+    ({"env": [{"name": "PET_NPROC_PER_NODE", "value": "8"}]}, "spec.env[0].name"),
 ]
 VALID: list[dict[str, Any]] = [
     {},
@@ -38,6 +49,10 @@ VALID: list[dict[str, Any]] = [
     {"env": [{"name": "HF_HOME", "value": "/c"}, {"name": "RANKING", "value": "x"}]},
     {"queueName": "team-a.q_1", "priorityClass": "low"},
     {"numNodes": 4, "metricsPort": 65535, "maxRestarts": 0},
+    {"numNodes": 2, "numProcPerNode": 8, "shmSize": "64Gi"},
+    {"numProcPerNode": 1, "command": []},
+    {"numProcPerNode": "auto", "resourcesPerNode": {"limits": {"nvidia.com/gpu": 8}}},
+    {"numProcPerNode": "auto", "resourcesPerNode": {"requests": {"nvidia.com/gpu": "4"}}},
 ]
 
 
@@ -67,6 +82,8 @@ def test_apiserver_refuses_an_invalid_training_job(
     if words.startswith("Input should"):
         # A plain schema bound: the apiserver words it its own way, naming the bound.
         assert "should be" in info.value.body, info.value.body
+    elif words.startswith("String should match pattern"):
+        assert "should match" in info.value.body, info.value.body
     else:
         # A CEL rule: the apiserver's message is the models' message, value included.
         assert words in info.value.body.replace('\\"', '"'), (words, info.value.body)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from preemptible_operator import models, render
+from preemptible_operator import models, render, shape
 from tests.packaging.tools import REPO_ROOT
 
 EXAMPLES = REPO_ROOT / "manifests" / "examples"
@@ -39,6 +39,7 @@ def test_the_promised_examples_exist() -> None:
         "minimal.yaml",
         "grace-auto-pvc.yaml",
         "multi-node.yaml",
+        "gpu-2x8.yaml",
         "kueue/setup.yaml",
         "kueue/low-priority.yaml",
         "kueue/high-priority.yaml",
@@ -66,7 +67,27 @@ def test_training_job_renders_an_attempt(path: Path, tj: dict[str, Any]) -> None
     pod = job["spec"]["template"]["spec"]
     trainer = next(c for c in pod["containers"] if c["name"] == render.CONTAINER_NAME)
     assert trainer["image"] == tj["spec"]["image"]
-    assert trainer["command"] == tj["spec"]["command"]
+    # The command as written; behind the launcher with several processes per pod.
+    command = tj["spec"]["command"]
+    assert trainer["command"][-len(command) :] == command
+    if shape.procs_per_node(spec) > 1:
+        assert trainer["command"][: len(shape.LAUNCH_COMMAND)] == list(shape.LAUNCH_COMMAND)
+        assert {"name": render.SHM_VOLUME, "mountPath": "/dev/shm"} in trainer["volumeMounts"]
+    else:
+        assert trainer["command"] == command
+
+
+def test_gpu_example_is_two_nodes_of_eight_gpus() -> None:
+    (tj,) = [d for d in _load(EXAMPLES / "gpu-2x8.yaml") if d["kind"] == models.KIND]
+    spec = models.parse_spec(tj["spec"])
+    assert (spec.num_nodes, shape.procs_per_node(spec)) == (2, 8)
+    meta = {**tj["metadata"], "namespace": "default", "uid": "u"}
+    params = render.AttemptParams(attempt=1, grace_seconds=120, resume_from="", suspended=False)
+    pod = render.render_job(meta, spec, params)["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert (env["WORLD_SIZE"], env["PET_NNODES"], env["PET_NPROC_PER_NODE"]) == ("16", "2", "8")
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert pod["tolerations"] and pod["nodeSelector"]
 
 
 def test_examples_use_the_chart_image() -> None:

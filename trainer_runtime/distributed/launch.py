@@ -1,33 +1,43 @@
-"""Launching several training processes per pod with torchrun, inside the grace period.
+"""Launching several training processes per pod with torchrun, as one unit for the operator.
 
 torchrun (``torch.distributed.run``) is the agent: it starts one worker per device, and on
 SIGTERM/SIGINT/SIGHUP/SIGQUIT it forwards the signal to its workers, waits ``--shutdown-timeout``
 seconds (default 30, or ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``) and then SIGKILLs them. A JIT
 checkpoint may need the whole grace period, so the timeout must come from
-``$PREEMPTIBLE_GRACE_SECONDS``. Two more torchrun behaviours matter under the operator:
+``$PREEMPTIBLE_GRACE_SECONDS``. What else torchrun does matters under the operator (torch 2.15):
 
 * its workers run in their own sessions (``start_new_session``): only the agent forwards signals;
-* when its workers stop with exit code 75 (preempted) it exits 1 (``ChildFailedError``), or with
-  a traceback when it was signalled itself; the operator would read a failure.
+* when a worker fails, the agent SIGTERMs the others (which a preemption-safe runtime would take
+  for a preemption), SIGKILLs them 30 s later, and exits 1 (``ChildFailedError``, which knows
+  every worker's exit code); when it is signalled itself it exits through ``SignalException``,
+  which knows none;
+* every worker gets the same environment: one /metrics port, one termination-message file.
 
-``trainer-runtime launch`` wraps torchrun for that: it computes the options below, starts torchrun
-in its own session, forwards the first termination signal exactly once (a second SIGTERM would
-abort torchrun's graceful wait), and exits 75 when the workers of this pod stopped for a JIT
-checkpoint (the termination message written during this launch says ``preempted``). This module
-is torch-free: the wrapper only spawns torchrun.
+``trainer-runtime launch`` makes such a pod keep the operator's contract as one unit: it starts
+torchrun's own CLI and elastic launch in a child process (:mod:`trainer_runtime.distributed.agent`,
+which records how each worker ended), forwards the pod's first termination signal exactly once
+(a second SIGTERM would abort torchrun's graceful wait), gives every worker its own termination
+file (``$PREEMPTIBLE_TERMINATION_DIR``), and when the workers are done merges them into the pod's
+one message with the pod's exit code (:func:`pod_end`): 75 only when every local rank committed
+its part of the same JIT checkpoint, the first real failure's own code naming its local and global
+rank, 69 when a peer is gone; the SIGTERM-to-exit time it reports runs to the last worker's end.
+This module is torch-free: it only spawns the agent.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,19 +48,27 @@ from trainer_runtime.errors import ConfigurationError
 from trainer_runtime.protocol import (
     DEFAULT_TERMINATION_LOG,
     ENV_GRACE_SECONDS,
+    ENV_TERMINATION_DIR,
     ENV_TERMINATION_LOG,
     EXIT_PEER_FAILED,
     EXIT_PREEMPTED,
+    REASON_DEADLINE_TOO_SHORT,
+    TerminationMessage,
     read_termination_message,
+    write_termination_message,
 )
 
 __all__ = [
+    "AGENT_ENDS_FILE",
     "FORWARDED_SIGNALS",
+    "PET_ENV",
     "TORCHRUN_DEFAULT_SHUTDOWN_TIMEOUT",
     "LaunchPlan",
+    "WorkerEnd",
     "add_launch_parser",
-    "launch_exit_code",
     "plan_launch",
+    "pod_end",
+    "read_worker_ends",
     "run_launch",
     "shutdown_timeout_seconds",
     "torchrun_options",
@@ -67,6 +85,22 @@ ENV_SHUTDOWN_TIMEOUT = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 ENV_SIGNALS_TO_HANDLE = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 # Default of `trainer-runtime launch --nproc-per-node` (e.g. set in the image or pod template).
 ENV_NPROC_PER_NODE = "PREEMPTIBLE_NPROC_PER_NODE"
+# torchrun reads every option it is not given from $PET_<OPTION> (an argparse "env" action); the
+# operator renders these for a pod of numProcPerNode processes (Kubeflow Trainer's convention),
+# so a plain `torchrun train.py` in the user's command comes out right, and so do we.
+PET_ENV = {
+    "nnodes": "PET_NNODES",
+    "nproc_per_node": "PET_NPROC_PER_NODE",
+    "node_rank": "PET_NODE_RANK",
+    "master_addr": "PET_MASTER_ADDR",
+    "master_port": "PET_MASTER_PORT",
+}
+# The child process that runs torchrun's CLI and records each worker's end, and the runner every
+# worker starts through (the process-group guard, --transformers).
+AGENT_MODULE = "trainer_runtime.distributed.agent"
+WORKER_MODULE = "trainer_runtime.distributed.worker"
+# What the agent writes into $PREEMPTIBLE_TERMINATION_DIR: how torchrun and each worker ended.
+AGENT_ENDS_FILE = "agent.json"
 
 
 def shutdown_timeout_seconds(grace_seconds: float | None) -> int | None:
@@ -155,6 +189,8 @@ class LaunchPlan:
     grace_seconds: float | None
     termination_log: str | None = None
     notes: list[str] = field(default_factory=list)
+    nproc_per_node: int | None = None
+    """Workers per pod when it is a number (``gpu``/``cpu``/``auto`` are torchrun's to count)."""
 
 
 def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
@@ -167,58 +203,86 @@ def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
         raise ConfigurationError(f"{name}={raw!r} is not an integer") from None
 
 
+def _first_env(env: Mapping[str, str], *names: str) -> str | None:
+    for name in names:
+        value = env.get(name, "").strip()
+        if value:
+            return name
+    return None
+
+
 # `python`, `python3`, `python3.11`: an interpreter, not a script such as `python-script.py`
 _INTERPRETER_RE = re.compile(r"^python(\d+(\.\d+)*)?$")
-
-# The runner that attaches the integration to an unmodified transformers script.
-HF_RUNNER_MODULE = "trainer_runtime.hf.run"
 
 
 def plan_launch(
     training_command: Sequence[str],
     env: Mapping[str, str],
     *,
-    nproc_per_node: int | str = 1,
+    nproc_per_node: int | str | None = None,
     nnodes: int | None = None,
     node_rank: int | None = None,
     python: str = sys.executable,
     transformers: bool = False,
 ) -> LaunchPlan:
-    """Pure: the torchrun invocation for ``training_command`` (``-m module args`` or
-    ``script.py args``) under the environment ``env``.
+    """Pure: the torchrun invocation for ``training_command`` (``-m module args``,
+    ``script.py args``, or an executable with its args) under the environment ``env``.
 
-    The operator's environment describes one process per pod: ``WORLD_SIZE`` pods, this pod's
-    ``NODE_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` of pod 0. Under the launcher those are nodes;
-    torchrun then gives each worker its own ``RANK``, ``LOCAL_RANK`` and
+    The topology comes from the options, else from torchrun's own ``PET_*`` variables (what the
+    operator renders for ``numProcPerNode``: ``PET_NNODES`` pods, this pod's ``PET_NODE_RANK``,
+    ``PET_MASTER_ADDR``/``PET_MASTER_PORT`` of pod 0, ``PET_NPROC_PER_NODE`` workers), else from
+    the one-process-per-pod environment (``WORLD_SIZE`` pods, ``NODE_RANK``, ``MASTER_ADDR``),
+    else one standalone node. torchrun gives each worker its own ``RANK``, ``LOCAL_RANK`` and
     ``WORLD_SIZE = nnodes * nproc_per_node``.
 
-    ``transformers``: the command is a stock transformers / TRL script; every worker runs it
-    through ``-m trainer_runtime.hf.run``, which attaches the operator contract to each
+    A Python command (``-m module``, ``*.py``, a leading interpreter, which is dropped: torchrun
+    starts the interpreter itself) runs in every worker through
+    :mod:`trainer_runtime.distributed.worker` (a script that sets up a process group of another
+    shape than this launch gets a clear error instead of a hang). Any other executable runs as it
+    is in every worker (torchrun's ``--no-python``). ``transformers``: the command is a stock
+    transformers / TRL script; every worker attaches the operator contract to each
     ``transformers.Trainer`` the script builds (the script is not changed).
     """
     cmd = list(training_command)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    if cmd and _INTERPRETER_RE.match(os.path.basename(cmd[0])):
+    interpreter = bool(cmd) and _INTERPRETER_RE.match(os.path.basename(cmd[0])) is not None
+    if interpreter:
         cmd = cmd[1:]  # `-- python train.py`: torchrun starts the interpreter itself
     if not cmd or (cmd[0] == "-m" and len(cmd) < 2):
         raise ConfigurationError(
-            "no training command: use `trainer-runtime launch [options] -- -m module [args]` or "
-            "`... -- script.py [args]`"
+            "no training command: use `trainer-runtime launch [options] -- -m module [args]`, "
+            "`... -- script.py [args]` or `... -- executable [args]`"
         )
-    if transformers:
-        cmd = ["-m", HF_RUNNER_MODULE, *cmd]
+    is_python = interpreter or cmd[0] == "-m" or cmd[0].endswith(".py")
+    if transformers and not is_python:
+        raise ConfigurationError(
+            f"--transformers runs a Python script or module, not the executable {cmd[0]!r}: "
+            "give `script.py [args]` or `-m module [args]`"
+        )
     grace = _grace_from_env(env)
-    nodes = nnodes if nnodes is not None else _int_env(env, "WORLD_SIZE", 1)
-    rank = node_rank if node_rank is not None else _int_env(env, "NODE_RANK", 0)
-    addr = env.get("MASTER_ADDR") or None
-    port = _int_env(env, "MASTER_PORT", 29500) if addr else None
+    if nproc_per_node is None:
+        name = _first_env(env, PET_ENV["nproc_per_node"], ENV_NPROC_PER_NODE)
+        nproc_per_node = env[name].strip() if name else 1
+    nproc_str = str(nproc_per_node)
+    if nnodes is None:
+        name = _first_env(env, PET_ENV["nnodes"], "WORLD_SIZE")
+        nnodes = _int_env(env, name, 1) if name else 1
+    if node_rank is None:
+        name = _first_env(env, PET_ENV["node_rank"], "NODE_RANK")
+        node_rank = _int_env(env, name, 0) if name else 0
+    addr_name = _first_env(env, PET_ENV["master_addr"], "MASTER_ADDR")
+    addr = env[addr_name].strip() if addr_name else None
+    port = None
+    if addr:
+        port_name = _first_env(env, PET_ENV["master_port"], "MASTER_PORT")
+        port = _int_env(env, port_name, 29500) if port_name else 29500
     opts = torchrun_options(
         grace_seconds=grace,
-        nproc_per_node=nproc_per_node,
-        nnodes=nodes,
-        node_rank=rank,
-        master_addr=addr if nodes > 1 else None,
+        nproc_per_node=nproc_str,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=addr if nnodes > 1 else None,
         master_port=port,
     )
     timeout = shutdown_timeout_seconds(grace)
@@ -235,7 +299,11 @@ def plan_launch(
             f"{child_env.get(ENV_SHUTDOWN_TIMEOUT, TORCHRUN_DEFAULT_SHUTDOWN_TIMEOUT)} s after "
             "SIGTERM"
         )
-    command = [python, "-m", "torch.distributed.run", *opts, *cmd]
+    if is_python:
+        worker = ["-m", WORKER_MODULE, *(["--transformers"] if transformers else []), *cmd]
+    else:
+        worker = ["--no-python", *cmd]
+    command = [python, "-m", AGENT_MODULE, *opts, *worker]
     return LaunchPlan(
         command=command,
         env=child_env,
@@ -243,6 +311,7 @@ def plan_launch(
         grace_seconds=grace,
         termination_log=_termination_log_path(env),
         notes=notes,
+        nproc_per_node=int(nproc_str) if nproc_str.isdigit() else None,
     )
 
 
@@ -253,52 +322,298 @@ def _termination_log_path(env: Mapping[str, str]) -> str | None:
     return DEFAULT_TERMINATION_LOG if os.path.exists(DEFAULT_TERMINATION_LOG) else None
 
 
-def launch_exit_code(returncode: int, termination_text: str | None) -> int:
-    """Pure: the pod's exit code from torchrun's and the termination message of this launch.
+# ------------------------------------------------------------------------------------------------
+# How the pod ended: one exit code and one message from its workers' ends
+# ------------------------------------------------------------------------------------------------
 
-    0 stays 0. Otherwise the workers' own verdict wins: a termination message saying
-    ``preempted`` (written after a complete JIT checkpoint) makes it EXIT_PREEMPTED, so the
-    operator requeues instead of counting a failure; ``peer_gone`` (the workers stopped because
-    a rank of another pod was gone) makes it EXIT_PEER_FAILED, so the operator looks for the cause
-    in that other pod. Anything else keeps torchrun's code.
+
+@dataclass(frozen=True)
+class WorkerEnd:
+    """How one worker of the pod ended."""
+
+    local_rank: int
+    rank: int | None
+    """Global rank (None when torchrun never assigned one, e.g. signalled during rendezvous)."""
+    exit_code: int | None
+    """Shell convention (128 + N after signal N); None: unknown (torchrun did not say)."""
+    message: TerminationMessage | None = None
+    """The termination message it wrote itself, if any."""
+
+    def name(self) -> str:
+        rank = f"rank {self.rank}" if self.rank is not None else "rank ?"
+        return f"local rank {self.local_rank} ({rank})"
+
+
+# A worker that ends by one of these without its own word was stopped, not failed on its own,
+# when the pod was signalled or another worker had ended first (torchrun then SIGTERMs the
+# others and SIGKILLs them 30 s later).
+_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGKILL, signal.SIGINT, signal.SIGHUP})
+_SIGKILL_EXIT = 128 + signal.SIGKILL
+# What a collective raises when the other side went away (gloo, NCCL): such a worker's own
+# "failed" is the consequence of another's end, not its cause (same patterns as peers.py).
+_PEER_LOSS = re.compile(
+    r"Connection closed by peer|Connection reset by peer|gloo.*(Broken pipe|Read error|Timed out)|"
+    r"ncclRemoteError|NCCL communicator was aborted|remote process exited|DistNetworkError|"
+    r"DistBackendError|DistStoreError",
+    re.IGNORECASE,
+)
+_PREEMPTED_REASONS = frozenset({"preempted", REASON_DEADLINE_TOO_SHORT})
+
+
+def _verdict(end: WorkerEnd, *, signalled: bool, after_other_end: bool) -> str:
+    """completed | preempted | peer_gone | stopped | failed"""
+    msg = end.message
+    if msg is not None and msg.reason in _PREEMPTED_REASONS:
+        return "preempted"
+    if (msg is not None and msg.peer_gone) or (msg is None and end.exit_code == EXIT_PEER_FAILED):
+        return "peer_gone"
+    if end.exit_code == 0 and (msg is None or msg.reason == "completed"):
+        return "completed"
+    code = end.exit_code
+    if (
+        msg is None
+        and code is not None
+        and code > 128
+        and (code - 128) in _STOP_SIGNALS
+        and (signalled or after_other_end)
+    ):
+        return "stopped"
+    return "failed"
+
+
+def _looks_like_peer_loss(end: WorkerEnd) -> bool:
+    return bool(end.message and end.message.message and _PEER_LOSS.search(end.message.message))
+
+
+def _merge_timings(messages: Sequence[TerminationMessage], base: TerminationMessage) -> dict:
+    """The pod's timings: the main worker's, with the longest step / save / micro-batch of all
+    (the grace rule needs the slowest rank)."""
+
+    def longest(values: Sequence[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return max(present) if present else None
+
+    step = base.step_seconds.model_copy(
+        update={"max": longest([m.step_seconds.max for m in messages])}
+    )
+    save = base.save_seconds.model_copy(
+        update={"max": longest([m.save_seconds.max for m in messages])}
+    )
+    micro = None
+    if base.micro_batch_seconds is not None:
+        micro = base.micro_batch_seconds.model_copy(
+            update={
+                "max": longest(
+                    [m.micro_batch_seconds.max for m in messages if m.micro_batch_seconds]
+                )
+            }
+        )
+    return {"step_seconds": step, "save_seconds": save, "micro_batch_seconds": micro}
+
+
+def pod_end(
+    workers: Sequence[WorkerEnd],
+    *,
+    expected_workers: int | None = None,
+    ordered: bool = True,
+    signalled: bool = False,
+    sigterm_to_exit: float | None = None,
+    agent_code: int = 0,
+    agent_error: str | None = None,
+) -> tuple[int, TerminationMessage]:
+    """Pure: the pod's exit code and its one termination message, from its workers' ends.
+
+    ``workers``: every worker torchrun started, in the order they ended when ``ordered`` (torchrun
+    reported failures with their times), else in local-rank order (torchrun was signalled and
+    only shut its workers down). ``signalled``: the pod got a termination signal (forwarded to
+    torchrun). ``sigterm_to_exit``: seconds from that signal to the end of the last worker.
+    ``agent_code``/``agent_error``: how torchrun's agent itself ended.
+
+    - every worker exited 0: 0;
+    - a real failure (an exception, a crash, a kill nobody asked for, a worker that ended by a
+      signal first): the first one's own exit code (by time; without times, a failure that is
+      not a lost connection first), its local and global rank named;
+    - every worker wrote a complete JIT message for the same checkpoint: 75 (deadline_too_short
+      from every worker: 75 too, with that reason). Torchrun's own exit (1, or a traceback when
+      it was signalled) never decides this;
+    - a peer gone (69 / ``peer_gone``) and no real failure: 69 naming it;
+    - workers SIGKILLed after the pod's signal (torchrun's shutdown timeout, the grace): 137;
+    - otherwise (workers stopped by the signal without a word, torchrun failing before its
+      workers ran): 128 + that signal, or torchrun's own code.
     """
-    if returncode == 0:
-        return 0
-    msg = read_termination_message(termination_text)
-    if msg is not None and msg.reason == "preempted":
-        return EXIT_PREEMPTED
-    if msg is not None and msg.peer_gone:
-        return EXIT_PEER_FAILED
-    return returncode if returncode > 0 else 128 - returncode
+    messages = [w.message for w in workers if w.message is not None]
+    verdicts: list[str] = []
+    ended_nonzero = False
+    for w in workers:
+        verdicts.append(_verdict(w, signalled=signalled, after_other_end=ended_nonzero))
+        ended_nonzero = ended_nonzero or w.exit_code not in (0, None)
+    codes = sorted(workers, key=lambda w: w.local_rank)
+    # The launcher's own measure runs to the last worker's end; without a signal to the pod (a
+    # stop agreed with another pod) the workers' own are all there is.
+    own = [m.sigterm_to_exit_seconds for m in messages if m.sigterm_to_exit_seconds is not None]
+    common: dict[str, Any] = {
+        "step": max((m.step for m in messages), default=0),
+        "sigterm_to_exit_seconds": sigterm_to_exit
+        if sigterm_to_exit is not None
+        else (max(own) if own else None),
+        "exit_codes": [w.exit_code for w in codes] or None,
+        "attempt": next((m.attempt for m in messages if m.attempt is not None), None),
+    }
+    base = min(
+        (w for w in workers if w.message is not None), key=lambda w: w.local_rank, default=None
+    )
+    if base is not None and base.message is not None:
+        common.update(_merge_timings(messages, base.message))
+        ckpt = [m for m in messages if m.checkpoint and m.complete]
+        if ckpt:
+            newest = max(ckpt, key=lambda m: m.step)
+            common.update(checkpoint=newest.checkpoint, complete=True)
+    complete_workers = expected_workers if expected_workers is not None else len(workers)
+    judged = list(zip(workers, verdicts, strict=True))
+    failures = [(i, w) for i, (w, v) in enumerate(judged) if v == "failed"]
+    if failures:
+        key = (lambda iw: iw[0]) if ordered else (lambda iw: (_looks_like_peer_loss(iw[1]), iw[0]))
+        _, first = min(failures, key=key)
+        code = first.exit_code if first.exit_code not in (None, 0) else 1
+        said = first.message.message if first.message is not None else None
+        how = (
+            f"exited {first.exit_code}"
+            if first.exit_code is not None
+            else "ended (exit code unknown)"
+        )
+        if said and code > 128 and (code - 128) in _STOP_SIGNALS:
+            # It reported its own failure (an exception: exit 1) and was then stopped while it
+            # wound down (torchrun SIGTERMs the others when one worker ends): the pod's code is
+            # the failure's, not that of the signal, which would read as a stop from outside.
+            how = f"failed (then stopped by signal {code - 128} while winding down)"
+            code = 1
+        text = f"{first.name()} {how}" + (f": {said}" if said else "")
+        return code, TerminationMessage(
+            reason="failed",
+            message=text[:2000],
+            rank=first.rank,
+            local_rank=first.local_rank,
+            **common,
+        )
+    if workers and agent_code == 0 and all(v == "completed" for v in verdicts):
+        return 0, TerminationMessage(reason="completed", **common)
+    preempted = [w.message for w, v in judged if v == "preempted" and w.message is not None]
+    if workers and len(preempted) == len(workers) == complete_workers:
+        # Every local rank stopped for the same checkpoint (or for the same too-short deadline).
+        reasons = {m.reason for m in preempted}
+        points = {(m.step, m.checkpoint) for m in preempted}
+        if reasons == {REASON_DEADLINE_TOO_SHORT} and len(points) == 1:
+            common.update(checkpoint=None, complete=False)
+            return EXIT_PREEMPTED, TerminationMessage(
+                reason=REASON_DEADLINE_TOO_SHORT, message=preempted[0].message, **common
+            )
+        complete = all(m.complete and m.checkpoint for m in preempted)
+        if reasons == {"preempted"} and len(points) == 1 and complete:
+            return EXIT_PREEMPTED, TerminationMessage(
+                reason="preempted", stop=preempted[0].stop, **common
+            )
+    gone = [w for w, v in judged if v == "peer_gone"]
+    if gone:
+        first = gone[0]
+        peer = first.message
+        return EXIT_PEER_FAILED, TerminationMessage(
+            reason="failed",
+            peer_gone=True,
+            failed_rank=peer.failed_rank if peer is not None else None,
+            message=(peer.message if peer is not None and peer.message else None)
+            or f"{first.name()} exited {EXIT_PEER_FAILED}: another rank is gone",
+            rank=first.rank,
+            local_rank=first.local_rank,
+            **common,
+        )
+    killed = [w for w in workers if w.exit_code == _SIGKILL_EXIT]
+    unfinished = (
+        "the JIT checkpoint was not completed by every local rank"
+        f" ({len(preempted)} of {complete_workers} reported it)"
+    )
+    if signalled and killed:
+        return _SIGKILL_EXIT, TerminationMessage(
+            reason="preempted",
+            message=f"{killed[0].name()} was SIGKILLed after the pod's SIGTERM (torchrun's "
+            f"shutdown timeout, the grace period): {unfinished}",
+            **common,
+        )
+    stopped = [w for w, v in judged if v == "stopped"]
+    if signalled and workers:
+        code = stopped[0].exit_code if stopped and stopped[0].exit_code else 128 + signal.SIGTERM
+        return code, TerminationMessage(
+            reason="preempted",
+            message=f"stopped by the pod's termination signal: {unfinished}",
+            **common,
+        )
+    code = agent_code if agent_code not in (0, None) else 1
+    detail = agent_error or (
+        "torchrun ended before its workers reported"
+        if not workers
+        else f"workers ended {[w.exit_code for w in codes]}: {unfinished}"
+    )
+    return code, TerminationMessage(reason="failed", message=f"torchrun: {detail}"[:2000], **common)
 
 
-def _read_fresh(path: str | None, since: float) -> str | None:
-    """The termination message if it was written during this launch (not a stale one)."""
-    if not path:
-        return None
+# ------------------------------------------------------------------------------------------------
+# Running it
+# ------------------------------------------------------------------------------------------------
+
+
+def _make_workdir() -> str:
+    # Where the workers' messages and the agent's record go: the default temporary directory,
+    # else /dev/shm (writable in a container whose root filesystem is read-only).
     try:
-        if os.stat(path).st_mtime < since:
-            return None
-        with open(path, encoding="utf-8") as fh:
-            return fh.read()
+        return tempfile.mkdtemp(prefix="preemptible-launch-")
     except OSError:
-        return None
+        return tempfile.mkdtemp(prefix="preemptible-launch-", dir="/dev/shm")
+
+
+def read_worker_ends(directory: str) -> tuple[list[WorkerEnd], dict[str, Any]]:
+    """The workers' ends from the agent's record and the workers' own termination files in
+    ``directory``, in the order they ended (``record["ordered"]``), and the agent's record."""
+    record: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(directory, AGENT_ENDS_FILE), encoding="utf-8") as fh:
+            loaded = json.load(fh)
+        if isinstance(loaded, dict):
+            record = loaded
+    messages: dict[int, TerminationMessage] = {}
+    for name in os.listdir(directory):
+        match = re.fullmatch(r"local-rank-(\d+)\.json", name)
+        if not match:
+            continue
+        with contextlib.suppress(OSError):
+            with open(os.path.join(directory, name), encoding="utf-8") as fh:
+                msg = read_termination_message(fh.read())
+            if msg is not None:
+                messages[int(match.group(1))] = msg
+    ends: list[WorkerEnd] = []
+    seen: set[int] = set()
+    for item in record.get("workers") or []:
+        local = int(item["local_rank"])
+        seen.add(local)
+        ends.append(WorkerEnd(local, item.get("rank"), item.get("exit_code"), messages.get(local)))
+    for local in sorted(set(messages) - seen):
+        ends.append(WorkerEnd(local, None, None, messages[local]))
+    return ends, record
 
 
 def run_launch(plan: LaunchPlan) -> int:
-    """Run torchrun per ``plan``; forward the first SIGTERM/SIGINT/SIGHUP/SIGQUIT once; map its
-    exit code with :func:`launch_exit_code`."""
+    """Run torchrun per ``plan``: forward the first SIGTERM/SIGINT/SIGHUP/SIGQUIT once, then
+    write the pod's one termination message and return its exit code (:func:`pod_end`)."""
     for note in plan.notes:
         logger.warning("%s", note)
-    started = time.time() - 1.0  # mtime granularity
-    proc = subprocess.Popen(plan.command, env=plan.env, start_new_session=True)
-    forwarded: list[int] = []
+    workdir = _make_workdir()
+    env = {**plan.env, ENV_TERMINATION_DIR: workdir}
+    proc = subprocess.Popen(plan.command, env=env, start_new_session=True)
+    signalled_at: list[float] = []
 
     def forward(signum: int, frame: FrameType | None) -> None:
-        if forwarded:
+        if signalled_at:
             # torchrun is already shutting its workers down; a second signal would abort that.
             return
-        forwarded.append(signum)
+        signalled_at.append(time.monotonic())
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signum)
 
@@ -313,17 +628,36 @@ def run_launch(plan: LaunchPlan) -> int:
                 break
             except InterruptedError:
                 continue
+        # torchrun has waited for (or killed) every worker: this is the pod's end.
+        ended = time.monotonic()
+        workers, record = read_worker_ends(workdir)
+        code, message = pod_end(
+            workers,
+            expected_workers=record.get("nproc", plan.nproc_per_node),
+            ordered=bool(record.get("ordered")),
+            signalled=bool(signalled_at),
+            sigterm_to_exit=round(ended - signalled_at[0], 3) if signalled_at else None,
+            agent_code=returncode if returncode >= 0 else 128 - returncode,
+            agent_error=record.get("error"),
+        )
+        if plan.termination_log:
+            try:
+                write_termination_message(message, plan.termination_log)
+            except OSError as exc:
+                logger.error("cannot write the termination message: %s", exc)
+        logger.warning(
+            "pod exit %d (torchrun %d, workers %s): %s%s",
+            code,
+            returncode,
+            message.exit_codes,
+            message.reason,
+            f" {message.message}" if message.message else "",
+        )
+        return code
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    code = launch_exit_code(returncode, _read_fresh(plan.termination_log, started))
-    if code != returncode:
-        logger.warning(
-            "torchrun exited %d; the workers stopped for a JIT checkpoint: exit %d",
-            returncode,
-            code,
-        )
-    return code
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -355,32 +689,37 @@ def add_launch_parser(sub: Any) -> None:
     """Register ``trainer-runtime launch`` on an argparse sub-parser collection."""
     p = sub.add_parser(
         "launch",
-        help="run torchrun with a shutdown timeout equal to the grace period",
+        help="run torchrun so that a pod of several processes keeps the operator's contract",
         description="Start N training processes per pod with torchrun. The shutdown timeout is "
         f"${ENV_GRACE_SECONDS} (torchrun's default kills workers after 30 s), the first "
-        "SIGTERM is forwarded once, and the exit code is 75 when the workers stopped for a JIT "
-        "checkpoint. Nodes: $WORLD_SIZE pods, this one $NODE_RANK, rendezvous on "
-        "$MASTER_ADDR:$MASTER_PORT (what the operator sets).",
+        "SIGTERM is forwarded once, and the pod ends as one unit: one termination message, "
+        "exit 75 only when every worker committed its part of the JIT checkpoint, a failing "
+        "worker's own exit code otherwise. Topology: $PET_NNODES pods (else $WORLD_SIZE), "
+        "this one $PET_NODE_RANK (else $NODE_RANK), rendezvous on "
+        "$PET_MASTER_ADDR:$PET_MASTER_PORT (else $MASTER_ADDR:$MASTER_PORT): what the operator "
+        "sets.",
     )
     p.add_argument(
         "--nproc-per-node",
-        default=os.environ.get(ENV_NPROC_PER_NODE, "1"),
-        help="processes per pod: a number, 'gpu' or 'cpu' (torchrun's values; default 1)",
+        default=None,
+        help="processes per pod: a number, 'gpu' or 'cpu' (torchrun's values; default "
+        f"$PET_NPROC_PER_NODE, else ${ENV_NPROC_PER_NODE}, else 1)",
     )
-    p.add_argument("--nnodes", type=int, default=None, help="pods (default $WORLD_SIZE or 1)")
-    p.add_argument("--node-rank", type=int, default=None, help="this pod (default $NODE_RANK)")
+    p.add_argument("--nnodes", type=int, default=None, help="pods (default $PET_NNODES or 1)")
+    p.add_argument("--node-rank", type=int, default=None, help="this pod (default $PET_NODE_RANK)")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
     p.add_argument(
         "--transformers",
         action="store_true",
-        help="the command is an unmodified transformers.Trainer / TRL script: run it through "
-        f"`python -m {HF_RUNNER_MODULE}`, which gives every Trainer it builds the operator "
-        "contract (JIT checkpoint, exit 75, resume, /metrics)",
+        help="the command is an unmodified transformers.Trainer / TRL script: every worker "
+        "gives every Trainer it builds the operator contract (JIT checkpoint, exit 75, resume, "
+        "/metrics)",
     )
     p.add_argument(
         "training_command",
         nargs=argparse.REMAINDER,
         metavar="-- COMMAND",
-        help="the training command after --: `-m module args` or `script.py args`",
+        help="the training command after --: `-m module args`, `script.py args` or "
+        "`executable args`",
     )
     p.set_defaults(func=_cmd_launch)

@@ -45,6 +45,7 @@ from trainer_runtime.protocol import (
     ENV_OUTPUT_DIR,
     ENV_RESUME_FROM,
     EXIT_PREEMPTED,
+    writes_termination_message,
 )
 from trainer_runtime.signals import SigtermLatch
 from trainer_runtime.timings import SaveTimer, StepTimer, timings_record, write_termination
@@ -331,7 +332,9 @@ class PreemptibleCallback(TrainerCallback):
     def _terminate(
         self, reason: str, *, message: str | None = None, sigterm_to_exit: float | None = None
     ) -> None:
-        if not _local_main():
+        # One message per pod (local rank 0), or one per worker under `trainer-runtime launch`,
+        # which merges them.
+        if not writes_termination_message():
             return
         write_termination(
             reason,

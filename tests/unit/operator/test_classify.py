@@ -12,6 +12,7 @@ from preemptible_operator.classify import (
     killed_at_grace,
     pending_detail,
     pod_finished,
+    pod_sigterm_to_exit,
 )
 from preemptible_operator.conditions import Reason
 from tests.unit.operator.builders import cond, make_job, make_pod
@@ -482,3 +483,123 @@ def test_pending_detail_says_why_pods_do_not_run(
     pods: list[dict[str, Any]], detail: str | None
 ) -> None:
     assert pending_detail(pods) == detail
+
+
+# ---------------------------------------------------- pods of several processes (numProcPerNode)
+
+
+def _msg(reason: str = "preempted", **extra: Any) -> str:
+    defaults: dict[str, Any] = {}
+    if reason == "preempted":
+        defaults = {"checkpoint": "/c/checkpoint-12", "complete": True}
+    return protocol.TerminationMessage(
+        reason=reason, step=12, **{**defaults, **extra}
+    ).model_dump_json()  # type: ignore[arg-type]
+
+
+PEER_GONE = _msg("failed", peer_gone=True, failed_rank=3, message="rank 0: rank 3 is gone")
+
+
+@pytest.mark.parametrize(
+    ("exits", "outcome", "reason", "culprit"),
+    [
+        # Our launcher: 75 from the pod, one message for all its workers.
+        ([(75, _msg()), (75, _msg())], "Preempted", Reason.RUNTIME_PREEMPTED, None),
+        # Plain torchrun exits 1 after its workers' exit 75; accelerate launch 143 when
+        # signalled: the complete JIT message of local rank 0 says what happened.
+        ([(1, _msg()), (1, _msg())], "Preempted", Reason.RUNTIME_PREEMPTED, None),
+        ([(143, _msg()), (75, _msg())], "Preempted", Reason.RUNTIME_PREEMPTED, None),
+        # ... an incomplete one does not.
+        ([(1, _msg(complete=False)), (1, None)], "Failed", Reason.TRAINING_FAILED, None),
+        # A real failure in any pod wins over a preemption message elsewhere.
+        ([(1, _msg()), (1, _msg("failed", message="boom"))], "Failed",
+         Reason.TRAINING_FAILED, "r1"),
+        # Under plain torchrun a pod whose worker saw a peer gone exits 1 with that message:
+        # the pod with the real failure is named first.
+        ([(1, PEER_GONE), (1, _msg("failed", message="RuntimeError: boom"))], "Failed",
+         Reason.TRAINING_FAILED, "r1"),
+        ([(139, _msg("failed", message="local rank 1 (rank 1) exited 139")),
+          (69, PEER_GONE)], "Failed", Reason.TRAINING_FAILED, "r0"),
+    ],
+)  # fmt: skip
+def test_launcher_exit_codes(
+    exits: list[tuple[int, str | None]], outcome: str, reason: str, culprit: str | None
+) -> None:
+    pods = [
+        make_pod(f"r{i}", index=i, phase="Failed", exit_code=code, message=message)
+        for i, (code, message) in enumerate(exits)
+    ]
+    result = classify_interruption(make_job(completions=len(pods)), pods)
+    assert (result.outcome, result.reason) == (outcome, reason), result
+    if culprit is not None:
+        assert f"pod {culprit} " in result.message, result
+
+
+@pytest.mark.parametrize(
+    ("exits", "killed"),
+    [
+        # The workers of a pod SIGKILLed after its SIGTERM (our launcher's 137): grace too short.
+        ([(137, _msg(complete=False)), (75, _msg())], True),
+        # A worker crashed (our launcher: its code and reason failed): not the grace's fault.
+        ([(137, _msg("failed", message="local rank 1 (rank 1) exited 137")), (69, PEER_GONE)],
+         False),
+        ([(139, _msg("failed")), (137, None)], False),
+        # Plain torchrun after a complete save: exit 1 is no failure; the other pod's SIGKILL
+        # still says the grace was short.
+        ([(1, _msg()), (137, None)], True),
+        ([(1, PEER_GONE), (137, None)], True),
+        ([(1, _msg()), (1, _msg())], False),
+    ],
+)  # fmt: skip
+def test_killed_at_grace_with_launchers(exits: list[tuple[int, str | None]], killed: bool) -> None:
+    pods = [
+        make_pod(f"r{i}", index=i, phase="Failed", exit_code=c, message=m)
+        for i, (c, m) in enumerate(exits)
+    ]
+    ends = [e for e in (container_end(p) for p in pods) if e is not None]
+    assert killed_at_grace(ends) is killed
+
+
+def _deleted(pod: dict[str, Any], deletion: str | None, grace: int | None, finished: str) -> Any:
+    if deletion is not None:
+        pod["metadata"]["deletionTimestamp"] = deletion
+    if grace is not None:
+        pod["metadata"]["deletionGracePeriodSeconds"] = grace
+    pod["status"]["containerStatuses"][0]["state"]["terminated"]["finishedAt"] = finished
+    return pod
+
+
+@pytest.mark.parametrize(
+    ("deletion", "grace", "finished", "seconds"),
+    [
+        # Deleted at 10:00:00 with 30 s of grace (deletionTimestamp 10:00:30), ended 10:00:07.
+        ("2026-01-01T10:00:30Z", 30, "2026-01-01T10:00:07Z", 7.0),
+        ("2026-01-01T10:00:30Z", 30, "2026-01-01T10:00:30Z", 30.0),
+        # It ended before anyone deleted it (its own exit, then the Job's clean-up).
+        ("2026-01-01T10:00:30Z", 30, "2026-01-01T09:59:58Z", None),
+        (None, None, "2026-01-01T10:00:07Z", None),  # never deleted
+        ("2026-01-01T10:00:30Z", None, "2026-01-01T10:00:07Z", None),
+    ],
+)
+def test_pod_sigterm_to_exit(
+    deletion: str | None, grace: int | None, finished: str, seconds: float | None
+) -> None:
+    pod = _deleted(make_pod(phase="Failed", exit_code=1), deletion, grace, finished)
+    assert pod_sigterm_to_exit(pod) == seconds
+
+
+@pytest.mark.parametrize(
+    ("message_seconds", "observed", "expected"),
+    [(4.5, "2026-01-01T10:00:07Z", 7.0), (4.5, "2026-01-01T10:00:04Z", 4.5), (None, None, None)],
+)
+def test_sigterm_to_exit_is_the_longer_of_message_and_pod(
+    message_seconds: float | None, observed: str | None, expected: float | None
+) -> None:
+    """Plain torchrun: rank 0 measured 4.5 s inside its worker; the pod ended 7 s after its
+    SIGTERM (torchrun's teardown of the other workers): 7 s is the ground truth."""
+    message = _msg(sigterm_to_exit_seconds=message_seconds)
+    pod = make_pod(phase="Failed", exit_code=1, message=message)
+    if observed is not None:
+        _deleted(pod, "2026-01-01T10:00:30Z", 30, observed)
+    end = container_end(pod)
+    assert end is not None and end.sigterm_to_exit == expected

@@ -105,6 +105,107 @@ def test_single_node_gets_no_process_group_env() -> None:
     assert env[protocol.ENV_OUTPUT_DIR] == "/ckpt/run"
 
 
+INDEX = {
+    "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
+}
+TOPOLOGY = (
+    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "RANK", "LOCAL_RANK", "PET_NNODES",
+    "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",
+)  # fmt: skip
+MASTER = "tj-a3-0.tj.ns.svc"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "topology"),
+    [
+        ({"numNodes": 1}, {}),
+        ({"numNodes": 1, "numProcPerNode": 1}, {}),
+        # One process per pod: exactly as before numProcPerNode existed.
+        ({"numNodes": 2, "numProcPerNode": 1}, {
+            "MASTER_ADDR": MASTER, "MASTER_PORT": "29500", "WORLD_SIZE": "2",
+            "NODE_RANK": INDEX, "RANK": INDEX, "LOCAL_RANK": "0"}),
+        # Several: world = nodes x processes, torchrun's PET_* options, no RANK / LOCAL_RANK (the
+        # launcher gives each worker its own).
+        ({"numNodes": 2, "numProcPerNode": 8}, {
+            "MASTER_ADDR": MASTER, "MASTER_PORT": "29500", "WORLD_SIZE": "16",
+            "NODE_RANK": INDEX, "PET_NNODES": "2", "PET_NPROC_PER_NODE": "8",
+            "PET_NODE_RANK": INDEX, "PET_MASTER_ADDR": MASTER, "PET_MASTER_PORT": "29500"}),
+        ({"numNodes": 1, "numProcPerNode": 4}, {
+            "WORLD_SIZE": "4", "NODE_RANK": INDEX, "PET_NNODES": "1",
+            "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": INDEX}),
+        ({"numNodes": 3, "numProcPerNode": "auto",
+          "resourcesPerNode": {"limits": {"nvidia.com/gpu": 4}}}, {
+            "MASTER_ADDR": MASTER, "MASTER_PORT": "29500", "WORLD_SIZE": "12",
+            "NODE_RANK": INDEX, "PET_NNODES": "3", "PET_NPROC_PER_NODE": "4",
+            "PET_NODE_RANK": INDEX, "PET_MASTER_ADDR": MASTER, "PET_MASTER_PORT": "29500"}),
+    ],
+)  # fmt: skip
+def test_process_group_environment_by_shape(
+    overrides: dict[str, Any], topology: dict[str, Any]
+) -> None:
+    env = _env(render.render_job(META, make_spec(**overrides), _params()))
+    assert {k: v for k, v in env.items() if k in TOPOLOGY} == topology
+
+
+def test_several_processes_per_pod_start_through_the_launcher_with_a_shm() -> None:
+    spec = make_spec(
+        numProcPerNode=2,
+        args=["--max-steps", "4"],
+        volumes=[{"name": "ckpt", "hostPath": {"path": "/ckpt"}}],
+        volumeMounts=[{"name": "ckpt", "mountPath": "/ckpt"}],
+    )
+    pod = render.render_job(META, spec, _params())["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == [
+        "trainer-runtime", "launch", "--", "python", "-m", "trainer_runtime.toy"
+    ]  # fmt: skip
+    assert container["args"] == ["--max-steps", "4"]
+    assert pod["volumes"][0] == {
+        "name": render.SHM_VOLUME,
+        "emptyDir": {"medium": "Memory", "sizeLimit": "4Gi"},
+    }
+    assert [m["mountPath"] for m in container["volumeMounts"]] == ["/dev/shm", "/ckpt"]
+    # One process per pod: no /dev/shm of ours, the command as it is.
+    one = render.render_job(META, make_spec(numNodes=2), _params())["spec"]["template"]["spec"]
+    assert "volumes" not in one and "volumeMounts" not in one["containers"][0]
+    assert one["containers"][0]["command"] == ["python", "-m", "trainer_runtime.toy"]
+
+
+def test_rdma_through_the_pod_template_keeps_our_hardening() -> None:
+    """IPC_LOCK and RDMA devices through podTemplate: the capability is added to our drop-all
+    (not replacing it), the device resources join ours, the user's /dev/shm mount gives way."""
+    spec = make_spec(
+        numProcPerNode=8,
+        resourcesPerNode={"limits": {"nvidia.com/gpu": 8, "memory": "512Gi"}},
+        podTemplate={"spec": {"containers": [{
+            "name": "trainer",
+            "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
+            "resources": {"limits": {"rdma/rdma_shared_device_a": 1},
+                          "requests": {"rdma/rdma_shared_device_a": 1}},
+            "volumeMounts": [{"name": "mine", "mountPath": "/dev/shm"}],
+        }]}},
+    )  # fmt: skip
+    pod = render.render_job(META, spec, _params())["spec"]["template"]["spec"]
+    (trainer,) = pod["containers"]
+    assert trainer["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+    }
+    assert trainer["resources"] == {
+        "limits": {"nvidia.com/gpu": 8, "memory": "512Gi", "rdma/rdma_shared_device_a": 1},
+        "requests": {"rdma/rdma_shared_device_a": 1},
+    }
+    shm = [m for m in trainer["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert shm == [{"name": render.SHM_VOLUME, "mountPath": "/dev/shm"}]
+    # A `drop` of the user's replaces ours.
+    caps = {"capabilities": {"drop": ["NET_RAW"]}}
+    spec = make_spec(
+        podTemplate={"spec": {"containers": [{"name": "trainer", "securityContext": caps}]}}
+    )
+    (trainer,) = render.render_job(META, spec, _params())["spec"]["template"]["spec"]["containers"]
+    assert trainer["securityContext"]["capabilities"] == {"drop": ["NET_RAW"]}
+
+
 @pytest.mark.parametrize(
     ("queue", "priority", "suspended", "labels"),
     [

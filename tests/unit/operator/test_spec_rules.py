@@ -8,10 +8,13 @@ import pytest
 
 from preemptible_operator import crd, models
 from preemptible_operator.spec_rules import (
+    IntOrWord,
     Matches,
+    NeedsItems,
     NotAbove,
     NotOneOf,
     Rule,
+    WordNeedsKey,
     cel_message,
     cel_string,
     render_message,
@@ -160,3 +163,65 @@ def test_the_models_report_rule_violations_at_the_rules_field(
     with pytest.raises(models.ValidationError) as info:
         models.parse_spec({"image": "i", "checkpoint": {"uri": "/c"}, **overrides})
     assert models.format_validation_error(info.value).startswith(location)
+
+
+PROCS = IntOrWord("n ({n}) is bad", field="n", minimum=1, word="auto")
+GPUS = WordNeedsKey("auto needs gpus", field="n", word="auto", key="gpu", maps=(("res", "limits"),))
+COMMAND = NeedsItems("n ({n}) needs a command", field="n", other="command", unless=1)
+
+
+class _Res:
+    """Stands in for a nested model (dumped by alias, as the apiserver sees it)."""
+
+    def __init__(self, limits: dict[str, Any] | None) -> None:
+        self.limits = limits
+
+    def model_dump(self, **_: Any) -> dict[str, Any]:
+        return {"limits": self.limits} if self.limits is not None else {}
+
+
+@pytest.mark.parametrize(
+    ("rule", "values", "message"),
+    [
+        (PROCS, {"n": 1}, None),
+        (PROCS, {"n": 8}, None),
+        (PROCS, {"n": "auto"}, None),
+        (PROCS, {"n": 0}, "n (0) is bad"),
+        (PROCS, {"n": "8"}, "n (8) is bad"),  # a string is not a number, for the apiserver too
+        (PROCS, {"n": True}, "n (True) is bad"),
+        (PROCS, {"n": None}, None),
+        (GPUS, {"n": 8, "res": None}, None),
+        (GPUS, {"n": "auto", "res": _Res({"gpu": 8})}, None),
+        (GPUS, {"n": "auto", "res": _Res({"cpu": 8})}, "auto needs gpus"),
+        (GPUS, {"n": "auto", "res": None}, "auto needs gpus"),
+        (COMMAND, {"n": 1, "command": None}, None),
+        (COMMAND, {"n": 2, "command": ["python", "t.py"]}, None),
+        (COMMAND, {"n": 2, "command": []}, "n (2) needs a command"),
+        (COMMAND, {"n": "auto", "command": None}, "n (auto) needs a command"),
+    ],
+)
+def test_violation_of_shape_rules(rule: Rule, values: dict[str, Any], message: str | None) -> None:
+    assert rule.violation(values) == message
+
+
+@pytest.mark.parametrize(
+    ("rule", "cel", "path"),
+    [
+        (PROCS, "!(has(self.n)) || (type(self.n) == int ? self.n >= 1 : self.n == 'auto')", ".n"),
+        (
+            GPUS,
+            "!(has(self.n)) || (!(type(self.n) == string && self.n == 'auto') || "
+            "(has(self.res) && has(self.res.limits) && 'gpu' in self.res.limits))",
+            ".n",
+        ),
+        (
+            COMMAND,
+            "!(has(self.n)) || ((type(self.n) == int && self.n == 1) || "
+            "(has(self.command) && size(self.command) > 0))",
+            ".command",
+        ),
+    ],
+)
+def test_shape_rules_to_cel(rule: Rule, cel: str, path: str) -> None:
+    out = rule.to_cel()
+    assert (out["rule"], out["fieldPath"]) == (cel, path)

@@ -66,6 +66,25 @@ def test_not_served_without_port(monkeypatch: pytest.MonkeyPatch) -> None:
     assert metrics_from_env() is None
 
 
+@pytest.mark.parametrize(("local_rank", "served"), [(None, True), ("0", True), ("1", False)])
+def test_only_the_pods_main_process_serves(
+    monkeypatch: pytest.MonkeyPatch, local_rank: str | None, served: bool
+) -> None:
+    """One /metrics per pod: torchrun's workers share the pod's one port; local rank 0 serves."""
+    monkeypatch.setenv(ENV_METRICS_PORT, "0")
+    monkeypatch.setenv(ENV_METRICS_HOST, "127.0.0.1")
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    metrics = metrics_from_env()
+    try:
+        assert (metrics is not None) is served
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
 def test_trainer_serves_metrics_while_training(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
