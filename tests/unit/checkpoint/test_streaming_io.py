@@ -217,9 +217,15 @@ def test_a_file_is_read_on_two_threads_and_handed_over_in_order(
     path.write_bytes(b"head" + data + b"tail")
     readers: set[str] = set()
     real_preadv = os.preadv
+    # Each reader thread's first read waits for the other's: with one thread only this times out
+    # (on a loaded machine one thread could otherwise read every block before the second starts).
+    both = threading.Barrier(2, timeout=30)
 
     def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
-        readers.add(threading.current_thread().name)
+        name = threading.current_thread().name
+        if name not in readers:
+            readers.add(name)
+            both.wait()
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", preadv)
