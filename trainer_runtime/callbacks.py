@@ -219,11 +219,27 @@ class CallbackHandler(TrainerCallback):
         return control
 
 
+# Flags an event consumes, cleared before the callbacks run, as transformers' CallbackHandler
+# does: a flag saved in trainer_state.json (TrainerControl) then reads as in transformers (e.g.
+# should_log is false in a checkpoint written after the step's log). The training and epoch
+# stops are reset by the loop itself (TrainerControl._new_training/_new_epoch).
+_CLEARS: dict[str, tuple[str, ...]] = {
+    "on_step_begin": ("should_log", "should_evaluate", "should_save"),
+    "on_log": ("should_log",),
+    "on_evaluate": ("should_evaluate",),
+    "on_save": ("should_save",),
+}
+
+
 # Give the handler one method per event: handler.on_step_end(args, state, control, **kw).
 def _dispatcher(event: str) -> Any:
+    clears = _CLEARS.get(event, ())
+
     def dispatch(
         self: CallbackHandler, args: Any, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> TrainerControl:
+        for flag in clears:
+            setattr(control, flag, False)
         return self.call_event(event, args, state, control, **kw)
 
     dispatch.__name__ = event

@@ -1525,7 +1525,12 @@ class Trainer(
         for path in self._rotate_after_save(info):
             logger.info("rotated out %s (save_total_limit=%s)", path, self.args.save_total_limit)
         collectives.barrier()
-        self._event("on_save", checkpoint=info.path)
+        pending = self.control.should_save
+        self._event("on_save", checkpoint=info.path)  # clears should_save, as in transformers
+        if info.step != self.state.global_step:
+            # a background checkpoint of an earlier step, committed now: its on_save must not
+            # consume this step's own save
+            self.control.should_save = pending
         self._publish_metrics()
 
     # -- asynchronous periodic checkpoints (save_async) --------------------------------------------

@@ -8,6 +8,7 @@ real models of models.py (dropout off, same seed), data is read in order
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,15 @@ def test_causal_lm_side_by_side(builder: str, tmp_path: Path) -> None:
         _load_weights(ours.output_dir / "final"),
         "save_model() weights",
     )
+    # the TrainerControl saved in the checkpoint (written after the step's log and evaluation:
+    # should_log and should_evaluate are false, should_save true, in both)
+    controls = [
+        json.loads((run.output_dir / "checkpoint-5" / "trainer_state.json").read_text())[
+            "stateful_callbacks"
+        ]["TrainerControl"]
+        for run in (theirs, ours)
+    ]
+    assert controls[0] == controls[1], controls
 
 
 def test_causal_lm_with_cache_side_by_side(tmp_path: Path) -> None:
