@@ -282,6 +282,9 @@ class Trainer(
         self.sigterm_latch: SigtermLatch | None = None
         self._latch_used = False
         self.metrics: TrainingMetrics | None = None
+        # the running step's label-token count, and the tensor training_step receives for it
+        self._step_num_items: int | None = None
+        self._step_items: torch.Tensor | None = None
         self.train_dataloader: DataLoader | None = None
         self.train_sampler: ResumableBatchSampler | None = None
         self.last_checkpoint: CheckpointInfo | None = None
@@ -915,6 +918,10 @@ class Trainer(
             label_name=self.label_names[0],
             across_ranks=self.args.average_tokens_across_devices and collectives.is_distributed(),
         )
+        # The count scales mean losses exactly (_scale_mean_loss); what training_step and
+        # compute_loss receive is transformers' value: a tensor on the device, or None.
+        self._step_num_items = num_items
+        self._step_items = self._loss_num_items(num_items)
         self._event("on_step_begin")
         self.model_wrapped.train()
         step_loss = torch.zeros((), device=self.accelerator.device)
@@ -926,7 +933,7 @@ class Trainer(
             # Gradients are all-reduced once per optimizer step, on the last micro-batch.
             sync = contextlib.nullcontext() if last else self._no_sync(self.model_wrapped)
             with sync:
-                step_loss += self.training_step(self.model_wrapped, batch, num_items)
+                step_loss += self.training_step(self.model_wrapped, batch, self._step_items)
             if not isinstance(batch, PaddingBatch):
                 self.current_flos += float(self.floating_point_ops(batch))
             if not last:
@@ -1004,11 +1011,27 @@ class Trainer(
         flos, self.current_flos = self.current_flos, 0.0
         self.state.total_flos += float(collectives.all_reduce_sum(int(flos)))
 
+    def _loss_num_items(self, count: int | None) -> torch.Tensor | None:
+        """``num_items_in_batch`` as transformers hands it to ``training_step`` and
+        ``compute_loss``: a 0-dim tensor on the device, and only when the loss uses it (the model
+        takes loss kwargs, or a ``compute_loss_func`` is set); None otherwise."""
+        if count is None or not (
+            self._model_accepts_loss_kwargs() or self.compute_loss_func is not None
+        ):
+            return None
+        return torch.tensor(count, device=self.accelerator.device)
+
+    def _num_items_count(self, num_items_in_batch: int | torch.Tensor | None) -> int | None:
+        """The step's label-token count as an int (no device sync for the loop's own tensor)."""
+        if num_items_in_batch is None or num_items_in_batch is self._step_items:
+            return self._step_num_items
+        return int(num_items_in_batch)
+
     def training_step(
         self,
         model: nn.Module,
         inputs: dict[str, Any],
-        num_items_in_batch: int | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Forward, loss scaled to its share of the optimizer step, backward; returns the loss.
 
@@ -1033,7 +1056,10 @@ class Trainer(
         )
         if not scaled:
             loss = self._scale_mean_loss(
-                inputs, loss, num_items_in_batch, self.current_gradient_accumulation_steps
+                inputs,
+                loss,
+                self._num_items_count(num_items_in_batch),
+                self.current_gradient_accumulation_steps,
             )
         if self.in_padding_batch:
             # The forward/backward only keeps DDP's all-reduce in step: zero loss, zero gradient.
@@ -1076,7 +1102,7 @@ class Trainer(
         model: nn.Module,
         inputs: dict[str, Any],
         return_outputs: bool = False,
-        num_items_in_batch: int | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """The loss of one micro-batch (Hugging Face semantics, see losses.compute_loss); the
         callers run it inside compute_loss_context_manager() (autocast)."""
@@ -1792,7 +1818,7 @@ class Trainer(
 
     def get_batch_samples(
         self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
-    ) -> tuple[list[Any], int | None]:
+    ) -> tuple[list[Any], torch.Tensor | None]:
         """Up to ``num_batches`` batches from ``epoch_iterator`` and the label tokens they hold
         (``num_items_in_batch``; None when the loss does not need it). Our loop reads its
         micro-batches itself (it tracks the data position for exact resume); this helper is
@@ -1809,7 +1835,8 @@ class Trainer(
             label_name=self.label_names[0],
             across_ranks=self.args.average_tokens_across_devices and collectives.is_distributed(),
         )
-        return batches, num_items
+        items = self._loss_num_items(num_items)
+        return batches, None if items is None else items.to(device)
 
     def is_world_process_zero(self) -> bool:
         return self.accelerator.is_main_process

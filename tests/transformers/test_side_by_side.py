@@ -337,3 +337,57 @@ def test_seq2seq_predict_drops_cache_side_by_side(tmp_path: Path) -> None:
     sbs.assert_arrays_match(
         theirs.results["predict"].predictions, ours.results["predict"].predictions, "predictions"
     )
+
+
+def compute_loss_override_script(builder: str) -> sbs.Script:
+    """A Trainer subclass overriding compute_loss, as user code does, reading the count."""
+
+    def script(api: sbs.Api, out: Path) -> dict[str, Any]:
+        from transformers import DataCollatorForLanguageModeling
+
+        seen: list[tuple[str, float | None]] = []
+
+        class Recording(api.Trainer):  # type: ignore[misc, name-defined]
+            def compute_loss(  # type: ignore[no-untyped-def]
+                self, model, inputs, return_outputs=False, num_items_in_batch=None
+            ):
+                if num_items_in_batch is None:
+                    seen.append(("None", None))
+                else:  # user code calls .item() / .to(device) on it
+                    value = num_items_in_batch.to(model.device).item()
+                    seen.append((type(num_items_in_batch).__name__, float(value)))
+                return super().compute_loss(
+                    model,
+                    inputs,
+                    return_outputs=return_outputs,
+                    num_items_in_batch=num_items_in_batch,
+                )
+
+        tok = models.tokenizer()
+        model = getattr(models, builder)(tok, seed=0)
+        train = models.causal_lm_dataset(tok, n=16, seed=0).remove_columns(["text"])
+        trainer = Recording(
+            model=model,
+            args=api.args(
+                out,
+                per_device_train_batch_size=2,
+                gradient_accumulation_steps=2,
+                max_steps=3,
+                logging_steps=1,
+                save_strategy="no",
+            ),
+            train_dataset=train,
+            data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+            callbacks=sbs.callbacks(api),
+        )
+        trainer.train()
+        return {"trainer": trainer, "seen": seen}
+
+    return script
+
+
+def test_compute_loss_override_gets_num_items_as_transformers_passes_it(tmp_path: Path) -> None:
+    theirs, ours = sbs.run_both(compute_loss_override_script("gpt2"), tmp_path)
+    assert theirs.results["seen"] and theirs.results["seen"][0][0] == "Tensor"
+    assert ours.results["seen"] == theirs.results["seen"]
+    assert_runs_match(theirs, ours)
