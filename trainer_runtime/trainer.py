@@ -193,9 +193,11 @@ class _DataPosition:
     def __init__(self) -> None:
         self.epoch = 0
         self.batch = 0
+        # whether this epoch's iterator began (and took its draw of the global RNG)
+        self.started = False
 
     def to_dict(self, kind: str) -> dict[str, Any]:
-        return {"kind": kind, "epoch": self.epoch, "batch": self.batch}
+        return {"kind": kind, "epoch": self.epoch, "batch": self.batch, "started": self.started}
 
 
 class Trainer(
@@ -1158,6 +1160,16 @@ class Trainer(
         """Iterator over the current epoch, positioned ``skip`` micro-batches in."""
         assert self.train_dataloader is not None
         epoch = self._position.epoch
+        private = getattr(self.train_dataloader, "generator", None) is not None
+        if not skip and not self._position.started and private:
+            # transformers' DataLoader draws its base seed from the global torch RNG when an
+            # epoch's iterator starts; ours draws it from its private generator (so a resume
+            # mid-epoch does not shift the global RNG). Take that one draw here, at the start of
+            # an epoch, so dropout and every other use of the global RNG see the same state as
+            # under transformers (a checkpoint of this epoch holds the state after it, and
+            # says so: the position's "started").
+            torch.empty((), dtype=torch.int64).random_()
+        self._position.started = True
         if self.train_sampler is not None:
             self.train_sampler.load_state_dict({"epoch": epoch, "start": skip})
             self._data_iter = self._dispatched(self._epoch_source())
@@ -1258,6 +1270,7 @@ class Trainer(
             return
         self._position.epoch += 1
         self._position.batch = 0
+        self._position.started = False
         if not self._epoch_length_known:
             self._num_batches = None
         self._start_epoch_iterator()
@@ -1267,6 +1280,11 @@ class Trainer(
     def _update_epoch_float(self) -> None:
         if self._num_batches:
             self.state.epoch = self._position.epoch + self._position.batch / self._num_batches
+        elif self.args.max_steps > 0:
+            # An epoch of unknown length (an IterableDataset) counts, as in transformers, as
+            # max_steps * gradient_accumulation_steps micro-batches: fractional epochs.
+            per_epoch = self.args.max_steps * self.args.gradient_accumulation_steps
+            self.state.epoch = self._position.epoch + self._position.batch / per_epoch
         else:
             self.state.epoch = float(self._position.epoch)
 
@@ -1992,10 +2010,12 @@ class Trainer(
             )
         self._position.epoch = int(position.get("epoch", int(self.state.epoch or 0)))
         self._position.batch = batch
+        self._position.started = bool(position.get("started", False))
         if self._num_batches is not None and self._position.batch >= self._num_batches:
             # Saved right at the end of an epoch (its end was already handled): next epoch.
             self._position.epoch += 1
             self._position.batch = 0
+            self._position.started = False
         # Nothing trains on the state before its checksums matched the manifest.
         reader.wait_verified()
         self.last_checkpoint = info

@@ -66,13 +66,14 @@ def _ids(tok: Any) -> dict[str, int]:
     }
 
 
-def gpt2(tok: Any, seed: int = 0) -> Any:
+def gpt2(tok: Any, seed: int = 0, dropout: float = 0.0) -> Any:
+    """``dropout`` > 0 for the scripts that check the global RNG stream (dropout masks)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     cfg = GPT2Config(
-        n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, **_ids(tok),
+        n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=dropout, embd_pdrop=dropout,
+        attn_pdrop=dropout, **_ids(tok),
     )  # fmt: skip
     return GPT2LMHeadModel(cfg)
 

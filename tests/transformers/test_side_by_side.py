@@ -391,3 +391,74 @@ def test_compute_loss_override_gets_num_items_as_transformers_passes_it(tmp_path
     assert theirs.results["seen"] and theirs.results["seen"][0][0] == "Tensor"
     assert ours.results["seen"] == theirs.results["seen"]
     assert_runs_match(theirs, ours)
+
+
+def dropout_script(api: sbs.Api, out: Path) -> dict[str, Any]:
+    """Dropout on: every step's loss depends on the global torch RNG stream, which must be the
+    same under both Trainers from the first step on (transformers' DataLoader draws its base
+    seed from it when an epoch's iterator starts)."""
+    from transformers import DataCollatorForLanguageModeling
+
+    tok = models.tokenizer()
+    model = models.gpt2(tok, seed=0, dropout=0.2)
+    train = models.causal_lm_dataset(tok, n=12, seed=0).remove_columns(["text"])
+    trainer = api.Trainer(
+        model=model,
+        args=api.args(
+            out,
+            per_device_train_batch_size=4,
+            num_train_epochs=2,  # a second epoch: its iterator draws again
+            logging_steps=1,
+            save_strategy="no",
+        ),
+        train_dataset=train,
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+        callbacks=sbs.callbacks(api),
+    )
+    trainer.train()
+    return {"trainer": trainer}
+
+
+def test_dropout_masks_match_from_the_first_step(tmp_path: Path) -> None:
+    theirs, ours = sbs.run_both(dropout_script, tmp_path)
+    assert len(theirs.train_logs()) == 6
+    assert_runs_match(theirs, ours)
+
+
+def iterable_script(api: sbs.Api, out: Path) -> dict[str, Any]:
+    """A streamed dataset (an IterableDataset without a length) shorter than max_steps: epochs
+    are fractional, counted in max_steps * gradient_accumulation_steps micro-batches."""
+    from transformers import DataCollatorForLanguageModeling
+
+    tok = models.tokenizer()
+    model = models.gpt2(tok, seed=0)
+    rows = list(models.causal_lm_dataset(tok, n=20, seed=0).remove_columns(["text"]))
+
+    class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            return iter(rows)
+
+    trainer = api.Trainer(
+        model=model,
+        args=api.args(
+            out,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=7,  # 5 steps per pass: a second pass begins
+            logging_steps=1,
+            save_strategy="no",
+        ),
+        train_dataset=Stream(),
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+        callbacks=sbs.callbacks(api),
+    )
+    trainer.train()
+    return {"trainer": trainer}
+
+
+def test_iterable_dataset_logs_fractional_epochs(tmp_path: Path) -> None:
+    theirs, ours = sbs.run_both(iterable_script, tmp_path)
+    epochs = [e["epoch"] for e in theirs.train_logs()]
+    assert epochs[0] == pytest.approx(1 / 7) and epochs[-1] > 1.0, epochs
+    assert [e["epoch"] for e in ours.train_logs()] == pytest.approx(epochs)
+    assert_runs_match(theirs, ours)

@@ -343,6 +343,14 @@ def build_train_dataloader(
             model_input_name=model_input_name,
             parallelism=parallelism,
         )
+    if strategy == "group_by_length" and rank == 0:
+        # Kept deliberately (docs/trainer.md, "Differences from transformers"): said at start.
+        logger.warning(
+            "train_sampling_strategy='group_by_length': the batch order differs from "
+            "transformers' with the same seed (ours is drawn from data_seed=%d so that a resume "
+            "mid-epoch restores it exactly; transformers draws it from the global torch RNG)",
+            seed,
+        )
     factory = BATCH_SAMPLERS.get(strategy)
     if factory is None:
         raise ConfigurationError(

@@ -255,3 +255,18 @@ def test_iterable_dataset_state_only_without_workers() -> None:
     assert iterable_dataset_state(WithState(), num_workers=0) == {"position": 3}
     assert iterable_dataset_state(WithState(), num_workers=2) is None
     assert iterable_dataset_state(Stream(), num_workers=0) is None
+
+
+@pytest.mark.parametrize(("strategy", "warned"), [("group_by_length", True), ("random", False)])
+def test_group_by_length_says_its_order_differs_from_transformers(
+    strategy: str, warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="trainer_runtime.data.arguments"):
+        build_train_dataloader(
+            CountingDataset([3, 1, 2, 5]),
+            Args(train_sampling_strategy=strategy),
+            collate_fn=PaddingCollator(),
+            seed=7,
+        )
+    said = "differs from transformers' with the same seed" in caplog.text
+    assert said is warned, caplog.text

@@ -257,6 +257,7 @@ def test_checkpoint_layout_and_trainer_state(
         "kind": "map",
         "epoch": 0,
         "batch": 6,
+        "started": True,  # the epoch's iterator began (its draw of the global RNG is taken)
         "strategy": "random",
         "batch_size": 4,
         "world_size": 1,
