@@ -7,9 +7,13 @@ interrupt a collective or a half-written file.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import socket
+import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +29,7 @@ from trainer_runtime.protocol import (
 )
 
 __all__ = [
+    "ArrivalStamps",
     "SigtermLatch",
     "float_from_env",
     "grace_seconds_from_env",
@@ -71,6 +76,84 @@ def node_notice_from_env() -> float | None:
     return float_from_env(ENV_NODE_NOTICE_SECONDS, None)
 
 
+# Linux's SO_TIMESTAMP (not exported by Python's socket module): the kernel stamps each
+# datagram with the wall-clock time it was sent.
+_SO_TIMESTAMP = 29
+
+
+class ArrivalStamps:
+    """When signals really arrived, even if the Python handler ran much later.
+
+    CPython's C-level signal handler writes the signal number to the "wakeup fd" at once, while
+    the Python handler only runs when the main thread returns to the interpreter: after a long
+    C call (an NCCL collective, a CUDA synchronisation) that can be seconds later, and a
+    deadline counted from then would be too generous. The wakeup fd here is one end of a
+    datagram socket pair whose other end has ``SO_TIMESTAMP`` on, so the kernel stamps the
+    byte when the C handler wrote it; :meth:`take` reads that stamp. Linux only; not used when
+    another wakeup fd is already installed (an asyncio loop's), which is left in place.
+    """
+
+    def __init__(self) -> None:
+        self._reader: socket.socket | None = None
+        self._writer: socket.socket | None = None
+
+    def install(self) -> bool:
+        """Become the process's wakeup fd (main thread only); False when that cannot be."""
+        if self._reader is not None:
+            return True
+        if not sys.platform.startswith("linux"):
+            return False
+        try:
+            reader, writer = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        except OSError:
+            return False
+        try:
+            reader.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMP, 1)
+            reader.setblocking(False)
+            writer.setblocking(False)
+            previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        except (OSError, ValueError):
+            reader.close()
+            writer.close()
+            return False
+        if previous != -1:  # someone else's (asyncio): theirs stays
+            signal.set_wakeup_fd(previous)
+            reader.close()
+            writer.close()
+            return False
+        self._reader, self._writer = reader, writer
+        return True
+
+    def uninstall(self) -> None:
+        if self._reader is None or self._writer is None:
+            return
+        with contextlib.suppress(ValueError):  # not the main thread: leave it
+            current = signal.set_wakeup_fd(-1)
+            if current not in (-1, self._writer.fileno()):
+                signal.set_wakeup_fd(current)  # installed after ours: not ours to remove
+        self._reader.close()
+        self._writer.close()
+        self._reader = self._writer = None
+
+    def take(self, signum: int) -> float | None:
+        """The wall-clock time the first pending ``signum`` arrived (earlier ones of other
+        signals are consumed); None when there is none or no stamp."""
+        if self._reader is None:
+            return None
+        found: float | None = None
+        while True:
+            try:
+                data, ancillary, _, _ = self._reader.recvmsg(16, socket.CMSG_SPACE(16))
+            except (BlockingIOError, InterruptedError, OSError):
+                return found
+            if found is not None or not data or data[0] != signum:
+                continue
+            for level, kind, payload in ancillary:
+                if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMP and len(payload) >= 16:
+                    seconds, micros = struct.unpack("qq", payload[:16])
+                    found = seconds + micros / 1e6
+
+
 class SigtermLatch:
     """Records the monotonic time of the first SIGTERM; later signals never reset it.
 
@@ -98,6 +181,7 @@ class SigtermLatch:
         self.count = 0
         self._previous: Any = None
         self._installed = False
+        self._stamps = ArrivalStamps()
 
     # -- signal plumbing
     def install(self) -> bool:
@@ -108,6 +192,7 @@ class SigtermLatch:
             logger.warning("SIGTERM handler not installed: train() is not in the main thread")
             return False
         self._previous = signal.signal(self.signum, self._handle)
+        self._stamps.install()
         self._installed = True
         return True
 
@@ -119,18 +204,29 @@ class SigtermLatch:
             signal.signal(
                 self.signum, self._previous if self._previous is not None else signal.SIG_DFL
             )
+            self._stamps.uninstall()
         self._installed = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        # Keep the handler trivial: record, nothing else (no I/O, no locks).
-        self.trigger()
+        # Keep the handler trivial: record, nothing else (one non-blocking read, no locks).
+        self.trigger(arrived_wall=self._stamps.take(signum))
 
     # -- state
-    def trigger(self) -> None:
-        """Record a SIGTERM (what the handler does; tests call it directly)."""
+    def trigger(self, arrived_wall: float | None = None) -> None:
+        """Record a SIGTERM (what the handler does; tests call it directly). ``arrived_wall``:
+        the wall-clock time the signal really arrived (the kernel's stamp), when known; the
+        latch then counts from it, not from when the handler ran."""
         self.count += 1
         if self.received_at is None:
-            self.received_at = self.clock()
+            now = self.clock()
+            late = max(0.0, time.time() - arrived_wall) if arrived_wall is not None else 0.0
+            self.received_at = now - late
+            if late > 0.5:
+                logger.warning(
+                    "SIGTERM arrived %.2f s before its handler could run (the main thread was "
+                    "in a long call); the deadline counts from its arrival",
+                    late,
+                )
 
     @property
     def triggered(self) -> bool:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -92,3 +96,52 @@ def test_real_sigterm_sets_latch_and_handler_is_restored() -> None:
         assert latch.count == 2
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="kernel stamps: Linux only")
+def test_a_sigterm_during_a_long_c_call_counts_from_its_arrival() -> None:
+    """The main thread is inside one long C call (sorting holds the GIL and never checks for
+    signals, like an NCCL collective or a CUDA synchronisation) when SIGTERM arrives: the Python
+    handler runs only after it, but the latch counts from the arrival (the kernel's stamp)."""
+    data = [random.random() for _ in range(3_000_000)]
+    sender = subprocess.Popen(
+        ["sh", "-c", f"read go; kill -TERM {os.getpid()}"], stdin=subprocess.PIPE
+    )
+    latch = SigtermLatch(kill_wait=0.0)
+    with latch:
+        assert sender.stdin is not None
+        sender.stdin.write(b"go\n")
+        sender.stdin.flush()
+        started = time.monotonic()
+        data.sort()  # SIGTERM arrives in here (the sender needs milliseconds, the sort ~1 s)
+        ended = time.monotonic()
+        for _ in range(1000):  # the handler runs at the next bytecode boundary
+            if latch.triggered:
+                break
+        sender.wait(10)
+        assert latch.triggered and latch.received_at is not None
+        # counted from inside the sort, not from its end
+        assert started <= latch.received_at < ended - 0.25 * (ended - started), (
+            started,
+            latch.received_at,
+            ended,
+        )
+
+
+def test_another_wakeup_fd_is_left_in_place() -> None:
+    import socket
+
+    from trainer_runtime.signals import ArrivalStamps
+
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    previous = signal.set_wakeup_fd(writer.fileno())
+    try:
+        stamps = ArrivalStamps()
+        assert stamps.install() is False  # e.g. an asyncio loop's: not replaced
+        assert signal.set_wakeup_fd(writer.fileno()) == writer.fileno()
+        assert stamps.take(signal.SIGTERM) is None
+    finally:
+        signal.set_wakeup_fd(previous)
+        reader.close()
+        writer.close()
