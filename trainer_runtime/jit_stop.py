@@ -35,6 +35,10 @@ __all__ = ["EvaluationAbandoned", "JitStopMixin", "StepSnapshot", "save_interval
 
 logger = logging.getLogger(__name__)
 
+# Seconds kept before the deadline when waiting for a background write without a JIT save:
+# the commit, the termination message and the exit still have to happen.
+_DEADLINE_MARGIN = 2.0
+
 # Key of the runtime record (preemptible_state.json) that marks an abandoned evaluation.
 PENDING_EVALUATION = "pending_evaluation"
 
@@ -156,8 +160,9 @@ class JitStopMixin:
 
     # -- the save must fit the deadline --------------------------------------------------------
     def _save_estimate(self) -> float | None:
-        """The longest save seen (earlier attempts included), or None before any."""
-        return self.save_timer.max  # type: ignore[attr-defined]
+        """What a JIT save is expected to take: the longest of the recent saves that blocked
+        training (earlier attempts included; background writes not), or None before any."""
+        return self.save_timer.jit_estimate  # type: ignore[attr-defined]
 
     def _save_fits_deadline(self) -> bool:
         """All ranks agree whether the JIT save can finish before the deadline. A step that is
@@ -187,8 +192,27 @@ class JitStopMixin:
             f"step {last.step if last else 0}"
         )
         logger.error("DEADLINE TOO SHORT: %s", self._deadline_message)
+        self._settle_async_save_before(left)
         self.preempted = True
         self.control.should_training_stop = True  # type: ignore[attr-defined]
+
+    def _settle_async_save_before(self, seconds_left: float | None) -> None:
+        """No JIT save: a background write in flight is committed if every rank's finishes
+        within the time left (a newer complete checkpoint), else cancelled; never waited for
+        past the deadline."""
+        save = getattr(self, "_async_save", None)
+        if save is None:
+            return
+        budget = None if seconds_left is None else max(0.0, seconds_left - _DEADLINE_MARGIN)
+        save.wait(budget)
+        if collectives.agree_to_stop(not save.done()):
+            logger.warning(
+                "the background write of %s cannot finish before the deadline: cancelled",
+                save.writer.path,
+            )
+            self._abandon_async_save()  # type: ignore[attr-defined]
+            return
+        self._commit_async_save()  # type: ignore[attr-defined]
 
     # -- evaluation during training ------------------------------------------------------------
     def _evaluate_during_training(self, skip_scheduler: bool = False) -> dict[str, float]:

@@ -128,6 +128,12 @@ class SaveTimings(BaseModel):
     last: float | None = None
     max: float | None = None
     count: int = 0
+    recent_blocking: list[float] = Field(
+        default_factory=list,
+        description="The last few saves that blocked training (JIT saves and periodic saves "
+        "without save_async), newest last: what a JIT save is expected to take. Background "
+        "writes are not in it (measured while training competed for CPU and disk).",
+    )
 
 
 class TerminationMessage(BaseModel):

@@ -35,6 +35,7 @@ __all__ = [
     "grace_seconds_from_env",
     "kill_wait_from_env",
     "node_notice_from_env",
+    "process_stamps",
 ]
 
 logger = logging.getLogger(__name__)
@@ -90,68 +91,81 @@ class ArrivalStamps:
     deadline counted from then would be too generous. The wakeup fd here is one end of a
     datagram socket pair whose other end has ``SO_TIMESTAMP`` on, so the kernel stamps the
     byte when the C handler wrote it; :meth:`take` reads that stamp. Linux only; not used when
-    another wakeup fd is already installed (an asyncio loop's), which is left in place.
+    another wakeup fd is installed (an asyncio loop's), which is left in place.
+
+    One pair serves the whole process (:func:`process_stamps`) and stays open until it exits:
+    the wakeup fd is process-wide, and one left pointing at a closed descriptor would make the
+    C handler write into whatever file reuses that number.
     """
 
     def __init__(self) -> None:
         self._reader: socket.socket | None = None
         self._writer: socket.socket | None = None
+        self._first: dict[int, float] = {}  # signal -> its earliest stamp read, not yet taken
 
-    def install(self) -> bool:
-        """Become the process's wakeup fd (main thread only); False when that cannot be."""
+    def _open(self) -> bool:
         if self._reader is not None:
             return True
-        if not sys.platform.startswith("linux"):
-            return False
         try:
             reader, writer = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-        except OSError:
-            return False
-        try:
             reader.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMP, 1)
             reader.setblocking(False)
             writer.setblocking(False)
-            previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-        except (OSError, ValueError):
-            reader.close()
-            writer.close()
-            return False
-        if previous != -1:  # someone else's (asyncio): theirs stays
-            signal.set_wakeup_fd(previous)
-            reader.close()
-            writer.close()
+        except OSError:
             return False
         self._reader, self._writer = reader, writer
         return True
 
-    def uninstall(self) -> None:
-        if self._reader is None or self._writer is None:
-            return
-        with contextlib.suppress(ValueError):  # not the main thread: leave it
-            current = signal.set_wakeup_fd(-1)
-            if current not in (-1, self._writer.fileno()):
-                signal.set_wakeup_fd(current)  # installed after ours: not ours to remove
-        self._reader.close()
-        self._writer.close()
-        self._reader = self._writer = None
+    def install(self) -> bool:
+        """Be the process's wakeup fd (main thread only), dropping stale stamps; False when
+        that cannot be (not Linux, or another wakeup fd is installed: that one stays)."""
+        if not sys.platform.startswith("linux") or not self._open():
+            return False
+        assert self._writer is not None
+        mine = self._writer.fileno()
+        try:
+            previous = signal.set_wakeup_fd(mine, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread
+            return False
+        if previous not in (-1, mine):  # someone else's (asyncio): theirs stays
+            with contextlib.suppress(ValueError, OSError):
+                signal.set_wakeup_fd(previous)
+            return False
+        self.poll()
+        self._first.clear()  # what arrived before this install is not ours to count
+        return True
 
-    def take(self, signum: int) -> float | None:
-        """The wall-clock time the first pending ``signum`` arrived (earlier ones of other
-        signals are consumed); None when there is none or no stamp."""
+    def poll(self) -> None:
+        """Read every pending byte (non-blocking), keeping each signal's earliest stamp. Called
+        at step boundaries too, so that other signals' bytes (a DataLoader's SIGCHLD) never
+        fill the socket's buffer, where a later SIGTERM's byte would be dropped."""
         if self._reader is None:
-            return None
-        found: float | None = None
+            return
         while True:
             try:
                 data, ancillary, _, _ = self._reader.recvmsg(16, socket.CMSG_SPACE(16))
-            except (BlockingIOError, InterruptedError, OSError):
-                return found
-            if found is not None or not data or data[0] != signum:
+            except OSError:  # BlockingIOError: nothing left
+                return
+            if not data or data[0] in self._first:
                 continue
             for level, kind, payload in ancillary:
                 if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMP and len(payload) >= 16:
                     seconds, micros = struct.unpack("qq", payload[:16])
-                    found = seconds + micros / 1e6
+                    self._first[data[0]] = seconds + micros / 1e6
+
+    def take(self, signum: int) -> float | None:
+        """The wall-clock time the earliest ``signum`` not yet taken arrived; None when none
+        was stamped."""
+        self.poll()
+        return self._first.pop(signum, None)
+
+
+_PROCESS_STAMPS = ArrivalStamps()
+
+
+def process_stamps() -> ArrivalStamps:
+    """The process's :class:`ArrivalStamps` (see there: one pair, kept open)."""
+    return _PROCESS_STAMPS
 
 
 class SigtermLatch:
@@ -181,7 +195,7 @@ class SigtermLatch:
         self.count = 0
         self._previous: Any = None
         self._installed = False
-        self._stamps = ArrivalStamps()
+        self._stamps = process_stamps()
 
     # -- signal plumbing
     def install(self) -> bool:
@@ -204,7 +218,6 @@ class SigtermLatch:
             signal.signal(
                 self.signum, self._previous if self._previous is not None else signal.SIG_DFL
             )
-            self._stamps.uninstall()
         self._installed = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -240,6 +253,8 @@ class SigtermLatch:
 
     def should_act(self) -> bool:
         """True once a SIGTERM arrived and ``kill_wait`` seconds have passed since."""
+        if self.received_at is None and self._installed:
+            self._stamps.poll()  # keep the wakeup socket drained (see ArrivalStamps.poll)
         elapsed = self.elapsed()
         return elapsed is not None and elapsed >= self.kill_wait
 

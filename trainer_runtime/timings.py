@@ -82,27 +82,51 @@ class StepTimer:
             self._window.append(model.p99)
 
 
+# Blocking saves a JIT save's estimate is taken from (the newest ones, earlier attempts included).
+RECENT_BLOCKING_SAVES = 5
+
+
 class SaveTimer:
-    """Last and max checkpoint save wall times."""
+    """Checkpoint save wall times: last and all-time max (the operator's grace rule takes the
+    max), and the last few saves that blocked training (what a JIT save is expected to take)."""
 
     def __init__(self) -> None:
         self.last: float | None = None
         self.max: float | None = None
         self.count = 0
+        self.recent_blocking: list[float] = []
 
-    def record(self, seconds: float) -> None:
+    def record(self, seconds: float, *, blocking: bool = True) -> None:
+        """``blocking=False``: a background write, measured while training competed with it for
+        CPU and disk: it counts for the max, not for the JIT estimate."""
         self.last = seconds
         self.max = seconds if self.max is None else max(self.max, seconds)
         self.count += 1
+        if blocking:
+            self.recent_blocking = [*self.recent_blocking, seconds][-RECENT_BLOCKING_SAVES:]
+
+    @property
+    def jit_estimate(self) -> float | None:
+        """How long a JIT save is expected to take: the longest of the recent blocking saves;
+        None before any (then nothing says a save cannot fit). Not the all-time max, so one slow
+        save long ago (a cold cache, a slow moment of shared storage) cannot switch JIT saves off
+        for good."""
+        return max(self.recent_blocking) if self.recent_blocking else None
 
     def to_model(self) -> SaveTimings:
-        return SaveTimings(last=self.last, max=self.max, count=self.count)
+        return SaveTimings(
+            last=self.last,
+            max=self.max,
+            count=self.count,
+            recent_blocking=list(self.recent_blocking),
+        )
 
     def load(self, data: dict[str, Any] | SaveTimings | None) -> None:
         if data is None:
             return
         model = data if isinstance(data, SaveTimings) else SaveTimings.model_validate(data)
         self.last, self.max, self.count = model.last, model.max, model.count
+        self.recent_blocking = list(model.recent_blocking)[-RECENT_BLOCKING_SAVES:]
 
 
 def timings_record(

@@ -1400,12 +1400,13 @@ class Trainer(
                 self.state.global_step,
             )
         left = latch.seconds_left()
-        if left is not None and self.save_timer.max is not None and left < self.save_timer.max:
+        estimate = self._save_estimate()
+        if left is not None and estimate is not None and left < estimate:
             logger.error(
-                "GRACE PERIOD TOO SHORT: %.2f s left before the deadline, the longest save took "
-                "%.2f s; the checkpoint of step %d may not finish (raise the grace period)",
+                "GRACE PERIOD TOO SHORT: %.2f s left before the deadline, recent saves took up "
+                "to %.2f s; the checkpoint of step %d may not finish (raise the grace period)",
                 left,
-                self.save_timer.max,
+                estimate,
                 self.state.global_step,
             )
         self.save_checkpoint(jit=True)
@@ -1422,7 +1423,7 @@ class Trainer(
         self.control.should_training_stop = True
 
     # -- checkpoints -------------------------------------------------------------------------------
-    def _preemptible_record(self, jit: bool) -> dict[str, Any]:
+    def _preemptible_record(self, jit: bool, background: bool = False) -> dict[str, Any]:
         elapsed = self.sigterm_latch.elapsed() if jit and self.sigterm_latch else None
         kind = "iterable" if self.train_sampler is None else "map"
         position = {**self._position.to_dict(kind), **self._data_layout()}
@@ -1436,6 +1437,9 @@ class Trainer(
                 micro_batch_timer=self.micro_batch_timer,
             ),
             "data_position": position,
+            # how this save was written: its time (the manifest's) is a JIT estimate only when
+            # it blocked training, not for a background write
+            "save_kind": "jit" if jit else ("background" if background else "blocking"),
         }
 
     def _data_layout(self) -> dict[str, Any]:
@@ -1553,16 +1557,19 @@ class Trainer(
             state = self.state.to_dict()
             state.pop(PREEMPTIBLE_KEY, None)
             entries.append((TRAINER_STATE_NAME, _json_bytes(state), False))
-            record = lambda: _json_bytes(self._preemptible_record(jit))  # noqa: E731
+            record = lambda: _json_bytes(self._preemptible_record(jit, snapshot))  # noqa: E731
             entries.append((RUNTIME_STATE_NAME, record() if snapshot else record, False))
         if snapshot:
             buffers = self._snapshot_buffers
             entries = [(n, snapshot_entry(n, d, buffers), r) for n, d, r in entries]
         return entries
 
-    def _after_checkpoint_commit(self, info: CheckpointInfo, seconds: float) -> None:
-        """Every rank, once a checkpoint is committed: timings, rotation, on_save."""
-        self.save_timer.record(seconds)
+    def _after_checkpoint_commit(
+        self, info: CheckpointInfo, seconds: float, *, blocking: bool = True
+    ) -> None:
+        """Every rank, once a checkpoint is committed: timings, rotation, on_save.
+        ``blocking=False``: a background write (it does not set the JIT save estimate)."""
+        self.save_timer.record(seconds, blocking=blocking)
         self.last_checkpoint = info
         logger.info("saved %s in %.3f s", info.path, self.save_timer.last or 0.0)
         # save_total_limit keeps the best checkpoint too; save_strategy="best" drops stale bests.
@@ -1662,7 +1669,9 @@ class Trainer(
             )
         committing = time.perf_counter()
         info = save.writer.commit(self._manifest_extra())
-        self._after_checkpoint_commit(info, save.seconds + time.perf_counter() - committing)
+        self._after_checkpoint_commit(
+            info, save.seconds + time.perf_counter() - committing, blocking=False
+        )
 
     def _settle_async_save(self, *, jit: bool) -> float:
         """Before a save: at most one write in flight. A periodic save waits for the one in
@@ -1908,7 +1917,8 @@ class Trainer(
         self.micro_batch_timer.load(record.get("micro_batch_seconds"))
         if info.save_seconds is not None:
             # our record is written before its own save is timed; the manifest knows.
-            self.save_timer.record(info.save_seconds)
+            blocking = record.get("save_kind") != "background"
+            self.save_timer.record(info.save_seconds, blocking=blocking)
         self.sigterm_to_exit = [float(x) for x in record.get("sigterm_to_exit_seconds") or []]
 
         assert self.optimizer is not None and self.lr_scheduler is not None

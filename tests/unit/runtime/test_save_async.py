@@ -211,3 +211,49 @@ def test_save_async_refused_where_the_writer_is_collective(
 ) -> None:
     with pytest.raises(ConfigurationError, match=f"save_async=True.*{match}"):
         resolve_save_async(args, operator=True, world_size=2, fsdp=fsdp)
+
+
+def test_a_slow_background_write_does_not_switch_jit_saves_off(
+    tmp_path: Path, slow_writer: list[tuple[int, str]]
+) -> None:
+    """Background writes compete with training for CPU and disk: their time is not what a JIT
+    save takes, so it must not make a JIT save "not fit" (it used to: one slow background write
+    turned every later JIT stop into deadline_too_short)."""
+    # checkpoint-4 is written in the background (0.1 s per file) and committed when the save of
+    # step 8 begins; SIGTERM after step 9, with 0.3 s of grace
+    trainer, _ = jit_trainer(
+        tmp_path / "out", "on_step_end", 9, grace=0.3, save_async=True, save_steps=4
+    )
+    trainer.train()
+    assert slow_writer, "the periodic save was not written in the background"
+    assert trainer.save_timer.count >= 2  # the background checkpoint-4, the JIT checkpoint-9
+    assert trainer.save_timer.max is not None and trainer.save_timer.max > 0.3
+    assert trainer.preempted and trainer._jit_stop_kind != "no_save"
+    latest = CheckpointStore(str(tmp_path / "out")).latest_complete()
+    assert latest is not None and latest.step == 9, latest
+    # the JIT save blocked training: it is what the next JIT estimate comes from
+    assert trainer.save_timer.recent_blocking and trainer.save_timer.jit_estimate is not None
+
+
+def test_without_a_jit_save_a_background_write_is_not_waited_for_past_the_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = CheckpointWriter.write_entry
+
+    def very_slow(self: CheckpointWriter, filename: str, data: Any, **kw: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(2.0)  # the background write of checkpoint-4 takes many seconds
+        real(self, filename, data, **kw)
+
+    monkeypatch.setattr(CheckpointWriter, "write_entry", very_slow)
+    trainer, _ = jit_trainer(
+        tmp_path / "out", "on_step_end", 5, grace=3.0, save_async=True, save_steps=4
+    )
+    trainer.save_timer.record(60.0)  # a blocking save took a minute: no JIT save fits 3 s
+    started = time.monotonic()
+    trainer.train()
+    # SIGTERM at the end of step 5: 3 s of grace, 2 s kept for the exit: about 1 s of waiting
+    assert time.monotonic() - started < 8.0
+    assert trainer.preempted and trainer._jit_stop_kind == "no_save"
+    store = CheckpointStore(str(tmp_path / "out"))
+    assert store.latest_complete() is None  # the write in flight was cancelled, not committed

@@ -103,7 +103,7 @@ def test_a_sigterm_during_a_long_c_call_counts_from_its_arrival() -> None:
     """The main thread is inside one long C call (sorting holds the GIL and never checks for
     signals, like an NCCL collective or a CUDA synchronisation) when SIGTERM arrives: the Python
     handler runs only after it, but the latch counts from the arrival (the kernel's stamp)."""
-    data = [random.random() for _ in range(3_000_000)]
+    data = [random.random() for _ in range(4_000_000)]
     sender = subprocess.Popen(
         ["sh", "-c", f"read go; kill -TERM {os.getpid()}"], stdin=subprocess.PIPE
     )
@@ -141,7 +141,45 @@ def test_another_wakeup_fd_is_left_in_place() -> None:
         assert stamps.install() is False  # e.g. an asyncio loop's: not replaced
         assert signal.set_wakeup_fd(writer.fileno()) == writer.fileno()
         assert stamps.take(signal.SIGTERM) is None
+        # once theirs is gone, the next install takes the place
+        signal.set_wakeup_fd(-1)
+        assert stamps.install() is True
     finally:
         signal.set_wakeup_fd(previous)
         reader.close()
         writer.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="kernel stamps: Linux only")
+def test_other_signals_never_crowd_out_the_sigterm_stamp() -> None:
+    """Other Python-handled signals (a DataLoader's SIGCHLD) write to the same wakeup socket;
+    the latch drains it at every step boundary, so a SIGTERM's byte still finds room."""
+    previous = signal.signal(signal.SIGUSR1, lambda *_: None)
+    latch = SigtermLatch(kill_wait=0.0)
+    stamps: list[float | None] = []
+    take = latch._stamps.take
+
+    def recording_take(signum: int) -> float | None:
+        stamps.append(take(signum))
+        return stamps[-1]
+
+    latch._stamps.take = recording_take  # type: ignore[method-assign]
+    try:
+        with latch:
+            for _ in range(20):
+                for _ in range(200):  # far more than the socket's buffer holds at once
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                assert not latch.should_act()  # a step boundary: drains
+            before = time.monotonic()
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):
+                if latch.triggered:
+                    break
+            assert latch.received_at is not None
+            # the SIGTERM's byte found room and was stamped, near when it was sent
+            assert len(stamps) == 1 and stamps[0] is not None, stamps
+            assert abs(latch.received_at - before) < 0.5
+            assert signal.SIGTERM not in latch._stamps._first  # taken by the handler
+    finally:
+        del latch._stamps.take
+        signal.signal(signal.SIGUSR1, previous)

@@ -49,7 +49,35 @@ def test_save_timer() -> None:
     assert timer.to_model() == SaveTimings()
     timer.record(2.0)
     timer.record(1.0)
-    assert timer.to_model() == SaveTimings(last=1.0, max=2.0, count=2)
+    assert timer.to_model() == SaveTimings(last=1.0, max=2.0, count=2, recent_blocking=[2.0, 1.0])
     again = SaveTimer()
-    again.load({"last": 1.0, "max": 2.0, "count": 2})
+    again.load({"last": 1.0, "max": 2.0, "count": 2, "recent_blocking": [2.0, 1.0]})
     assert again.to_model() == timer.to_model()
+    older = SaveTimer()  # a record written before recent_blocking existed
+    older.load({"last": 1.0, "max": 2.0, "count": 2})
+    assert older.jit_estimate is None and older.max == 2.0
+
+
+@pytest.mark.parametrize(
+    ("saves", "estimate", "maximum"),
+    [
+        ([], None, None),
+        # background writes count for the max (the grace rule), never for the JIT estimate
+        ([(9.0, False)], None, 9.0),
+        ([(2.0, True), (9.0, False)], 2.0, 9.0),
+        # the longest of the last five blocking saves: an old slow one ages out
+        ([(30.0, True), *[(1.0, True)] * 5], 1.0, 30.0),
+        ([(30.0, True), *[(1.0, True)] * 4], 30.0, 30.0),
+        ([(1.0, True), (3.0, True), (2.0, True)], 3.0, 3.0),
+    ],
+)
+def test_jit_estimate_from_recent_blocking_saves(
+    saves: list[tuple[float, bool]], estimate: float | None, maximum: float | None
+) -> None:
+    timer = SaveTimer()
+    for seconds, blocking in saves:
+        timer.record(seconds, blocking=blocking)
+    assert (timer.jit_estimate, timer.max) == (estimate, maximum)
+    again = SaveTimer()  # carried across attempts in the checkpoint's record
+    again.load(timer.to_model().model_dump())
+    assert (again.jit_estimate, again.max, again.count) == (estimate, maximum, len(saves))
