@@ -1843,6 +1843,15 @@ class Trainer(
             "the number of optimizer steps to train"
         )
 
+    def get_resumed_dataloader(self, dataloader: DataLoader, num_batches: int) -> DataLoader:
+        """A DataLoader that skips its first ``num_batches`` batches (accelerate's
+        ``skip_first_batches``), as transformers' Trainer returns it. Our loop restores a
+        mid-epoch position through its resumable sampler (no batch is read twice) and skips
+        the batches of a custom loader itself; this method is for subclasses and scripts."""
+        from accelerate import skip_first_batches
+
+        return skip_first_batches(dataloader, num_batches)  # type: ignore[no-any-return]
+
     def get_batch_samples(
         self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
     ) -> tuple[list[Any], torch.Tensor | None]:

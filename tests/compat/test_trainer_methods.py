@@ -529,3 +529,14 @@ class _FirstStepProbe:
     def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
         if not self.seen:
             self.seen.append(self.read())
+
+
+def test_get_resumed_dataloader_skips_like_transformers() -> None:
+    from torch.utils.data import DataLoader
+
+    def batches(trainer_cls: type) -> list[list[int]]:
+        loader = DataLoader(list(range(10)), batch_size=2)
+        resumed = trainer_cls.get_resumed_dataloader(None, loader, 2)  # self is unused
+        return [b.tolist() for b in resumed]
+
+    assert batches(Trainer) == batches(transformers.Trainer) == [[4, 5], [6, 7], [8, 9]]
