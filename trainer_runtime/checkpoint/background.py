@@ -23,11 +23,14 @@ import json
 import logging
 import threading
 import time
+import traceback
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from trainer_runtime.checkpoint.safetensors_stream import Cancelled, TensorFile
+from trainer_runtime.checkpoint.staging import CopyEngine, HeldBytes, copies_for, host_buffer
 from trainer_runtime.errors import ConfigurationError
 
 __all__ = [
@@ -46,30 +49,104 @@ def json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
-class SnapshotBuffers:
-    """Host buffers the state is copied into at each background save, kept between saves.
+# Each tensor of a snapshot starts on a page of its buffer: aligned for any dtype and for DMA;
+# what it costs is under 4 KiB a tensor (about 4 MB for a 7B model's weights and AdamW state).
+_ALIGN = 4096
 
-    The first snapshot allocates (and the kernel zero-fills) its memory; later ones copy into
-    the same buffers, which is a plain memory copy. Reused only once the write that used them is
-    over (at most one write is in flight). Tensors on an accelerator get pinned buffers, so the
-    device-to-host copy runs at full speed.
+
+class SnapshotBuffers:
+    """Host memory the state is copied into at each background save.
+
+    Each file's tensors are copied into one buffer of exactly their size
+    (:func:`~trainer_runtime.checkpoint.staging.host_buffer`: whole pages, never rounded up to
+    a power of two), split into views, one per tensor: pinned
+    (``cudaHostRegister``) for tensors on a CUDA device, so the copies run on a side stream at
+    full speed, then one wait; ordinary memory for CPU tensors. Memory is bounded by the
+    entries this rank snapshots.
+
+    ``keep`` (``TrainingArguments.save_async_keep_snapshot``) says what happens to a buffer
+    once the write that uses it is over:
+
+    * ``False``: nothing is kept here; a buffer lives as long as the snapshot's tensors, which
+      :class:`BackgroundSave` drops once this rank's files are written: the memory goes back to
+      the OS before the next save, which maps (and, on a GPU, pins) fresh memory;
+    * ``True``: each file's buffer is kept and reused by the next snapshot of the same file
+      when the tensors' names, dtypes and shapes are the same (at most one write is in flight,
+      so it is free by then): later snapshots are a plain copy into warm memory, for holding a
+      copy of the state for the whole run;
+    * ``None`` (the default): kept for CPU tensors (ordinary memory, which training would
+      otherwise fault in afresh at every save: 4-5 times the stall), given back for tensors on
+      a GPU (pinned memory, which the OS can never reclaim).
     """
 
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+    def __init__(self, keep: bool | None = None) -> None:
+        self.keep = keep
+        self._kept: dict[tuple[str, bool], tuple[tuple[Any, ...], torch.Tensor]] = {}
+        self._held = HeldBytes()
+
+    def snapshot(self, name: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copies of ``tensors`` (the file ``name``) in host memory, views of one buffer per
+        kind of memory (pinned for CUDA tensors, ordinary for the rest)."""
+        out: dict[str, torch.Tensor] = {}
+        groups: dict[bool, list[tuple[str, torch.Tensor]]] = {}
+        for key, t in tensors.items():
+            t = t.detach()
+            if t.numel() == 0:
+                out[key] = torch.empty(t.shape, dtype=t.dtype)
+                continue
+            groups.setdefault(t.device.type == "cuda", []).append((key, t))
+        for pinned, items in groups.items():
+            out.update(self._copy_group(name, pinned, items))
+        return {key: out[key] for key in tensors}
+
+    def _copy_group(
+        self, name: str, pinned: bool, items: list[tuple[str, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
+        offsets: list[int] = []
+        total = 0
+        for _key, t in items:
+            offsets.append(total)
+            total += -(-(t.numel() * t.element_size()) // _ALIGN) * _ALIGN
+        layout = tuple((key, t.dtype, tuple(t.shape)) for key, t in items)
+        buf = self._buffer(name, pinned, layout, total)
+        views: dict[str, torch.Tensor] = {}
+        engines: dict[torch.device, CopyEngine] = {}
+        for (key, t), offset in zip(items, offsets, strict=True):
+            nbytes = t.numel() * t.element_size()
+            raw = buf[offset : offset + nbytes]
+            view = raw.view(t.dtype).reshape(t.shape)
+            engine = engines.get(t.device)
+            if engine is None:
+                engine = engines[t.device] = copies_for(t.device)
+                engine.order_after_queued_work(t.device)
+            engine.copy(view, t)
+            views[key] = view
+        waits = [engine.mark(device) for device, engine in engines.items()]
+        for wait in waits:
+            wait()  # training may change the tensors once this returns
+        return views
+
+    def _buffer(self, name: str, pinned: bool, layout: tuple[Any, ...], total: int) -> torch.Tensor:
+        kept = self._kept.get((name, pinned))
+        if kept is not None and kept[0] == layout:
+            return kept[1]
+        buf = host_buffer(total, pin=pinned, account=self._held)
+        if self.keep or (self.keep is None and not pinned):
+            self._kept[(name, pinned)] = (layout, buf)
+        return buf
 
     def copy(self, key: tuple[str, str], t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
-        out = self._buffers.get(key)
-        if out is None or out.shape != t.shape or out.dtype != t.dtype:
-            pin = t.device.type != "cpu" and torch.cuda.is_available()
-            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-            self._buffers[key] = out
-        out.copy_(t)
-        return out
+        """One tensor's snapshot (its own buffer; kept under ``key`` when ``keep``)."""
+        return self.snapshot("\0".join(key), {key[1]: t})[key[1]]
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of this object's buffers still alive (kept, or held by a write in flight)."""
+        return self._held.value
 
     def clear(self) -> None:
-        self._buffers.clear()
+        """Drop the kept buffers (their memory goes once no write uses them)."""
+        self._kept.clear()
 
 
 def snapshot_entry(name: str, data: Any, buffers: SnapshotBuffers | None = None) -> Any:
@@ -77,8 +154,7 @@ def snapshot_entry(name: str, data: Any, buffers: SnapshotBuffers | None = None)
     ``buffers`` when given), a record (callable) built now; bytes are immutable already."""
     if isinstance(data, TensorFile):
         pool = buffers if buffers is not None else SnapshotBuffers()
-        copied = {k: pool.copy((name, k), t) for k, t in data.tensors.items()}
-        return TensorFile(copied, data.metadata)
+        return TensorFile(pool.snapshot(name, data.tensors), data.metadata)
     if callable(data):
         return data()
     return data
@@ -113,6 +189,20 @@ def resolve_save_async(args: Any, *, operator: bool, world_size: int, fsdp: bool
             "and cannot run beside training); set save_async=False or leave it None"
         )
     return bool(value)
+
+
+def _drop_frame_locals(exc: BaseException) -> None:
+    """Keep the tracebacks of ``exc`` and its causes for the report, not the locals of their
+    frames: those hold the snapshot's tensors, whose memory must go with the write."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
 
 
 class BackgroundSave:
@@ -155,9 +245,12 @@ class BackgroundSave:
             self.cancelled = True
         except BaseException as exc:  # reported to the training thread at the commit
             logger.error("background write of %s failed: %s", self.writer.path, exc)
+            _drop_frame_locals(exc)
             self.error = exc
         finally:
-            entries.clear()  # the snapshot's host memory goes as soon as it is written
+            # the snapshot's host memory goes as soon as this rank's files are written (unless
+            # SnapshotBuffers keeps it for the next save)
+            entries.clear()
             self._finished = time.monotonic()
 
     def done(self) -> bool:
