@@ -24,9 +24,11 @@ import logging
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from trainer_runtime.checkpoint.safetensors_stream import Cancelled, TensorFile
@@ -54,15 +56,26 @@ def json_bytes(obj: Any) -> bytes:
 _ALIGN = 4096
 
 
+def _pageable_buffer(nbytes: int, account: HeldBytes) -> torch.Tensor:
+    """``nbytes`` of ordinary memory from the C allocator, counted in ``account`` while any
+    tensor uses it. Not a fresh mapping: memory training freed (gradients, temporaries) is
+    reused, which makes the first snapshot of a CPU run cheaper (fresh pages are faulted in)."""
+    arr = np.empty(nbytes, dtype=np.uint8)
+    account.add(nbytes)
+    # torch.from_numpy's storage keeps the array alive: it goes with the last view
+    weakref.finalize(arr, account.add, -nbytes)
+    return torch.from_numpy(arr)
+
+
 class SnapshotBuffers:
     """Host memory the state is copied into at each background save.
 
     Each file's tensors are copied into one buffer of exactly their size
-    (:func:`~trainer_runtime.checkpoint.staging.host_buffer`: whole pages, never rounded up to
-    a power of two), split into views, one per tensor: pinned
-    (``cudaHostRegister``) for tensors on a CUDA device, so the copies run on a side stream at
-    full speed, then one wait; ordinary memory for CPU tensors. Memory is bounded by the
-    entries this rank snapshots.
+    (never rounded up to a power of two), split into views, one per tensor: for tensors on a
+    CUDA device a mapping pinned with ``cudaHostRegister``
+    (:func:`~trainer_runtime.checkpoint.staging.host_buffer`), so the copies run on a side stream
+    at full speed, then one wait; for CPU tensors ordinary memory from the C allocator. Memory is
+    bounded by the entries this rank snapshots.
 
     ``keep`` (``TrainingArguments.save_async_keep_snapshot``) says what happens to a buffer
     once the write that uses it is over:
@@ -118,7 +131,7 @@ class SnapshotBuffers:
             engine = engines.get(t.device)
             if engine is None:
                 engine = engines[t.device] = copies_for(t.device)
-                engine.order_after_queued_work(t.device)
+                engine.start(t.device)
             engine.copy(view, t)
             views[key] = view
         waits = [engine.mark(device) for device, engine in engines.items()]
@@ -130,7 +143,10 @@ class SnapshotBuffers:
         kept = self._kept.get((name, pinned))
         if kept is not None and kept[0] == layout:
             return kept[1]
-        buf = host_buffer(total, pin=pinned, account=self._held)
+        if pinned:
+            buf = host_buffer(total, pin=True, account=self._held)
+        else:
+            buf = _pageable_buffer(total, self._held)
         if self.keep or (self.keep is None and not pinned):
             self._kept[(name, pinned)] = (layout, buf)
         return buf

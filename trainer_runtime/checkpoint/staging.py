@@ -12,9 +12,10 @@ tensor viewing them is gone. :func:`held_bytes` counts them (torch's
 
 **The staging ring** (:class:`StagingRing`, :class:`RingStream`). A tensor on an accelerator
 reaches the file through :data:`DEPTH` host blocks of :data:`BLOCK_BYTES` (one pinned mapping):
-its bytes, and those of the tensors after it in file order, are copied block by block on a side
-CUDA stream (``copy_(non_blocking=True)``, one event per block), and block k is handed to
-``write`` while blocks k+1 and k+2 are being copied. Never more than the ring is in flight,
+once the device's queued work is done (a file's first copy waits for it), its bytes, and those
+of the tensors after it in file order, are copied block by block on a side CUDA stream
+(``copy_(non_blocking=True)``, one event per block), and block k is handed to ``write`` while
+blocks k+1 and k+2 are being copied. Never more than the ring is in flight,
 whatever the size of the state. Rings are kept for the life of the process
 (:data:`staging_pool`: one per file being written at once, at most :data:`KEPT_RINGS` kept).
 
@@ -192,6 +193,10 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
 class CopyEngine(Protocol):
     """Copies into host memory that complete in the order they were queued."""
 
+    def start(self, device: torch.device) -> None:
+        """Before the first copy from ``device`` of a file or snapshot: make the copies see
+        every write queued on the device so far, by any thread on any stream."""
+
     def order_after_queued_work(self, device: torch.device) -> None:
         """Make later copies from ``device`` see the work already queued there (the kernels
         that wrote the tensors, a ``contiguous()`` copy)."""
@@ -210,6 +215,9 @@ def _done() -> None:
 
 class SyncCopies:
     """Plain, synchronous copies (the CPU; devices without streams)."""
+
+    def start(self, device: torch.device) -> None:
+        return None
 
     def order_after_queued_work(self, device: torch.device) -> None:
         return None
@@ -236,6 +244,12 @@ class CudaCopies:
             if side is None:
                 side = self._streams[index] = torch.cuda.Stream(device=index)
         return side
+
+    def start(self, device: torch.device) -> None:
+        # The tensors may have been written on another thread's stream (a writer thread's
+        # current stream is the default one, training may use its own): wait for the device.
+        # A save starts at a step boundary, where there is little left to wait for.
+        torch.cuda.synchronize(device)
 
     def order_after_queued_work(self, device: torch.device) -> None:
         self.stream(device).wait_stream(torch.cuda.current_stream(device))
@@ -386,7 +400,7 @@ class RingStream:
         self._fill = 0
         self._sources: list[list[torch.Tensor]] = [[] for _ in range(ring.depth)]
         self._engines: list[dict[torch.device, CopyEngine]] = [{} for _ in range(ring.depth)]
-        self._ordered: set[torch.device] = set()
+        self._started: set[torch.device] = set()
         self._closed = False
         self.blocks_written = 0
         self.bytes_written = 0
@@ -395,13 +409,15 @@ class RingStream:
 
     # -- queueing copies ------------------------------------------------------------------------
     def add(self, t: torch.Tensor) -> None:
+        device = t.device
+        engine = self.ring.engine(device)
+        if device not in self._started:
+            engine.start(device)
+            self._started.add(device)
         was_contiguous = t.is_contiguous()
         src = flat_bytes(t)
-        device = src.device
-        engine = self.ring.engine(device)
-        if device not in self._ordered or not was_contiguous:
-            engine.order_after_queued_work(device)
-            self._ordered.add(device)
+        if not was_contiguous:
+            engine.order_after_queued_work(device)  # the contiguous() copy just queued
         size = self.ring.block_bytes
         pos, n = 0, src.numel()
         while pos < n:

@@ -1,7 +1,8 @@
 """Host memory of background-save snapshots (checkpoint/background.py, SnapshotBuffers).
 
-Real writers and real BackgroundSave threads; the memory is measured by what is mapped
-(checkpoint/staging.py counts every buffer it maps and unmaps).
+Real writers and real BackgroundSave threads. A snapshot's memory is counted while any tensor
+uses it (``held_bytes`` drops when the buffer itself is freed, not when a Python name goes).
+tests/gpu checks the pinned buffers of CUDA snapshots.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import torch
 from safetensors.torch import load_file
 
 from tests.unit.checkpoint import _enospc_fs
-from trainer_runtime.checkpoint import staging
 from trainer_runtime.checkpoint.background import BackgroundSave, SnapshotBuffers, snapshot_entry
 from trainer_runtime.checkpoint.io import CheckpointWriter
 from trainer_runtime.checkpoint.safetensors_stream import TensorFile
@@ -40,15 +40,9 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // 4096) * 4096
 
 
-def _mapped() -> int:
-    gc.collect()
-    return staging.held_bytes()["mapped"]
-
-
 def test_a_file_is_snapshotted_into_one_buffer_of_its_exact_size() -> None:
     model, _ = _state()
     buffers = SnapshotBuffers()
-    before = _mapped()
     snap = buffers.snapshot("model.safetensors", model)
     for name, t in model.items():
         assert snap[name].dtype == t.dtype and snap[name].shape == t.shape
@@ -58,7 +52,7 @@ def test_a_file_is_snapshotted_into_one_buffer_of_its_exact_size() -> None:
     ptrs = sorted(snap[n].data_ptr() for n, t in model.items() if t.numel())
     expected = sum(_aligned(n) for n in sizes)
     assert ptrs[-1] - ptrs[0] < expected and all((p - ptrs[0]) % 4096 == 0 for p in ptrs)
-    assert buffers.held_bytes == expected == _mapped() - before  # no power-of-two rounding
+    assert buffers.held_bytes == expected  # no power-of-two rounding
     # a snapshot: training may change the originals at once
     for t in model.values():
         t.zero_() if t.dtype != torch.bool else t.logical_not_()
@@ -79,12 +73,12 @@ def _background(root: Path | str, step: int, buffers: SnapshotBuffers, **kw: Any
 
 def test_the_snapshot_memory_goes_back_once_the_files_are_written(tmp_path: Path) -> None:
     buffers = SnapshotBuffers(keep=False)
-    before = _mapped()
     save = _background(tmp_path, 1, buffers)
     assert buffers.held_bytes > 1_200_000  # model + optimizer state, while the write runs
     save.wait()
     assert save.error is None and not save.cancelled
-    assert buffers.held_bytes == 0 and _mapped() == before  # unmapped: back to the OS
+    gc.collect()
+    assert buffers.held_bytes == 0  # freed: the write dropped the last view
     info = save.writer.commit()
     assert info.complete
     model, optim = _state()

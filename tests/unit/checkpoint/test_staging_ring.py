@@ -86,12 +86,16 @@ class ThreadCopies:
         self.delay_s = delay_s
         self.fail_at = fail_at
         self.queued = 0
+        self.started = 0
         self.targets: list[tuple[int, int]] = []
         self.violations: list[str] = []
 
     def _check(self, target: tuple[int, int], when: str) -> None:
         if any(_overlaps(target, r) for r in self._in_use()):
             self.violations.append(when)
+
+    def start(self, device: torch.device) -> None:
+        self.started += 1
 
     def order_after_queued_work(self, device: torch.device) -> None:
         return None
@@ -169,6 +173,7 @@ def test_bytes_through_the_ring_are_identical_to_safetensors(
         assert all(torch.equal(loaded[k], t) for k, t in tensors.items())
         assert writer.corrupted == [] and (copies is None or copies.violations == [])
         assert writer.calls[-1] == 0  # the last call releases the last block
+        assert copies is None or copies.started == 1  # ordered after the device's work, once
         # every full block is one write call (after the header)
         assert all(c == block_bytes for c in writer.calls[1:-2])
 
