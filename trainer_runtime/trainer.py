@@ -283,7 +283,7 @@ class Trainer(
         self._async_save: BackgroundSave | None = None
         self._superseded: BackgroundSave | None = None
         self._snapshot_buffers = SnapshotBuffers(
-            keep=getattr(self.args, "save_async_keep_snapshot", None)
+            keep=bool(getattr(self.args, "save_async_keep_snapshot", False))
         )
         self.preempted = False
         self._position = _DataPosition()

@@ -290,16 +290,15 @@ class TrainingArgumentsSchema(FeatureArguments, DataArguments, DdpArguments, Fsd
         "for a single process without FSDP, save_on_each_node, save_strategy='best', "
         "load_best_model_at_end or push_to_hub, else off.",
     )
-    save_async_keep_snapshot: bool | None = Field(
-        None,
+    save_async_keep_snapshot: bool = Field(
+        False,
         description="preemptible only (save_async): keep the host memory a background save "
-        "copies the state into for the next save (True), or give it back to the OS once this "
-        "rank's files are written (False). Keeping makes later snapshots a plain copy into warm "
-        "memory; it holds a copy of this rank's model and optimizer state in host memory "
-        "(pinned, for tensors on a GPU) for the whole run. None: kept for tensors on the CPU "
-        "(ordinary memory: fresh memory at every save made the training stall 4-5 times "
-        "longer), given back for tensors on a GPU (pinned memory, which the OS can never "
-        "reclaim: about 100 GB for a 7B full fine-tune on one GPU).",
+        "copies the state into, for the next save. False: given back once this rank's files "
+        "are written (pinned memory of GPU tensors unpinned and unmapped, CPU memory freed), so "
+        "the next snapshot allocates (and on a GPU pins) again. True: kept and reused, so later "
+        "snapshots are a plain copy into warm memory, for a copy of this rank's model and "
+        "optimizer state held in host memory (pinned, for GPU tensors) for the whole run: about "
+        "67 GB for a 7B full fine-tune on one GPU.",
     )
     ignore_data_skip: bool = Field(
         False,

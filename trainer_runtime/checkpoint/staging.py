@@ -2,9 +2,9 @@
 
 **Exact-size host memory** (:func:`host_buffer`). torch's pinned memory (``pin_memory=True``)
 comes from its caching host allocator, which rounds every block up to a power of two (a
-172 MiB tensor takes 256 MiB; torch 2.15's ``pinned_max_round_threshold`` can turn that off,
-but only process-wide, through ``PYTORCH_CUDA_ALLOC_CONF``, and older releases lack it) and
-keeps freed blocks cached until ``torch.cuda.empty_cache``-like calls. Our buffers are
+172 MiB tensor takes 256 MiB) and keeps freed blocks cached (torch 2.15's
+``pinned_max_round_threshold`` and ``pinned_max_cached_size`` change that, but only for the whole
+process, through ``PYTORCH_CUDA_ALLOC_CONF``). Our buffers are
 anonymous mappings rounded up to whole pages only, registered with ``cudaHostRegister``
 (through ``torch.cuda.cudart()``) when pinned, unregistered and unmapped as soon as the last
 tensor viewing them is gone. :func:`held_bytes` counts them (torch's

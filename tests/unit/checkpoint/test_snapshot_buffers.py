@@ -36,28 +36,25 @@ def _state() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     return model, optim
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // 4096) * 4096
-
-
-def test_a_file_is_snapshotted_into_one_buffer_of_its_exact_size() -> None:
+def test_a_snapshot_holds_exactly_its_tensors_and_no_longer_follows_them() -> None:
     model, _ = _state()
     buffers = SnapshotBuffers()
     snap = buffers.snapshot("model.safetensors", model)
     for name, t in model.items():
         assert snap[name].dtype == t.dtype and snap[name].shape == t.shape
         assert torch.equal(snap[name], t) and snap[name].device.type == "cpu"
-    # one buffer: every tensor is a view of the same memory, each on a page of its own
-    sizes = [t.numel() * t.element_size() for t in model.values() if t.numel()]
-    ptrs = sorted(snap[n].data_ptr() for n, t in model.items() if t.numel())
-    expected = sum(_aligned(n) for n in sizes)
-    assert ptrs[-1] - ptrs[0] < expected and all((p - ptrs[0]) % 4096 == 0 for p in ptrs)
-    assert buffers.held_bytes == expected  # no power-of-two rounding
+        assert snap[name].is_contiguous()
+    # exact sizes (CPU tensors: one block each from torch's allocator; tests/gpu checks the
+    # pinned mapping of a CUDA snapshot)
+    assert buffers.held_bytes == sum(t.numel() * t.element_size() for t in model.values())
     # a snapshot: training may change the originals at once
     for t in model.values():
         t.zero_() if t.dtype != torch.bool else t.logical_not_()
     assert not torch.equal(snap["a.weight"], model["a.weight"])
     assert not torch.equal(snap["mask"], model["mask"])
+    del snap
+    gc.collect()
+    assert buffers.held_bytes == 0
 
 
 def _background(root: Path | str, step: int, buffers: SnapshotBuffers, **kw: Any) -> BackgroundSave:
@@ -72,7 +69,7 @@ def _background(root: Path | str, step: int, buffers: SnapshotBuffers, **kw: Any
 
 
 def test_the_snapshot_memory_goes_back_once_the_files_are_written(tmp_path: Path) -> None:
-    buffers = SnapshotBuffers(keep=False)
+    buffers = SnapshotBuffers()  # the default: keep=False
     save = _background(tmp_path, 1, buffers)
     assert buffers.held_bytes > 1_200_000  # model + optimizer state, while the write runs
     save.wait()
@@ -88,9 +85,8 @@ def test_the_snapshot_memory_goes_back_once_the_files_are_written(tmp_path: Path
     assert all(torch.equal(loaded[k], v) for k, v in optim.items())
 
 
-@pytest.mark.parametrize("keep", [True, None])  # None, the default: CPU snapshots are kept
-def test_keep_reuses_the_same_memory_between_saves(tmp_path: Path, keep: bool | None) -> None:
-    buffers = SnapshotBuffers(keep=keep)
+def test_keep_reuses_the_same_memory_between_saves(tmp_path: Path) -> None:
+    buffers = SnapshotBuffers(keep=True)
     first = _background(tmp_path, 1, buffers)
     first.wait()
     held = buffers.held_bytes
@@ -106,7 +102,7 @@ def test_keep_reuses_the_same_memory_between_saves(tmp_path: Path, keep: bool | 
     grown = {**_state()[1], "state.0.exp_avg": torch.randn(101_000)}
     buffers.snapshot("optimizer.safetensors", grown)
     gc.collect()
-    assert buffers.held_bytes == held + 4096
+    assert buffers.held_bytes == held + 4000  # 1000 more float32
     buffers.clear()
     gc.collect()
     assert buffers.held_bytes == 0
@@ -137,7 +133,7 @@ def test_a_cancelled_background_write_gives_the_memory_back(
         real(self, filename, data, **kw)
 
     monkeypatch.setattr(CheckpointWriter, "write_entry", gated)
-    buffers = SnapshotBuffers(keep=False)
+    buffers = SnapshotBuffers()  # the default: keep=False
     save = _background(tmp_path, 1, buffers)
     assert started.wait(10)
     assert buffers.held_bytes > 0

@@ -224,16 +224,17 @@ class HeldAtSave(TrainerCallback):
         self.held.append(self.trainer._snapshot_buffers.held_bytes)
 
 
-@pytest.mark.parametrize("keep", [False, True, None])
+@pytest.mark.parametrize("keep", [None, False, True])  # None: the argument left out
 def test_snapshot_memory_is_given_back_or_kept_between_saves(
     tmp_path: Path, keep: bool | None
 ) -> None:
-    trainer = make_trainer(tmp_path / "run", save_async=True, save_async_keep_snapshot=keep)
+    extra = {} if keep is None else {"save_async_keep_snapshot": keep}
+    trainer = make_trainer(tmp_path / "run", save_async=True, **extra)
     held = HeldAtSave(trainer)
     trainer.add_callback(held)
     trainer.train()
     assert len(held.held) >= 2
-    # False: given back once the files are written; True, and None for CPU training: kept
-    # (model, optimizer and RNG state: a few KiB each, rounded to pages)
-    assert all(h == 0 for h in held.held) if keep is False else all(h > 0 for h in held.held)
+    # given back once the files are written (the default), or kept (model, optimizer and RNG
+    # state: a few KiB each, rounded to pages)
+    assert all(h > 0 for h in held.held) if keep else all(h == 0 for h in held.held)
     assert trainer._snapshot_buffers.held_bytes == 0  # train() gives it all back at its end
