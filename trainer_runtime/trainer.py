@@ -291,10 +291,12 @@ class Trainer(
         self.train_sampler: ResumableBatchSampler | None = None
         self.last_checkpoint: CheckpointInfo | None = None
         # the periodic checkpoint a writer thread is writing (save_async), at most one, and the
-        # host buffers its snapshots are copied into (kept between saves)
+        # host buffers its snapshots are copied into (kept between saves or given back)
         self._async_save: BackgroundSave | None = None
         self._superseded: BackgroundSave | None = None
-        self._snapshot_buffers = SnapshotBuffers()
+        self._snapshot_buffers = SnapshotBuffers(
+            keep=bool(getattr(self.args, "save_async_keep_snapshot", False))
+        )
         self.preempted = False
         self._position = _DataPosition()
         self._data_iter: Iterator[Any] | None = None

@@ -57,7 +57,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # Fields transformers' TrainingArguments does not have (docs/trainer.md, differences).
-RUNTIME_ONLY_FIELDS: tuple[str, ...] = ("jit_stop_policy", "save_async")
+RUNTIME_ONLY_FIELDS: tuple[str, ...] = (
+    "jit_stop_policy",
+    "save_async",
+    "save_async_keep_snapshot",
+)
 
 # Batch orders the trainer can build (trainer_runtime.data.samplers and length_sampling).
 SAMPLING_STRATEGIES: tuple[str, ...] = ALL_SAMPLING_STRATEGIES
@@ -285,6 +289,16 @@ class TrainingArgumentsSchema(FeatureArguments, DataArguments, DdpArguments, Fsd
         "it (or waits, when it is of the same step). None: on under the operator's environment "
         "for a single process without FSDP, save_on_each_node, save_strategy='best', "
         "load_best_model_at_end or push_to_hub, else off.",
+    )
+    save_async_keep_snapshot: bool = Field(
+        False,
+        description="preemptible only (save_async): keep the host memory a background save "
+        "copies the state into, for the next save. False: given back once this rank's files "
+        "are written (pinned memory of GPU tensors unpinned and unmapped, CPU memory freed), so "
+        "the next snapshot allocates (and on a GPU pins) again. True: kept and reused, so later "
+        "snapshots are a plain copy into warm memory, for a copy of this rank's model and "
+        "optimizer state held in host memory (pinned, for GPU tensors) for the whole run: about "
+        "67 GB for a 7B full fine-tune on one GPU.",
     )
     ignore_data_skip: bool = Field(
         False,

@@ -2,13 +2,15 @@
 
 The safetensors format is an 8-byte little-endian header length, a JSON header (padded with
 spaces to a multiple of 8 bytes) naming each tensor's dtype, shape and byte range, then the raw
-tensor bytes. :func:`write_safetensors` writes exactly that, one tensor after the other, straight
-from each tensor's memory: no whole-file buffer is ever built, so the extra host memory of a save
-is one tensor copied off the accelerator (CPU tensors: none). Tensors are ordered as safetensors
-orders them (larger element size first, then by name), so every tensor is aligned to its element
-size, and for a file of one dtype with at most one metadata key the bytes are identical to
-``safetensors.torch.save``'s. Any safetensors reader (``safe_open``, ``load_file``,
-``from_pretrained``) opens the files.
+tensor bytes. :func:`write_safetensors` writes exactly that, one tensor after the other: a CPU
+tensor straight from its own memory, a tensor on an accelerator through the bounded staging
+ring of :mod:`~trainer_runtime.checkpoint.staging` (block by block, copied on a side CUDA stream
+while the previous block is written). No whole-file buffer is ever built, so the extra host
+memory of a save is the ring (128 MiB, reused between saves; CPU tensors: none). Tensors are
+ordered as safetensors orders them (larger element size first, then by name), so every tensor
+is aligned to its element size, and for a file of one dtype with at most one metadata key the
+bytes are identical to ``safetensors.torch.save``'s. Any safetensors reader (``safe_open``,
+``load_file``, ``from_pretrained``) opens the files.
 
 :func:`read_into_buffer` reads a local file with large positional reads, on two threads, into
 one host buffer (the tensors are views of it: one copy from the page cache, none afterwards),
@@ -30,6 +32,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from trainer_runtime.checkpoint.staging import RingStream, StagingRing, staging_pool
 from trainer_runtime.errors import CheckpointError
 
 __all__ = [
@@ -129,11 +132,8 @@ def plan(
 
 
 def _host_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes as a memoryview of host memory (a copy only off the CPU)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    t = t.contiguous()
+    """A CPU tensor's bytes as a memoryview of its memory (a copy only if not contiguous)."""
+    t = t.detach().contiguous()
     if t.dtype == torch.bool:
         t = t.view(torch.uint8)
     flat = t.reshape(-1)
@@ -148,21 +148,53 @@ def write_safetensors(
     metadata: Mapping[str, str] | None = None,
     *,
     cancel: threading.Event | None = None,
+    ring: StagingRing | None = None,
 ) -> int:
     """Write a safetensors file through ``write`` (e.g. a HashingWriter's), tensor by tensor;
-    returns the bytes written. ``cancel``: checked between blocks, raises :class:`Cancelled`."""
+    returns the bytes written. ``cancel``: checked between blocks, raises :class:`Cancelled`.
+
+    CPU tensors are handed to ``write`` as views of their own memory (the caller does not
+    change them during the save). Tensors on an accelerator go through a staging ring (``ring``,
+    else one of the process's :data:`~trainer_runtime.checkpoint.staging.staging_pool`), whose
+    blocks ``write`` may read until its next call returns; when a ring was used, the last call
+    is ``write(b"")`` (see :mod:`~trainer_runtime.checkpoint.staging`, the hand-over contract).
+    """
     head, ordered = plan(tensors, metadata)
+
+    def between_blocks() -> None:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled()
+
     write(head)
     total = len(head)
-    for _name, t in ordered:
-        if t.numel() == 0:
-            continue
-        data = _host_bytes(t)
-        for start in range(0, len(data), CHUNK_BYTES):
-            if cancel is not None and cancel.is_set():
-                raise Cancelled()
-            write(data[start : start + CHUNK_BYTES])
-        total += len(data)
+    stream: RingStream | None = None
+    try:
+        for _name, t in ordered:
+            nbytes = t.numel() * t.element_size()
+            if nbytes == 0:
+                continue
+            if t.device.type != "cpu" or (ring is not None and ring.stages(t)):
+                if stream is None and ring is not None:
+                    stream = RingStream(ring, write, between=between_blocks)
+                elif stream is None:
+                    stream = RingStream(
+                        staging_pool.take(), write, between=between_blocks, pool=staging_pool
+                    )
+                stream.add(t)
+            else:
+                if stream is not None:
+                    stream.flush()  # the staged bytes come first in the file
+                data = _host_bytes(t)
+                for start in range(0, len(data), CHUNK_BYTES):
+                    between_blocks()
+                    write(data[start : start + CHUNK_BYTES])
+            total += nbytes
+        if stream is not None:
+            stream.finish()
+    except BaseException:
+        if stream is not None:
+            stream.abort()
+        raise
     return total
 
 

@@ -257,3 +257,31 @@ def test_without_a_jit_save_a_background_write_is_not_waited_for_past_the_deadli
     assert trainer.preempted and trainer._jit_stop_kind == "no_save"
     store = CheckpointStore(str(tmp_path / "out"))
     assert store.latest_complete() is None  # the write in flight was cancelled, not committed
+
+
+class HeldAtSave(TrainerCallback):
+    """The snapshot memory a trainer still holds when each checkpoint is committed (its
+    background write is over by then)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.held: list[int] = []
+
+    def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.held.append(self.trainer._snapshot_buffers.held_bytes)
+
+
+@pytest.mark.parametrize("keep", [None, False, True])  # None: the argument left out
+def test_snapshot_memory_is_given_back_or_kept_between_saves(
+    tmp_path: Path, keep: bool | None
+) -> None:
+    extra = {} if keep is None else {"save_async_keep_snapshot": keep}
+    trainer = make_trainer(tmp_path / "run", save_async=True, **extra)
+    held = HeldAtSave(trainer)
+    trainer.add_callback(held)
+    trainer.train()
+    assert len(held.held) >= 2
+    # given back once the files are written (the default), or kept (model, optimizer and RNG
+    # state: a few KiB each, rounded to pages)
+    assert all(h > 0 for h in held.held) if keep else all(h == 0 for h in held.held)
+    assert trainer._snapshot_buffers.held_bytes == 0  # train() gives it all back at its end
