@@ -60,8 +60,10 @@ from trainer_runtime.checkpoint.layout import (
     CheckpointStore,
     attempt_from_env,
     checkpoint_name,
+    fence_attempts,
     fence_check,
     inspect_checkpoint,
+    register_attempt,
     rotation_victims,
 )
 from trainer_runtime.checkpoint.model_state import OPTIMIZER_INDEX_NAME, OPTIMIZER_NAME
@@ -99,6 +101,9 @@ _RESERVED_MANIFEST_KEYS = frozenset(
 # write_entries: safetensors files at least this large are written concurrently, this many at once
 _PARALLEL_MIN_BYTES = 64 << 20
 _PARALLEL_FILES = 2
+
+# output dir URL -> attempts this process registered there (layout.register_attempt)
+_registered: dict[str, set[int | None]] = {}
 
 Barrier = Callable[[], Any]
 # every rank passes its object and gets the list of all ranks' objects, in rank order
@@ -238,8 +243,18 @@ class CheckpointWriter:
             )
 
     def _begin_coordinator(self) -> None:
-        store = CheckpointStore(self.output_dir, self.root.storage_options)
-        fence_check(store.list(), self.attempt, f"write {self.path}")
+        action = f"write {self.path}"
+        if self.root.is_local:
+            # a look into every checkpoint: cheap on a disk
+            store = CheckpointStore(self.output_dir, self.root.storage_options)
+            fence_check(store.list(), self.attempt, action)
+        else:
+            # object stores: one listing of the registered attempts, however many checkpoints
+            # there are (a JIT save must not pay requests per checkpoint); then register ours
+            fence_attempts(self.root, self.attempt, action)
+            if self.attempt not in _registered.get(self.root.url, ()):
+                register_attempt(self.root, self.attempt, socket.gethostname())
+                _registered.setdefault(self.root.url, set()).add(self.attempt)
         existed = self.root.exists(self.name)
         self.root.makedirs(self.name)
         self._token = uuid.uuid4().hex
@@ -550,8 +565,18 @@ class CheckpointWriter:
     def _publish_manifest(self, manifest: dict[str, Any]) -> CheckpointInfo:
         self.root.fsync_dir(self.name)
         # The commit point, then the sentinel goes (last); a crash in between leaves an incomplete
-        # checkpoint, never a complete-looking partial one.
-        self.root.atomic_write_json(self._rel(MANIFEST_NAME), manifest)
+        # checkpoint, never a complete-looking partial one. On object stores a conditional
+        # create (If-None-Match): of two writers that both passed the sentinel check, one
+        # commits and the other gets CheckpointError.
+        try:
+            self.root.atomic_write_json(self._rel(MANIFEST_NAME), manifest, exclusive=True)
+        except StorageError as exc:
+            if isinstance(exc.cause, FileExistsError):
+                raise CheckpointError(
+                    f"{self.path}/{MANIFEST_NAME} was written by another writer first: "
+                    "checkpoint not committed by this one"
+                ) from exc
+            raise
         self.root.remove(self._rel(SENTINEL_NAME))
         self.root.fsync_dir(self.name)
         info = inspect_checkpoint(self.root, self.name)
@@ -684,6 +709,9 @@ class CheckpointReader:
         self.info = info
         listed = (info.manifest or {}).get("files", [])
         self._digests = {e["path"]: listed_digest(e) for e in listed}
+        self._sizes: dict[str, int] = {
+            e["path"]: e["size"] for e in listed if isinstance(e.get("size"), int)
+        }
         # checksums computed on helper threads while the tensors are loaded (wait_verified)
         self._checks: list[tuple[str, Future[str], tuple[str, str]]] = []
         self._pool: ThreadPoolExecutor | None = None
@@ -719,8 +747,7 @@ class CheckpointReader:
         """
         path = self._local_path(filename)
         if path is None:
-            data = self.load_bytes(filename)
-            return dict(_st_load(data)), _safetensors_metadata(data)
+            return self._load_remote(filename)
         expected = self._expected(filename)
         try:
             if not owned:
@@ -753,6 +780,33 @@ class CheckpointReader:
             raise ResumeError(f"cannot read {filename} of {self.path}: {exc}") from exc
         except Exception as exc:  # safetensors' own errors (a corrupt header)
             raise ResumeError(f"cannot read {filename} of {self.path}: {exc}") from exc
+        return tensors, dict(header.get("__metadata__") or {})
+
+    def _load_remote(self, filename: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Object stores: parallel ranged reads into one host buffer the tensors are views of;
+        the checksum is computed from the blocks in file order while later ranges are still
+        downloading (:meth:`Storage.read_into`); :meth:`wait_verified` reports it."""
+        expected = self._expected(filename)
+        hasher = new_hasher(expected[0]) if expected else None
+        try:
+            size = self._sizes.get(filename)
+            if size is None:
+                size = self.storage.size(filename)
+            buf = torch.empty(size, dtype=torch.uint8)
+            self.storage.read_into(
+                filename, memoryview(buf.numpy()), hasher.update if hasher else None
+            )
+            header, base = header_of(memoryview(buf.numpy()))
+            tensors = tensors_from_buffer(buf, header, base)
+        except StorageError as exc:
+            raise ResumeError(f"cannot read {filename} of {self.path}: {exc}") from exc
+        except Exception as exc:  # a corrupt header, safetensors' own errors
+            raise ResumeError(f"cannot read {filename} of {self.path}: {exc}") from exc
+        if hasher is not None:
+            assert expected is not None
+            done: Future[str] = Future()
+            done.set_result(hasher.hexdigest())
+            self._checks.append((filename, done, expected))
         return tensors, dict(header.get("__metadata__") or {})
 
     def verify_in_background(self, filename: str) -> None:
@@ -1000,13 +1054,24 @@ def rotate_checkpoints(
     Call it only after the new checkpoint is committed. Refuses (CheckpointError) when a checkpoint
     of an attempt newer than ``attempt`` (default $PREEMPTIBLE_ATTEMPT) exists. Each victim first
     gets a sentinel, so a removal interrupted half-way never leaves a complete-looking checkpoint.
+
+    On object stores the checkpoints come from one recursive listing, without reading each one's
+    manifest (layout.infos_from_listing: complete means manifest present, sentinel absent), and
+    the fence from the registered attempts (layout.fence_attempts): its requests do not grow with
+    the number of checkpoints. Pass the checkpoint just committed in ``protect``.
     """
     store = CheckpointStore(output_dir, storage_options)
-    checkpoints = store.list()
+    local = store.storage.is_local
+    # Object stores: one recursive listing, no manifest read per checkpoint (this runs after
+    # every save, the JIT one included); the fence from the registered attempts.
+    checkpoints = store.list() if local else store.list_from_listing()
     victims = rotation_victims(checkpoints, save_total_limit, frozenset(protect))
     if not victims:
         return []
-    fence_check(checkpoints, attempt_from_env(attempt), "rotate checkpoints")
+    if local:
+        fence_check(checkpoints, attempt_from_env(attempt), "rotate checkpoints")
+    else:
+        fence_attempts(store.storage, attempt_from_env(attempt), "rotate checkpoints")
     removed: list[str] = []
     for victim in victims:
         if victim.complete:
