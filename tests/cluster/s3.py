@@ -18,13 +18,14 @@ import secrets
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from .processes import ManagedProcess, free_port, tail, wait_until
 
-__all__ = ["S3Server"]
+__all__ = ["FaultyLink", "S3Server"]
 
 # versitygw's default region; botocore signs for it.
 REGION = "us-east-1"
@@ -172,3 +173,120 @@ class S3Server:
         subprocess.run(["umount", str(path)], capture_output=True, check=False, timeout=30)
         with contextlib.suppress(ValueError):
             self._mounts.remove(path)
+
+
+class FaultyLink:
+    """A TCP path from clients on the host to the S3 server that a test can slow down and cut:
+    ``endpoint`` is what the client uses instead of the server's.
+
+    - ``rate`` (bytes/s, both directions together): uploads take as long as on a slow network,
+      so a fault can be aimed into one;
+    - ``bytes_up``: bytes forwarded from clients to the server so far (a test waits for an upload
+      to be under way);
+    - ``cut()``: the network goes: the bytes of open connections stop flowing (the client waits
+      until its read timeout) and new connections are refused; ``restore()`` ends the stalled
+      connections and accepts new ones again.
+    """
+
+    def __init__(self, upstream_port: int, *, rate: float | None = None) -> None:
+        self.upstream_port = upstream_port
+        self.rate = rate
+        self.port = free_port()
+        self.bytes_up = 0
+        self._cut = threading.Event()
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._budget = 0.0
+        self._budget_at = time.monotonic()
+        self._sockets: list[socket.socket] = []
+        self._listener: socket.socket | None = None
+        self._listen()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _listen(self) -> None:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while not self._stopping.is_set():
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
+            except OSError:
+                client.close()  # the server is gone: refused, as a dead endpoint is
+                continue
+            with self._lock:
+                self._sockets += [client, upstream]
+            for src, dst, up in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pump, args=(src, dst, up), daemon=True).start()
+
+    def _wait_for_budget(self, n: int) -> None:
+        if self.rate is None:
+            return
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                self._budget = min(self.rate, self._budget + (now - self._budget_at) * self.rate)
+                self._budget_at = now
+                if self._budget >= n or self._budget >= self.rate:
+                    self._budget -= n
+                    return
+                wait = (n - self._budget) / self.rate
+            time.sleep(min(wait, 0.05))
+
+    def _pump(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
+        try:
+            while True:
+                data = src.recv(64 << 10)
+                if not data:
+                    break
+                while self._cut.is_set() and not self._stopping.is_set():
+                    time.sleep(0.05)  # the packets are lost; the sender waits for its timeout
+                self._wait_for_budget(len(data))
+                dst.sendall(data)
+                if up:
+                    with self._lock:
+                        self.bytes_up += len(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        self._cut.set()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    def restore(self) -> None:
+        with self._lock:
+            stalled, self._sockets = self._sockets, []
+        for sock in stalled:
+            with contextlib.suppress(OSError):
+                sock.close()
+        self._cut.clear()
+        if self._listener is None:
+            self._listen()
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._cut.clear()
+        if self._listener is not None:
+            self._listener.close()
+        with self._lock:
+            for sock in self._sockets:
+                with contextlib.suppress(OSError):
+                    sock.close()
+            self._sockets.clear()

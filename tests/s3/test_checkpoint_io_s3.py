@@ -231,3 +231,20 @@ def test_the_checks_create_no_bucket_and_leave_no_probe(
     with pytest.raises(StorageError):
         Storage("s3://never-created-29/run").check_access(write=True)
     assert not s3_server.bucket_dir("never-created-29").exists()
+
+
+def test_a_full_bucket_fails_the_upload_and_publishes_nothing(
+    s3_server: S3Server, s3_bucket: str, s3_env: dict, small_parts: None
+) -> None:
+    storage = Storage(f"s3://{s3_bucket}/run")
+    storage.write_bytes("kept.json", b"{}")
+    with s3_server.full_bucket(s3_bucket, 8 * MiB):
+        with pytest.raises(StorageError) as caught, storage.open_write("c/big.bin") as fh:
+            fh.write(os.urandom(20 * MiB))
+        message = str(caught.value)
+        assert f"s3://{s3_bucket}/run/c/big.bin" in message, message
+        assert f"at endpoint {s3_server.endpoint}" in message, message
+        assert "storage is full" in message, message
+        fs = client(s3_server)
+        assert not fs.exists(f"{s3_bucket}/run/c/big.bin")
+        assert fs.cat_file(f"{s3_bucket}/run/kept.json") == b"{}"

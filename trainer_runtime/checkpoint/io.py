@@ -714,6 +714,8 @@ class CheckpointReader:
         }
         # checksums computed on helper threads while the tensors are loaded (wait_verified)
         self._checks: list[tuple[str, Future[str], tuple[str, str]]] = []
+        # object stores: files to check that no whole-file load has checked yet
+        self._remote_pending: set[str] = set()
         self._pool: ThreadPoolExecutor | None = None
 
     @property
@@ -807,6 +809,7 @@ class CheckpointReader:
             done: Future[str] = Future()
             done.set_result(hasher.hexdigest())
             self._checks.append((filename, done, expected))
+            self._remote_pending.discard(filename)
         return tensors, dict(header.get("__metadata__") or {})
 
     def verify_in_background(self, filename: str) -> None:
@@ -820,7 +823,10 @@ class CheckpointReader:
         if path is not None:
             future = self._helpers().submit(_digest_of_file, path, expected[0])
         else:
-            future = self._helpers().submit(self._remote_digest, filename, expected[0])
+            # Object stores: a file loaded whole later (_load_remote) is checked as it downloads;
+            # only one that never is gets downloaded again for its checksum (wait_verified).
+            self._remote_pending.add(filename)
+            return
         self._checks.append((filename, future, expected))
 
     def _remote_digest(self, filename: str, algorithm: str) -> str:
@@ -829,6 +835,12 @@ class CheckpointReader:
 
     def wait_verified(self) -> None:
         """Wait for the checksums computed beside the loading; ResumeError on a mismatch."""
+        for filename in sorted(self._remote_pending):
+            expected = self._expected(filename)
+            if expected:
+                future = self._helpers().submit(self._remote_digest, filename, expected[0])
+                self._checks.append((filename, future, expected))
+        self._remote_pending.clear()
         checks, self._checks = self._checks, []
         try:
             for filename, future, (algorithm, expected) in checks:

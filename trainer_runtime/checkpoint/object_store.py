@@ -21,9 +21,9 @@ What a checkpoint needs from an object store, and how it gets it:
   (for the writer) an object can be created and removed there.
 
 Defaults of the S3 client (:func:`s3_options`) bound how long a dead server or a cut network takes
-to surface as an error: three attempts (botocore's "standard" retry mode), 5 s to connect and 15 s
-to read, unless the user's storage options or ``$AWS_MAX_ATTEMPTS`` / ``$AWS_RETRY_MODE`` say
-otherwise.
+to surface as an error: three attempts (botocore's "standard" retry mode), 5 s to connect, 15 s
+to read and 20 s for sent data to be acknowledged (TCP_USER_TIMEOUT), unless the user's storage
+options or ``$AWS_MAX_ATTEMPTS`` / ``$AWS_RETRY_MODE`` say otherwise.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import errno
 import logging
 import os
 import re
+import socket
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -55,6 +56,7 @@ __all__ = [
     "read_into",
     "read_ranges",
     "s3_options",
+    "tcp_socket",
 ]
 
 logger = logging.getLogger(__name__)
@@ -94,8 +96,26 @@ def s3_options(options: dict[str, Any], environ: dict[str, str] | None = None) -
         config["retries"] = {"max_attempts": 3, "mode": "standard"}
     config.setdefault("connect_timeout", 5)
     config.setdefault("read_timeout", 15)
+    # The read timeout does not cover sending: a part of an upload whose network is cut waits
+    # for TCP to give up (about 15 minutes on Linux). TCP_USER_TIMEOUT ends it after 20 s
+    # without an acknowledgement.
+    config.setdefault("connector_args", {"socket_factory": tcp_socket})
     out["config_kwargs"] = config
     return out
+
+
+# Seconds sent data may stay unacknowledged before the connection fails (TCP_USER_TIMEOUT).
+TCP_USER_TIMEOUT = float(os.environ.get("PREEMPTIBLE_S3_TCP_USER_TIMEOUT", "20"))
+
+
+def tcp_socket(addr_info: tuple[Any, ...]) -> socket.socket:
+    """The sockets of the S3 client: keepalive, and TCP_USER_TIMEOUT where the OS has it."""
+    family, kind, proto = addr_info[0], addr_info[1], addr_info[2]
+    sock = socket.socket(family=family, type=kind, proto=proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_USER_TIMEOUT") and family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(TCP_USER_TIMEOUT * 1000))
+    return sock
 
 
 def endpoint_of(fs: fsspec.AbstractFileSystem) -> str | None:
@@ -152,6 +172,8 @@ def error_hint(exc: BaseException) -> str | None:
         return "the object exists already: another writer published it first"
     if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError"):
         return "the endpoint cannot be reached: check AWS_ENDPOINT_URL and the network"
+    if "InsufficientStorage" in text or "No space left" in text or "QuotaExceeded" in text:
+        return "the bucket or the server's storage is full: free space or raise the quota"
     if getattr(exc, "errno", None) == getattr(errno, "EREMOTEIO", 121) or "InternalError" in text:
         return (
             "the server failed to store or serve the object (HTTP 500): a full or read-only "

@@ -94,6 +94,7 @@ class EndpointConnectionError(Exception):
         (FileExistsError("pre-conditions"), "another writer published it first"),
         (EndpointConnectionError("Could not connect"), "endpoint cannot be reached"),
         (OSError(121, "We encountered an internal error"), "full or read-only bucket"),
+        (OSError(5, "(InsufficientStorage) No space left on device"), "storage is full"),
         (ValueError("something else"), None),
     ],
 )
