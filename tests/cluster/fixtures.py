@@ -9,6 +9,9 @@
   it starts with the control plane when the node agent runs (which relays it into the pod
   network: ``s3_server.pod_endpoint``), and on its own for the runtime tests.
 - ``s3_bucket`` (function): a fresh, empty bucket of ``s3_server``.
+- ``s3_env`` (function): the server's endpoint and credentials in this process's environment
+  (the ``AWS_*`` variables every S3 client reads; child processes inherit them), as a pod gets
+  them from a Secret.
 
 Binaries missing: the tests fail when $CI is set and are skipped otherwise. Component logs go to
 a temporary directory whose path is shown with every failing cluster test and kept after a failed
@@ -45,11 +48,13 @@ __all__ = [
     "namespace",
     "node_agent",
     "s3_bucket",
+    "s3_env",
     "s3_server",
 ]
 
 NODE_NAMES = ("node-1", "node-2")
 _CLUSTER_FIXTURES = {
+    "s3_env",
     "control_plane",
     "node_agent",
     "kueue",
@@ -160,6 +165,16 @@ def s3_server(_s3_optional: S3Server | None) -> S3Server:
 def s3_bucket(s3_server: S3Server, request: pytest.FixtureRequest) -> str:
     """A fresh bucket named after the test (left in place: the session's data is removed)."""
     return s3_server.create_bucket(_namespace_name(request)[:63].rstrip("-"))
+
+
+@pytest.fixture
+def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    env = s3_server.client_env()
+    for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return env
 
 
 @pytest.fixture(scope="session")

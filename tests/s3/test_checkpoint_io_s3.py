@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.cluster.s3 import S3Server
-from tests.s3.conftest import S3Calls, client
+from tests.s3.helpers import S3Calls, client
 from trainer_runtime.checkpoint import object_store
 from trainer_runtime.checkpoint.io import CheckpointReader, CheckpointWriter, rotate_checkpoints
 from trainer_runtime.checkpoint.layout import (

@@ -25,7 +25,7 @@ from tests.runtime.conftest import (
     Reference,
     toy_args,
 )
-from tests.s3.conftest import client, download
+from tests.s3.helpers import client, download
 from trainer_runtime.checkpoint.layout import SENTINEL_NAME, CheckpointStore
 from trainer_runtime.testing import ToyRun, load_model_tensors
 

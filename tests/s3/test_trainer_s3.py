@@ -19,7 +19,7 @@ from tests.runtime.conftest import (
     resume_to_end,
     toy_args,
 )
-from tests.s3.conftest import download
+from tests.s3.helpers import download
 from trainer_runtime.checkpoint.layout import CheckpointStore
 from trainer_runtime.testing import ToyRun, weights_identical
 

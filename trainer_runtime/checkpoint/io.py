@@ -84,6 +84,7 @@ __all__ = [
     "OPTIMIZER_META_KEY",
     "CheckpointReader",
     "CheckpointWriter",
+    "download_checkpoint",
     "optimizer_state_from_tensors",
     "optimizer_state_to_tensors",
     "rotate_checkpoints",
@@ -101,6 +102,8 @@ _RESERVED_MANIFEST_KEYS = frozenset(
 # write_entries: safetensors files at least this large are written concurrently, this many at once
 _PARALLEL_MIN_BYTES = 64 << 20
 _PARALLEL_FILES = 2
+# upload_local_files / download_checkpoint: blocks read from or written to the local copy
+_UPLOAD_BLOCK = 8 << 20
 
 # output dir URL -> attempts this process registered there (layout.register_attempt)
 _registered: dict[str, set[int | None]] = {}
@@ -436,6 +439,34 @@ class CheckpointWriter:
             else:
                 self._files[rel] = {"path": rel, "size": int(files[rel])}
         return sorted(files)
+
+    def upload_local_files(self, files: Mapping[str, str]) -> list[str]:
+        """Write files another library saved on a local disk (name in the checkpoint -> local
+        path) into this checkpoint, e.g. transformers' save into a scratch directory when the
+        checkpoint lives on an object store. Each is streamed as it is read (a multipart upload
+        there), its checksum computed on the way, two large files at a time. Returns the names.
+        """
+        self._require_open()
+        names = sorted(files, key=lambda n: -os.path.getsize(files[n]))
+        for name in names:
+            _check_filename(name)
+            if name in self._files:
+                raise CheckpointError(f"{name} written twice to {self.path}")
+
+        def upload(name: str) -> None:
+            with (
+                open(files[name], "rb", buffering=0) as src,
+                self.root.open_write(self._rel(name)) as fh,
+            ):
+                while block := src.read(_UPLOAD_BLOCK):
+                    fh.write(block)
+            self._files[name] = file_record(name, fh.size, fh.digest)
+
+        with ThreadPoolExecutor(max_workers=_PARALLEL_FILES, thread_name_prefix="ckpt-up") as pool:
+            futures = [pool.submit(upload, name) for name in names]
+        for future in futures:  # every upload has ended: none goes on after an error
+            future.result()
+        return names
 
     def adopt_present(self) -> list[str]:
         """Coordinator: :meth:`adopt` every file of :meth:`present_files`, checksums read back.
@@ -936,6 +967,49 @@ class CheckpointReader:
         if meta is None:
             raise ResumeError(f"{filename} of {self.path} has no {OPTIMIZER_META_KEY} metadata")
         return optimizer_state_from_tensors(tensors, meta)
+
+
+def download_checkpoint(
+    path: str, local_dir: str, storage_options: dict[str, Any] | None = None
+) -> list[str]:
+    """Copy the complete checkpoint ``path`` (e.g. on an object store) to the local directory
+    ``local_dir`` for a library that reads local files only (transformers' resume). Files are
+    fetched with parallel ranged reads straight into the local file, each checked against the
+    manifest's checksum (or size) as it arrives; a mismatch raises ResumeError and the partial
+    copy is removed. Returns the names copied (every file the manifest lists, or every file of
+    a stock transformers checkpoint)."""
+    import mmap
+    import shutil
+
+    reader = CheckpointReader(path, storage_options)
+    storage = reader.storage
+    listed = (reader.info.manifest or {}).get("files")
+    sizes = (
+        {e["path"]: int(e["size"]) for e in listed}
+        if isinstance(listed, list)
+        else dict(storage.walk_files(""))
+    )
+    os.makedirs(local_dir, exist_ok=True)
+    try:
+        for name, size in sorted(sizes.items()):
+            target = os.path.join(local_dir, name)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            expected = reader._expected(name)
+            hasher = new_hasher(expected[0]) if expected else None
+            with open(target, "wb+") as fh:
+                fh.truncate(size)
+                if size:
+                    with mmap.mmap(fh.fileno(), size) as view:
+                        storage.read_into(name, memoryview(view), hasher.update if hasher else None)
+            if hasher is not None and expected is not None and hasher.hexdigest() != expected[1]:
+                raise reader._corrupt(name, expected[0], hasher.hexdigest(), expected[1])
+    except StorageError as exc:
+        shutil.rmtree(local_dir, ignore_errors=True)
+        raise ResumeError(f"cannot download {path} to {local_dir}: {exc}") from exc
+    except BaseException:
+        shutil.rmtree(local_dir, ignore_errors=True)
+        raise
+    return sorted(sizes)
 
 
 def write_entry(storage: Storage, rel: str, data: bytes | TensorFile) -> tuple[int, str]:
