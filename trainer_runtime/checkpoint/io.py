@@ -247,8 +247,8 @@ class CheckpointWriter:
 
     def _begin_coordinator(self) -> None:
         action = f"write {self.path}"
-        if self.root.is_local:
-            # a look into every checkpoint: cheap on a disk
+        if not self.root.is_object_store:
+            # a look into every checkpoint: cheap on a disk (and on the in-memory store)
             store = CheckpointStore(self.output_dir, self.root.storage_options)
             fence_check(store.list(), self.attempt, action)
         else:
@@ -1147,7 +1147,7 @@ def rotate_checkpoints(
     the number of checkpoints. Pass the checkpoint just committed in ``protect``.
     """
     store = CheckpointStore(output_dir, storage_options)
-    local = store.storage.is_local
+    local = not store.storage.is_object_store
     # Object stores: one recursive listing, no manifest read per checkpoint (this runs after
     # every save, the JIT one included); the fence from the registered attempts.
     checkpoints = store.list() if local else store.list_from_listing()

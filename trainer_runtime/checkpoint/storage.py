@@ -25,6 +25,7 @@ from contextlib import contextmanager, suppress
 from typing import Any, BinaryIO
 
 import fsspec
+from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from trainer_runtime.checkpoint import object_store
@@ -168,6 +169,9 @@ class Storage:
         # Real files with real fsync and rename: local disks and mounted volumes (PVCs, NFS).
         self.is_local = isinstance(fs, LocalFileSystem)
         self.is_s3 = object_store.is_s3(fs)
+        # Network object stores (s3, gcs, azure: fsspec's async filesystems), where every
+        # request is a round trip: the attempt fence and rotation avoid one per checkpoint.
+        self.is_object_store = not self.is_local and isinstance(fs, AsyncFileSystem)
         if self.is_s3:
             # botocore retries each request already (s3_options): s3fs' own loop around it
             # would multiply the attempts (5 x 3) and the time a dead server takes to surface.
@@ -202,7 +206,7 @@ class Storage:
         except StorageError:
             raise
         except Exception as exc:
-            if self.is_local:
+            if not self.is_object_store:
                 raise StorageError(self.join(rel), operation, exc) from exc
             raise StorageError(
                 self.join(rel),
