@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import re
@@ -82,7 +83,25 @@ def is_s3(fs: fsspec.AbstractFileSystem) -> bool:
     return bool(S3_PROTOCOLS.intersection(protocols))
 
 
-def s3_options(options: dict[str, Any], environ: dict[str, str] | None = None) -> dict[str, Any]:
+@functools.cache
+def _socket_factory_supported() -> bool:
+    """Whether this aiobotocore takes ``connector_args={"socket_factory": ...}`` (added in late
+    2025; older versions refuse unknown connector arguments)."""
+    try:
+        from aiobotocore.config import AioConfig
+
+        AioConfig(connector_args={"socket_factory": tcp_socket})
+    except Exception:
+        return False
+    return True
+
+
+def s3_options(
+    options: dict[str, Any],
+    environ: dict[str, str] | None = None,
+    *,
+    socket_factory: bool | None = None,
+) -> dict[str, Any]:
     """``options`` for an S3 filesystem with our retry and timeout defaults added where neither
     they nor the environment set them; pure.
 
@@ -98,8 +117,11 @@ def s3_options(options: dict[str, Any], environ: dict[str, str] | None = None) -
     config.setdefault("read_timeout", 15)
     # The read timeout does not cover sending: a part of an upload whose network is cut waits
     # for TCP to give up (about 15 minutes on Linux). TCP_USER_TIMEOUT ends it after 20 s
-    # without an acknowledgement.
-    config.setdefault("connector_args", {"socket_factory": tcp_socket})
+    # without an acknowledgement (where aiobotocore lets us set it: ``socket_factory``).
+    if socket_factory is None:
+        socket_factory = _socket_factory_supported()
+    if socket_factory:
+        config.setdefault("connector_args", {"socket_factory": tcp_socket})
     out["config_kwargs"] = config
     return out
 

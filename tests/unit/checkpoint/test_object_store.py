@@ -5,16 +5,19 @@ behaviour against a real S3 server is tested in tests/s3/."""
 from __future__ import annotations
 
 import errno
+import socket
 
 import fsspec
 import pytest
 
+from trainer_runtime.checkpoint import object_store
 from trainer_runtime.checkpoint.layout import infos_from_listing
 from trainer_runtime.checkpoint.object_store import (
     error_hint,
     part_size,
     read_ranges,
     s3_options,
+    tcp_socket,
 )
 from trainer_runtime.checkpoint.storage import Storage
 
@@ -74,6 +77,19 @@ def test_s3_options_add_bounded_retries_unless_the_user_set_them(
     assert options == dict(options)  # not modified in place
     user = s3_options({"config_kwargs": {"read_timeout": 60}}, {})
     assert user["config_kwargs"]["read_timeout"] == 60
+    # TCP_USER_TIMEOUT through aiobotocore's socket_factory, where it accepts one
+    assert s3_options({}, {}, socket_factory=True)["config_kwargs"]["connector_args"] == {
+        "socket_factory": tcp_socket
+    }
+    assert "connector_args" not in s3_options({}, {}, socket_factory=False)["config_kwargs"]
+
+
+def test_the_sockets_of_the_s3_client_give_up_on_unacknowledged_data() -> None:
+    info = socket.getaddrinfo("127.0.0.1", 80, socket.AF_INET, socket.SOCK_STREAM)[0]
+    with tcp_socket(info) as sock:
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        timeout = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+        assert timeout == int(object_store.TCP_USER_TIMEOUT * 1000) > 0
 
 
 class NoCredentialsError(Exception):
