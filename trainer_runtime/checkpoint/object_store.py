@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import errno
 import functools
+import importlib.metadata
 import logging
 import os
 import re
@@ -48,6 +49,7 @@ from fsspec.asyn import AsyncFileSystem, sync
 __all__ = [
     "FsspecUpload",
     "S3Upload",
+    "accepts_socket_factory",
     "check_access",
     "endpoint_of",
     "error_hint",
@@ -83,17 +85,20 @@ def is_s3(fs: fsspec.AbstractFileSystem) -> bool:
     return bool(S3_PROTOCOLS.intersection(protocols))
 
 
+def accepts_socket_factory(aiobotocore_version: str) -> bool:
+    """Whether aiobotocore of this version takes ``connector_args={"socket_factory": ...}``
+    (from 3.1.0; earlier versions refuse unknown connector arguments); pure."""
+    parts = re.findall(r"\d+", aiobotocore_version)[:3]
+    numbers = tuple(int(p) for p in parts) + (0,) * (3 - len(parts))
+    return numbers >= (3, 1, 0)
+
+
 @functools.cache
 def _socket_factory_supported() -> bool:
-    """Whether this aiobotocore takes ``connector_args={"socket_factory": ...}`` (added in late
-    2025; older versions refuse unknown connector arguments)."""
     try:
-        from aiobotocore.config import AioConfig
-
-        AioConfig(connector_args={"socket_factory": tcp_socket})
-    except Exception:
+        return accepts_socket_factory(importlib.metadata.version("aiobotocore"))
+    except importlib.metadata.PackageNotFoundError:
         return False
-    return True
 
 
 def s3_options(

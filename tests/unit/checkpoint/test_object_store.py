@@ -13,6 +13,7 @@ import pytest
 from trainer_runtime.checkpoint import object_store
 from trainer_runtime.checkpoint.layout import infos_from_listing
 from trainer_runtime.checkpoint.object_store import (
+    accepts_socket_factory,
     error_hint,
     part_size,
     read_ranges,
@@ -82,6 +83,14 @@ def test_s3_options_add_bounded_retries_unless_the_user_set_them(
         "socket_factory": tcp_socket
     }
     assert "connector_args" not in s3_options({}, {}, socket_factory=False)["config_kwargs"]
+
+
+@pytest.mark.parametrize(
+    ("version", "accepted"),
+    [("2.25.2", False), ("3.0.0", False), ("3.1.0", True), ("3.10.0", True), ("4", True)],
+)
+def test_which_aiobotocore_takes_a_socket_factory(version: str, accepted: bool) -> None:
+    assert accepts_socket_factory(version) is accepted
 
 
 def test_the_sockets_of_the_s3_client_give_up_on_unacknowledged_data() -> None:
