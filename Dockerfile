@@ -36,15 +36,17 @@ FROM venv AS operator-build
 COPY pyproject.toml README.md ./
 COPY trainer_runtime/ trainer_runtime/
 COPY operator/ operator/
-# Only the `operator` extra of pyproject.toml (the operator's own dependencies), then the package
-# without its dependencies: the base dependencies include torch, which the operator never imports.
+# Only the `operator` extra of pyproject.toml (the operator's own dependencies) and the `s3` extra
+# (the operator reads checkpoints on s3:// too), then the package without its dependencies: the
+# base dependencies include torch, which the operator never imports.
 # The build fails when an operator module does not import or when torch came in anyway.
-RUN python3 -P -c 'import tomllib; extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]; print("\n".join(extras["operator"]))' \
+RUN python3 -P -c 'import tomllib; extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]; print("\n".join(extras["operator"] + extras["s3"]))' \
       > /tmp/operator-requirements.txt && \
     pip install -r /tmp/operator-requirements.txt && \
     pip install --no-deps . && \
     find /opt/preemptible -name '__pycache__' -type d -prune -exec rm -rf {} + && \
     python3 -P -c 'import importlib, pkgutil, sys, preemptible_operator as p; [importlib.import_module(f"preemptible_operator.{m.name}") for m in pkgutil.iter_modules(p.__path__)]; assert "torch" not in sys.modules, "an operator module imported torch"' && \
+    python3 -P -c 'import fsspec; fsspec.filesystem("s3", anon=True)' && \
     if python3 -P -c 'import torch' >/dev/null 2>&1; then echo "torch is installed in the operator image" >&2; exit 1; fi && \
     preemptible-operator --help >/dev/null && \
     find /opt/preemptible -name '__pycache__' -type d -prune -exec rm -rf {} +
@@ -94,11 +96,13 @@ RUN if [ -n "$TORCH_INDEX_URL" ]; then \
 COPY pyproject.toml README.md ./
 COPY trainer_runtime/ trainer_runtime/
 COPY operator/ operator/
-# A regular (not editable) install, so the final stage needs no source tree.
-RUN pip install . && \
+# A regular (not editable) install, so the final stage needs no source tree; with the `s3` extra
+# (s3:// checkpoint dirs).
+RUN pip install ".[s3]" && \
     find /opt/preemptible -name '__pycache__' -type d -prune -exec rm -rf {} + && \
     preemptible-operator --help >/dev/null && \
-    trainer-runtime --help >/dev/null
+    trainer-runtime --help >/dev/null && \
+    python3 -P -c 'import fsspec; fsspec.filesystem("s3", anon=True)'
 
 # ------------------------------------------------------------------------------- runtime image
 FROM base AS runtime

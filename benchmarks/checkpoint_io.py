@@ -21,7 +21,12 @@ API of both Trainers), in one run, alternating transformers' Trainer and ours:
 Every run is a child process of its own, so peak RSS is per run; which Trainer goes first
 alternates between repeats.
 
-    python benchmarks/checkpoint_io.py [--params 20M,100M] [--repeats 2] [--workdir DIR]
+With ``--s3`` (needs the tier's S3 server, built by ``tests/cluster/build.sh``; started here on
+loopback): ours saves (blocking) to ``s3://`` and resumes from there, against a raw multipart
+upload (``s3fs.pipe_file``) and a raw download (``s3fs.cat_file``, its concurrent ranged reads)
+of the same number of bytes with the same client, in a child process of their own.
+
+    python benchmarks/checkpoint_io.py [--params 20M,100M] [--repeats 2] [--workdir DIR] [--s3]
 """
 
 from __future__ import annotations
@@ -194,11 +199,19 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         result["stall_s"] = begins[SAVE_STEP] - ends[SAVE_STEP]
         if background:
             result["first_stall_s"] = begins[1] - ends[1]
-        path = Path(out) / f"checkpoint-{SAVE_STEP}"
-        result["bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        manifest = path / "manifest.json"
-        if manifest.exists():
-            result["write_s"] = float(json.loads(manifest.read_text())["save_seconds"])
+        if "://" in out:  # an object store: what the checkpoint holds, from its manifest
+            from trainer_runtime.checkpoint.layout import CheckpointStore
+
+            info = CheckpointStore(out).inspect(f"checkpoint-{SAVE_STEP}")
+            result["bytes"] = info.size_bytes
+            if info.save_seconds is not None:
+                result["write_s"] = info.save_seconds
+        else:
+            path = Path(out) / f"checkpoint-{SAVE_STEP}"
+            result["bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            manifest = path / "manifest.json"
+            if manifest.exists():
+                result["write_s"] = float(json.loads(manifest.read_text())["save_seconds"])
     result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return result
 
@@ -235,6 +248,49 @@ def _raw_write(spec: dict[str, Any]) -> dict[str, Any]:
     result = {"raw_s": best, "raw_mb_s": total / best / 1e6}
     result.update({f"raw_{m}_mb_s": total / s / 1e6 for m, s in seconds.items()})
     return result
+
+
+def _raw_s3(spec: dict[str, Any]) -> dict[str, Any]:
+    """The object store's limit with the client the runtime uses: the same number of bytes as
+    one multipart upload (``s3fs.pipe_file``, its concurrent parts) and one download
+    (``s3fs.cat_file``, its concurrent ranged reads)."""
+    import s3fs
+
+    data = os.urandom(int(spec["bytes"]))
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    key = f"{spec['bucket']}/raw-{spec['rep']}.bin"
+    started = time.perf_counter()
+    fs.pipe_file(key, data)
+    up = time.perf_counter() - started
+    started = time.perf_counter()
+    back = fs.cat_file(key)
+    down = time.perf_counter() - started
+    assert len(back) == len(data)
+    fs.rm_file(key)
+    return {"raw_s3_up_s": up, "raw_s3_down_s": down}
+
+
+class _S3:
+    """The tier's S3 server for ``--s3`` (tests/cluster/s3.py), its endpoint and credentials
+    in this process's environment (the children inherit them)."""
+
+    def __init__(self, workdir: Path) -> None:
+        # the repository root after the standard library: its operator/ must not shadow it
+        sys.path.append(str(Path(__file__).resolve().parents[1]))
+        from tests.cluster.binaries import find_versitygw
+        from tests.cluster.s3 import S3Server
+
+        binary, version = find_versitygw()
+        if binary is None:
+            raise SystemExit(f"--s3: versitygw {version} is not built: make cluster-binaries")
+        self.server = S3Server(binary, workdir / "s3")
+        self.server.start()
+        self.bucket = self.server.create_bucket("bench")
+        os.environ.update(self.server.client_env())
+        print(f"S3 server: versitygw {version} at {self.server.endpoint}", flush=True)
+
+    def stop(self) -> None:
+        self.server.stop()
 
 
 # -- the parent --------------------------------------------------------------------------------
@@ -285,7 +341,31 @@ def _ratio(a: list[float], b: list[float]) -> str:
     return f"{statistics.median(a) / statistics.median(b):.2f}x"
 
 
-def _bench(params: int, repeats: int, workdir: Path, threads: int) -> None:
+def _bench_s3(base: dict[str, Any], rep: int, s3: _S3, add: Any) -> None:
+    """One repeat on the S3 server: ours saves (blocking) and resumes, then the raw transfer of
+    the same bytes with the same client."""
+    out = f"s3://{s3.bucket}/ours-{base['width']}-{rep}"
+    t = _run({**base, "output_dir": out, "mode": "train", "async": False})
+    r = _run({**base, "mode": "resume", "checkpoint": f"{out}/checkpoint-{SAVE_STEP}",
+              "output_dir": f"{out}/resumed"})  # fmt: skip
+    raw = _run(
+        {"impl": "raw_s3", "mode": "raw", "bytes": t["bytes"], "bucket": s3.bucket, "rep": rep}
+    )
+    add("s3_save_s", t["save_s"])
+    add("s3_resume_s", r["resume_s"])
+    add("s3_bytes", t["bytes"])
+    add("raw_s3_up_s", raw["raw_s3_up_s"])
+    add("raw_s3_down_s", raw["raw_s3_down_s"])
+    mb = t["bytes"] / 1e6
+    print(
+        f"  rep {rep}: S3 ours save {t['save_s']:.2f}s ({mb / t['save_s']:.0f} MB/s), raw upload "
+        f"{raw['raw_s3_up_s']:.2f}s ({mb / raw['raw_s3_up_s']:.0f} MB/s); resume "
+        f"{r['resume_s']:.2f}s, raw download {raw['raw_s3_down_s']:.2f}s",
+        flush=True,
+    )
+
+
+def _bench(params: int, repeats: int, workdir: Path, threads: int, s3: _S3 | None = None) -> None:
     width = int(math.sqrt(params / 4))
     real = 4 * width * width
     print(f"\n== {real / 1e6:.0f}M parameters (4 x Linear({width}, {width}), AdamW) ==", flush=True)
@@ -352,6 +432,8 @@ def _bench(params: int, repeats: int, workdir: Path, threads: int) -> None:
                 )
             print(line, flush=True)
             shutil.rmtree(out, ignore_errors=True)
+        if s3 is not None:
+            _bench_s3({"impl": "ours", "width": width, "threads": threads}, rep, s3, add)
 
     f = figures
     gb = 1e-9
@@ -398,6 +480,20 @@ def _bench(params: int, repeats: int, workdir: Path, threads: int) -> None:
     ]
     for label, a, b in ratios:
         print(f"  {label + ':':48s} {_ratio(f.get(a, []), f.get(b, []))}")
+    if s3 is not None:
+        size = statistics.median(f["s3_bytes"]) / 1e9
+        print(f"\nS3 server (versitygw on loopback), {size:.2f} GB checkpoint:")
+        print(f"| {'':36s} | {'trainer_runtime':24s} | {'raw s3fs, same bytes':24s} |")
+        for label, a, b in (
+            ("save s (step end -> on_save)", "s3_save_s", "raw_s3_up_s"),
+            ("resume s (train() -> first step)", "s3_resume_s", "raw_s3_down_s"),
+        ):
+            print(f"| {label:36s} | {_fmt(f.get(a, [])):24s} | {_fmt(f.get(b, [])):24s} |")
+        print("ratios (medians; bandwidth of ours / raw, target >= 0.8):")
+        print(f"  {'save: raw upload s / ours save s':48s} "
+              f"{_ratio(f['raw_s3_up_s'], f['s3_save_s'])}")  # fmt: skip
+        print(f"  {'resume: raw download s / ours resume s':48s} "
+              f"{_ratio(f['raw_s3_down_s'], f['s3_resume_s'])}")  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -406,17 +502,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="alternating runs per size")
     p.add_argument("--threads", type=int, default=1, help="torch threads per child")
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    p.add_argument(
+        "--s3", action="store_true", help="also save to / resume from the tier's S3 server"
+    )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child is not None:
-        print(json.dumps(_child(json.loads(args.child))))
+        spec = json.loads(args.child)
+        print(json.dumps(_raw_s3(spec) if spec["impl"] == "raw_s3" else _child(spec)))
         return 0
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ckpt-io-bench-")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    s3 = _S3(workdir) if args.s3 else None
     try:
         for params in _parse_params(args.params):
-            _bench(params, args.repeats, workdir, args.threads)
+            _bench(params, args.repeats, workdir, args.threads, s3)
     finally:
+        if s3 is not None:
+            s3.stop()
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     return 0

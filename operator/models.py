@@ -229,6 +229,15 @@ class CheckpointSpec(_Model):
     uri: str = Field(min_length=1)
     """fsspec URL (or absolute path) of the checkpoint root, as the training pods see it. Passed
     to the runtime as PREEMPTIBLE_OUTPUT_DIR; checkpoints are checkpoint-<step>/ below it."""
+    credentials_secret: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+    )
+    """Name of a Secret in the TrainingJob's namespace whose keys become environment variables of
+    every training container (envFrom): the object store's credentials and endpoint, e.g.
+    AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL for s3://. The operator only
+    names it in the pods; it never reads it."""
     keep: int | None = Field(default=None, ge=1)
     """How many checkpoints to keep (save_total_limit). The newest complete one is never removed."""
     interval: Literal["auto"] | None = None

@@ -292,6 +292,10 @@ def _merge_containers(
                     *target.get(key, []),
                     *(v for v in value if v.get(key_name) not in have),
                 ]
+            elif key == "envFrom" and isinstance(value, list):
+                # the user's sources after ours (the credentials Secret): env sources add up
+                have = target.get(key, [])
+                target[key] = [*have, *(v for v in value if v not in have)]
             elif key in ("resources", "securityContext") and isinstance(value, dict):
                 base = target.get(key, {})
                 if key == "resources":
@@ -335,6 +339,9 @@ def render_pod_template(
             "capabilities": {"drop": ["ALL"]},
         },
     }
+    if spec.checkpoint.credentials_secret:
+        # the object store's credentials, as every S3/GCS/Azure client reads them: from env
+        container["envFrom"] = [{"secretRef": {"name": spec.checkpoint.credentials_secret}}]
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
     command = shape.pod_command(spec)

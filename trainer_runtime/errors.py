@@ -51,7 +51,8 @@ class StorageError(CheckpointError):
     """A filesystem or object-store operation failed.
 
     ``url`` is the full URL of the object, ``operation`` what was being done, ``cause`` the error
-    the backend raised (also chained as ``__cause__``).
+    the backend raised (also chained as ``__cause__``), ``endpoint`` the object store's endpoint
+    URL where there is one (an S3 URL names the bucket and the key, not the server).
     """
 
     def __init__(
@@ -60,17 +61,20 @@ class StorageError(CheckpointError):
         operation: str,
         cause: BaseException | None = None,
         hint: str | None = None,
+        endpoint: str | None = None,
     ) -> None:
         self.url = url
         self.operation = operation
         self.cause = cause
+        self.endpoint = endpoint
         err = getattr(cause, "errno", None)
         self.errno: int | None = err if isinstance(err, int) else None
         if hint is None and self.errno is not None:
             hint = _HINTS.get(self.errno)
         self.hint = hint
         detail = f"{type(cause).__name__}: {cause}" if cause is not None else "failed"
-        message = f"storage {operation} failed for {url!r}: {detail}"
+        where = f"{url!r} at endpoint {endpoint}" if endpoint else repr(url)
+        message = f"storage {operation} failed for {where}: {detail}"
         if hint:
             message += f" ({hint})"
         super().__init__(message)

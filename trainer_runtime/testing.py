@@ -402,7 +402,10 @@ class ToyRun:
         grace_seconds: float | None = None,
         env: Mapping[str, str] | None = None,
     ) -> None:
-        self.output_dir = Path(output_dir)
+        # a local path, or kept as given when it is a URL (s3://...: Path would fold its "//")
+        self.output_dir: Path | str = (
+            str(output_dir) if "://" in str(output_dir) else Path(output_dir)
+        )
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.attempt = attempt
@@ -439,7 +442,8 @@ class ToyRun:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> ToyRun:
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if isinstance(self.output_dir, Path):
+            self.output_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "trainer_runtime.toy", *self.args],

@@ -145,6 +145,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="fail checkpoint writes with ENOSPC after N bytes (fulldiskfile:// filesystem)",
     )
+    p.add_argument(
+        "--ballast-mb",
+        type=int,
+        default=0,
+        help="add a buffer of N MiB to the model (in every checkpoint, unused by training)",
+    )
     p.add_argument("--events-file", default=None, help="append one JSON line per event here")
     p.add_argument(
         "--save-on-each-node",
@@ -294,6 +300,11 @@ def build_trainer(args: argparse.Namespace) -> Any:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)  # model init
     model = ToyModel()
+    if args.ballast_mb > 0:
+        # Bytes that every checkpoint carries and training never touches (a buffer outside the
+        # forward pass, made without the RNG): saves take as long as a real model's would.
+        count = (args.ballast_mb << 20) // 4
+        model.register_buffer("ballast", torch.arange(count, dtype=torch.float32) % 251)
     if args.step_sleep > 0:
         # Inside the forward pass: a signal sent "mid-step" really lands in a step in flight.
         delay = args.step_sleep

@@ -410,6 +410,11 @@ class Trainer(
         # EXIT_PEER_FAILED, instead of a hang in the next collective until the SIGKILL.
         peers = self._start_peer_watch() if operator else None
         try:
+            # A bad output dir fails the attempt here, before any step: an unknown scheme, a
+            # bucket that does not exist, missing or wrong credentials, a read-only store.
+            Storage(str(self.args.output_dir)).check_access(
+                write=self.accelerator.is_local_main_process
+            )
             # save_on_each_node: refuse shared storage before any step is spent (a collective)
             per_node.check_storage_not_shared(self.args, self.accelerator.local_process_index)
             checkpoint = self._resolve_resume(resume_from_checkpoint)

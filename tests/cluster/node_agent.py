@@ -55,11 +55,13 @@ from trainer_runtime.protocol import ENV_TERMINATION_LOG
 
 from .kubeconfig import api_client_from
 from .pod_network import (
+    HOST_SERVICE_NET,
     KUBERNETES_SERVICE_IP,
     KUBERNETES_SERVICE_PORT,
     ApiProxy,
     ClusterNetwork,
     NetworkUnavailableError,
+    TcpRelay,
     network_unavailable_reason,
 )
 from .pod_runtime import (
@@ -1012,6 +1014,7 @@ class NodeAgent:
         self.network: ClusterNetwork | None = None
         self.network_unavailable: str | None = None
         self.api_proxy: ApiProxy | None = None
+        self.relays: list[TcpRelay] = []
         self.provision_volumes = provision_volumes
         self.provisioner: LocalDirProvisioner | None = None
         self._silenced: set[str] = set()  # nodes whose heartbeat is stopped (node loss)
@@ -1068,6 +1071,29 @@ class NodeAgent:
             raise NetworkUnavailableError(reason)
         self.network_unavailable = reason
         self.log.warning("pods share the host's network (loopback addresses): %s", reason)
+
+    def expose_host_port(self, name: str, host_port: int, port: int | None = None) -> str:
+        """Make a service listening on the host's 127.0.0.1:``host_port`` (e.g. the S3 server)
+        reachable from pods; returns the ``host:port`` they connect to. With network
+        namespaces: a TcpRelay at the next 10.0.1.N (port ``port``, default ``host_port``);
+        without them pods share the host's loopback, so it is the host address itself."""
+        if self.network is None:
+            return f"127.0.0.1:{host_port}"
+        with self.lock:
+            ip = f"{HOST_SERVICE_NET}.{len(self.relays) + 1}"
+            self.network.add_local_address(ip)
+            relay = TcpRelay(
+                self.network.cluster_ns,
+                (ip, port or host_port),
+                ("127.0.0.1", host_port),
+                self.log,
+                name=f"relay-{name}",
+            )
+            self.relays.append(relay)
+        self.log.info(
+            "%s: pods reach 127.0.0.1:%d at %s:%d", name, host_port, ip, port or host_port
+        )
+        return f"{ip}:{port or host_port}"
 
     def protected_paths(self) -> list[Path]:
         """Host paths a pod's processes need (the agent's files, the "image": venv, Python,
@@ -1156,9 +1182,10 @@ class NodeAgent:
             worker.join(15)
         if self.provisioner is not None:
             self.provisioner.stop()
-        if self.api_proxy is not None:
-            with contextlib.suppress(Exception):
-                self.api_proxy.close()
+        for relay in [self.api_proxy, *self.relays]:
+            if relay is not None:
+                with contextlib.suppress(Exception):
+                    relay.close()
         if self.network is not None:
             self.network.destroy()
         # Watch threads notice `stopping` when their (short) watch request ends; they are daemons

@@ -6,7 +6,8 @@ Layout (X is picked per agent so that two sessions on one machine do not collide
     pod netns pe<pid>-p<N>: eth0 10.X.a.b/16, default via 10.X.0.1
           |  veth
     cluster netns pe<pid>-c: bridge br0 10.X.0.1/16; 10.0.0.1/32 on lo (the "kubernetes" Service
-          |  veth              IP: a proxy to the apiserver, see ApiProxy); forwarding on
+          |  veth              IP: a proxy to the apiserver, see ApiProxy); 10.0.1.N/32 on lo
+          |                    for other host services (the S3 server, TcpRelay); forwarding on
     host: veth h<pid> with NO address; route 10.X.0.0/16 via 10.X.0.1 onlink
 
 Private addresses exist only inside namespaces created here; the machine's own interfaces get
@@ -16,7 +17,9 @@ other way out, and the host does not forward for it.
 
 Processes on the host (the control plane, an operator run outside the cluster) reach pod IPs
 through that route; pods reach the apiserver (which listens on the host's 127.0.0.1) through
-``ApiProxy`` at 10.0.0.1:443, as in-cluster clients expect (KUBERNETES_SERVICE_HOST/PORT).
+``ApiProxy`` at 10.0.0.1:443, as in-cluster clients expect (KUBERNETES_SERVICE_HOST/PORT), and
+other services of the host (the tier's S3 server) through a ``TcpRelay`` at 10.0.1.N, an address
+outside the Service range (10.0.0.0/24), so no ClusterIP the apiserver hands out can shadow it.
 """
 
 from __future__ import annotations
@@ -34,17 +37,21 @@ import threading
 from pathlib import Path
 
 __all__ = [
+    "HOST_SERVICE_NET",
     "KUBERNETES_SERVICE_IP",
     "KUBERNETES_SERVICE_PORT",
     "ApiProxy",
     "ClusterNetwork",
     "NetworkUnavailableError",
+    "TcpRelay",
     "network_unavailable_reason",
     "pod_address",
 ]
 
 KUBERNETES_SERVICE_IP = "10.0.0.1"  # first address of --service-cluster-ip-range=10.0.0.0/24
 KUBERNETES_SERVICE_PORT = 443
+# Addresses of host services relayed into the pod network (TcpRelay): 10.0.1.1, 10.0.1.2, ...
+HOST_SERVICE_NET = "10.0.1"
 NETNS_DIR = Path("/run/netns")
 _CLONE_NEWNET = 0x40000000
 _PREFIX = "pe"
@@ -219,6 +226,11 @@ class ClusterNetwork:
         if ns is not None:
             _ip("netns", "del", ns, check=False)  # its veth pair goes with it
 
+    def add_local_address(self, ip: str) -> None:
+        """An address of the cluster netns itself (on its loopback), which every pod reaches
+        through its default route: where a TcpRelay listens."""
+        _ip("-n", self.cluster_ns, "addr", "add", f"{ip}/32", "dev", "lo")
+
     @staticmethod
     def netns_path(name: str) -> str:
         return str(NETNS_DIR / name)
@@ -271,18 +283,28 @@ def _listen_in_netns(ns: str, address: tuple[str, int]) -> socket.socket:
     return result["socket"]  # type: ignore[return-value]
 
 
-class ApiProxy:
-    """TCP relay from 10.0.0.1:443 in the cluster netns to the apiserver on the host's loopback,
-    so pods find the apiserver where in-cluster clients look for it (TLS passes through)."""
+class TcpRelay:
+    """TCP relay from ``listen`` in the cluster netns to ``upstream`` on the host (bytes pass
+    through unchanged: TLS, and request signatures that cover the Host header, still hold).
+    When the upstream does not answer, the pod's connection is closed at once, as a Service
+    without ready endpoints would refuse it."""
 
-    def __init__(self, cluster_ns: str, upstream_port: int, log: logging.Logger) -> None:
-        self.upstream = ("127.0.0.1", upstream_port)
+    def __init__(
+        self,
+        cluster_ns: str,
+        listen: tuple[str, int],
+        upstream: tuple[str, int],
+        log: logging.Logger,
+        *,
+        name: str = "relay",
+    ) -> None:
+        self.listen = listen
+        self.upstream = upstream
+        self.name = name
         self.log = log
-        self._listener = _listen_in_netns(
-            cluster_ns, (KUBERNETES_SERVICE_IP, KUBERNETES_SERVICE_PORT)
-        )
+        self._listener = _listen_in_netns(cluster_ns, listen)
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._accept, name="api-proxy", daemon=True)
+        self._thread = threading.Thread(target=self._accept, name=name, daemon=True)
         self._thread.start()
 
     def _accept(self) -> None:
@@ -295,11 +317,11 @@ class ApiProxy:
                 upstream = socket.create_connection(self.upstream, timeout=10)
                 upstream.settimeout(None)
             except OSError as exc:
-                self.log.warning("api proxy: upstream %s: %s", self.upstream, exc)
+                self.log.warning("%s: upstream %s: %s", self.name, self.upstream, exc)
                 client.close()
                 continue
             for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=_pump, args=(a, b), name="api-proxy-pump",
+                threading.Thread(target=_pump, args=(a, b), name=f"{self.name}-pump",
                                  daemon=True).start()  # fmt: skip
 
     def close(self) -> None:
@@ -307,6 +329,20 @@ class ApiProxy:
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
+
+
+class ApiProxy(TcpRelay):
+    """The relay from 10.0.0.1:443 in the cluster netns to the apiserver on the host's loopback,
+    so pods find the apiserver where in-cluster clients look for it (TLS passes through)."""
+
+    def __init__(self, cluster_ns: str, upstream_port: int, log: logging.Logger) -> None:
+        super().__init__(
+            cluster_ns,
+            (KUBERNETES_SERVICE_IP, KUBERNETES_SERVICE_PORT),
+            ("127.0.0.1", upstream_port),
+            log,
+            name="api-proxy",
+        )
 
 
 def _pump(src: socket.socket, dst: socket.socket) -> None:

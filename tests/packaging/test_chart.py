@@ -221,6 +221,24 @@ def test_checkpoint_storage_values(helm: str, tmp_path: Path) -> None:
     assert "--checkpoint-path-map=/checkpoints=/checkpoints" in container["args"]
 
 
+def test_object_store_read_access_values(helm: str, tmp_path: Path) -> None:
+    """The values docs/install.md gives for checkpoints on S3: a path map of the bucket prefix to
+    itself and the credentials Secret as the operator's environment (no volume)."""
+    values = {
+        "checkpointStorage": {
+            "pathMap": {"s3://checkpoints/runs": "s3://checkpoints/runs"},
+            "credentialsSecret": "operator-s3",
+        }
+    }
+    objects = render(helm, values, tmp_path=tmp_path)
+    container = _operator_container(objects)
+    assert container["envFrom"] == [{"secretRef": {"name": "operator-s3"}}]
+    paths = [a for a in container["args"] if a.startswith("--checkpoint-path-map")]
+    assert paths == ["--checkpoint-path-map=s3://checkpoints/runs=s3://checkpoints/runs"]
+    pod = _deployment(objects)["spec"]["template"]["spec"]
+    assert not [v for v in pod.get("volumes", []) if v["name"] == "checkpoints"]
+
+
 def test_pvc_alone_maps_its_mount_path(helm: str, tmp_path: Path) -> None:
     values = {"checkpointStorage": {"persistentVolumeClaim": {"claimName": "ckpt"}}}
     args = _operator_container(render(helm, values, tmp_path=tmp_path))["args"]

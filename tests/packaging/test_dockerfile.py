@@ -131,6 +131,9 @@ def test_operator_image_installs_only_the_operator_extra(parsed) -> None:
     (run,) = stage.all("RUN")
     text = run.value
     assert '["optional-dependencies"]' in text and 'extras["operator"]' in text
+    # the operator reads checkpoints on s3:// too: the `s3` extra, checked to load
+    assert 'extras["operator"] + extras["s3"]' in text
+    assert 'fsspec.filesystem("s3", anon=True)' in text
     assert "pip install -r /tmp/operator-requirements.txt" in text
     assert "pip install --no-deps ." in text
     assert "TORCH" not in text and "pip install torch" not in text
@@ -139,6 +142,15 @@ def test_operator_image_installs_only_the_operator_extra(parsed) -> None:
     assert "preemptible-operator --help" in text
     # -P everywhere: the build directory's operator/ would shadow the standard library's module
     assert "python3 -c" not in text
+
+
+def test_runtime_image_installs_the_s3_extra(parsed) -> None:
+    """s3:// checkpoint dirs work in the runtime image: the `s3` extra, checked to load."""
+    _, stages = parsed
+    install = next(i for i in _stage(stages, "build").all("RUN") if "pip install" in i.value
+                   and "TORCH_SPEC" not in i.value)  # fmt: skip
+    assert install.value.startswith('pip install ".[s3]"'), install.value
+    assert 'fsspec.filesystem("s3", anon=True)' in install.value
 
 
 def test_final_stages_run_as_non_root(parsed) -> None:

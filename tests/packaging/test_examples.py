@@ -43,6 +43,7 @@ def test_the_promised_examples_exist() -> None:
         "kueue/setup.yaml",
         "kueue/low-priority.yaml",
         "kueue/high-priority.yaml",
+        "s3.yaml",
     } <= names
     assert len(TRAINING_JOBS) >= 5
 
@@ -98,8 +99,15 @@ def test_examples_use_the_chart_image() -> None:
 
 @pytest.mark.parametrize(("path", "tj"), TRAINING_JOBS, ids=TJ_IDS)
 def test_checkpoints_survive_the_pod(path: Path, tj: dict[str, Any]) -> None:
-    """The checkpoint URI lies on a mounted PVC, whose claim the same file creates."""
+    """The checkpoint URI lies on a mounted PVC, whose claim the same file creates, or in an
+    object store whose credentials come from a Secret the same file creates."""
     spec = tj["spec"]
+    if spec["checkpoint"]["uri"].startswith("s3://"):
+        secrets = {d["metadata"]["name"]: d for d in _load(path) if d["kind"] == "Secret"}
+        secret = secrets[spec["checkpoint"]["credentialsSecret"]]
+        assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(secret["stringData"])
+        assert "volumes" not in spec  # nothing local to lose with the node
+        return
     volumes = {v["name"]: v for v in spec["volumes"]}
     uri = spec["checkpoint"]["uri"]
     mount = next(

@@ -60,8 +60,10 @@ from trainer_runtime.checkpoint.layout import (
     CheckpointStore,
     attempt_from_env,
     checkpoint_name,
+    fence_attempts,
     fence_check,
     inspect_checkpoint,
+    register_attempt,
     rotation_victims,
 )
 from trainer_runtime.checkpoint.model_state import OPTIMIZER_INDEX_NAME, OPTIMIZER_NAME
@@ -82,6 +84,7 @@ __all__ = [
     "OPTIMIZER_META_KEY",
     "CheckpointReader",
     "CheckpointWriter",
+    "download_checkpoint",
     "optimizer_state_from_tensors",
     "optimizer_state_to_tensors",
     "rotate_checkpoints",
@@ -99,6 +102,11 @@ _RESERVED_MANIFEST_KEYS = frozenset(
 # write_entries: safetensors files at least this large are written concurrently, this many at once
 _PARALLEL_MIN_BYTES = 64 << 20
 _PARALLEL_FILES = 2
+# upload_local_files / download_checkpoint: blocks read from or written to the local copy
+_UPLOAD_BLOCK = 8 << 20
+
+# output dir URL -> attempts this process registered there (layout.register_attempt)
+_registered: dict[str, set[int | None]] = {}
 
 Barrier = Callable[[], Any]
 # every rank passes its object and gets the list of all ranks' objects, in rank order
@@ -238,8 +246,18 @@ class CheckpointWriter:
             )
 
     def _begin_coordinator(self) -> None:
-        store = CheckpointStore(self.output_dir, self.root.storage_options)
-        fence_check(store.list(), self.attempt, f"write {self.path}")
+        action = f"write {self.path}"
+        if not self.root.is_object_store:
+            # a look into every checkpoint: cheap on a disk (and on the in-memory store)
+            store = CheckpointStore(self.output_dir, self.root.storage_options)
+            fence_check(store.list(), self.attempt, action)
+        else:
+            # object stores: one listing of the registered attempts, however many checkpoints
+            # there are (a JIT save must not pay requests per checkpoint); then register ours
+            fence_attempts(self.root, self.attempt, action)
+            if self.attempt not in _registered.get(self.root.url, ()):
+                register_attempt(self.root, self.attempt, socket.gethostname())
+                _registered.setdefault(self.root.url, set()).add(self.attempt)
         existed = self.root.exists(self.name)
         self.root.makedirs(self.name)
         self._token = uuid.uuid4().hex
@@ -422,6 +440,34 @@ class CheckpointWriter:
                 self._files[rel] = {"path": rel, "size": int(files[rel])}
         return sorted(files)
 
+    def upload_local_files(self, files: Mapping[str, str]) -> list[str]:
+        """Write files another library saved on a local disk (name in the checkpoint -> local
+        path) into this checkpoint, e.g. transformers' save into a scratch directory when the
+        checkpoint lives on an object store. Each is streamed as it is read (a multipart upload
+        there), its checksum computed on the way, two large files at a time. Returns the names.
+        """
+        self._require_open()
+        names = sorted(files, key=lambda n: -os.path.getsize(files[n]))
+        for name in names:
+            _check_filename(name)
+            if name in self._files:
+                raise CheckpointError(f"{name} written twice to {self.path}")
+
+        def upload(name: str) -> None:
+            with (
+                open(files[name], "rb", buffering=0) as src,
+                self.root.open_write(self._rel(name)) as fh,
+            ):
+                while block := src.read(_UPLOAD_BLOCK):
+                    fh.write(block)
+            self._files[name] = file_record(name, fh.size, fh.digest)
+
+        with ThreadPoolExecutor(max_workers=_PARALLEL_FILES, thread_name_prefix="ckpt-up") as pool:
+            futures = [pool.submit(upload, name) for name in names]
+        for future in futures:  # every upload has ended: none goes on after an error
+            future.result()
+        return names
+
     def adopt_present(self) -> list[str]:
         """Coordinator: :meth:`adopt` every file of :meth:`present_files`, checksums read back.
         Call it after every rank's :meth:`sync_present` and a barrier."""
@@ -550,8 +596,18 @@ class CheckpointWriter:
     def _publish_manifest(self, manifest: dict[str, Any]) -> CheckpointInfo:
         self.root.fsync_dir(self.name)
         # The commit point, then the sentinel goes (last); a crash in between leaves an incomplete
-        # checkpoint, never a complete-looking partial one.
-        self.root.atomic_write_json(self._rel(MANIFEST_NAME), manifest)
+        # checkpoint, never a complete-looking partial one. On object stores a conditional
+        # create (If-None-Match): of two writers that both passed the sentinel check, one
+        # commits and the other gets CheckpointError.
+        try:
+            self.root.atomic_write_json(self._rel(MANIFEST_NAME), manifest, exclusive=True)
+        except StorageError as exc:
+            if isinstance(exc.cause, FileExistsError):
+                raise CheckpointError(
+                    f"{self.path}/{MANIFEST_NAME} was written by another writer first: "
+                    "checkpoint not committed by this one"
+                ) from exc
+            raise
         self.root.remove(self._rel(SENTINEL_NAME))
         self.root.fsync_dir(self.name)
         info = inspect_checkpoint(self.root, self.name)
@@ -684,8 +740,13 @@ class CheckpointReader:
         self.info = info
         listed = (info.manifest or {}).get("files", [])
         self._digests = {e["path"]: listed_digest(e) for e in listed}
+        self._sizes: dict[str, int] = {
+            e["path"]: e["size"] for e in listed if isinstance(e.get("size"), int)
+        }
         # checksums computed on helper threads while the tensors are loaded (wait_verified)
         self._checks: list[tuple[str, Future[str], tuple[str, str]]] = []
+        # object stores: files to check that no whole-file load has checked yet
+        self._remote_pending: set[str] = set()
         self._pool: ThreadPoolExecutor | None = None
 
     @property
@@ -719,8 +780,7 @@ class CheckpointReader:
         """
         path = self._local_path(filename)
         if path is None:
-            data = self.load_bytes(filename)
-            return dict(_st_load(data)), _safetensors_metadata(data)
+            return self._load_remote(filename)
         expected = self._expected(filename)
         try:
             if not owned:
@@ -755,6 +815,34 @@ class CheckpointReader:
             raise ResumeError(f"cannot read {filename} of {self.path}: {exc}") from exc
         return tensors, dict(header.get("__metadata__") or {})
 
+    def _load_remote(self, filename: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Object stores: parallel ranged reads into one host buffer the tensors are views of;
+        the checksum is computed from the blocks in file order while later ranges are still
+        downloading (:meth:`Storage.read_into`); :meth:`wait_verified` reports it."""
+        expected = self._expected(filename)
+        hasher = new_hasher(expected[0]) if expected else None
+        try:
+            size = self._sizes.get(filename)
+            if size is None:
+                size = self.storage.size(filename)
+            buf = torch.empty(size, dtype=torch.uint8)
+            self.storage.read_into(
+                filename, memoryview(buf.numpy()), hasher.update if hasher else None
+            )
+            header, base = header_of(memoryview(buf.numpy()))
+            tensors = tensors_from_buffer(buf, header, base)
+        except StorageError as exc:
+            raise ResumeError(f"cannot read {filename} of {self.path}: {exc}") from exc
+        except Exception as exc:  # a corrupt header, safetensors' own errors
+            raise ResumeError(f"cannot read {filename} of {self.path}: {exc}") from exc
+        if hasher is not None:
+            assert expected is not None
+            done: Future[str] = Future()
+            done.set_result(hasher.hexdigest())
+            self._checks.append((filename, done, expected))
+            self._remote_pending.discard(filename)
+        return tensors, dict(header.get("__metadata__") or {})
+
     def verify_in_background(self, filename: str) -> None:
         """Check ``filename`` against the manifest on a helper thread (for a file read some
         other way, e.g. in slices); :meth:`wait_verified` reports the outcome."""
@@ -766,7 +854,10 @@ class CheckpointReader:
         if path is not None:
             future = self._helpers().submit(_digest_of_file, path, expected[0])
         else:
-            future = self._helpers().submit(self._remote_digest, filename, expected[0])
+            # Object stores: a file loaded whole later (_load_remote) is checked as it downloads;
+            # only one that never is gets downloaded again for its checksum (wait_verified).
+            self._remote_pending.add(filename)
+            return
         self._checks.append((filename, future, expected))
 
     def _remote_digest(self, filename: str, algorithm: str) -> str:
@@ -775,6 +866,12 @@ class CheckpointReader:
 
     def wait_verified(self) -> None:
         """Wait for the checksums computed beside the loading; ResumeError on a mismatch."""
+        for filename in sorted(self._remote_pending):
+            expected = self._expected(filename)
+            if expected:
+                future = self._helpers().submit(self._remote_digest, filename, expected[0])
+                self._checks.append((filename, future, expected))
+        self._remote_pending.clear()
         checks, self._checks = self._checks, []
         try:
             for filename, future, (algorithm, expected) in checks:
@@ -870,6 +967,49 @@ class CheckpointReader:
         if meta is None:
             raise ResumeError(f"{filename} of {self.path} has no {OPTIMIZER_META_KEY} metadata")
         return optimizer_state_from_tensors(tensors, meta)
+
+
+def download_checkpoint(
+    path: str, local_dir: str, storage_options: dict[str, Any] | None = None
+) -> list[str]:
+    """Copy the complete checkpoint ``path`` (e.g. on an object store) to the local directory
+    ``local_dir`` for a library that reads local files only (transformers' resume). Files are
+    fetched with parallel ranged reads straight into the local file, each checked against the
+    manifest's checksum (or size) as it arrives; a mismatch raises ResumeError and the partial
+    copy is removed. Returns the names copied (every file the manifest lists, or every file of
+    a stock transformers checkpoint)."""
+    import mmap
+    import shutil
+
+    reader = CheckpointReader(path, storage_options)
+    storage = reader.storage
+    listed = (reader.info.manifest or {}).get("files")
+    sizes = (
+        {e["path"]: int(e["size"]) for e in listed}
+        if isinstance(listed, list)
+        else dict(storage.walk_files(""))
+    )
+    os.makedirs(local_dir, exist_ok=True)
+    try:
+        for name, size in sorted(sizes.items()):
+            target = os.path.join(local_dir, name)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            expected = reader._expected(name)
+            hasher = new_hasher(expected[0]) if expected else None
+            with open(target, "wb+") as fh:
+                fh.truncate(size)
+                if size:
+                    with mmap.mmap(fh.fileno(), size) as view:
+                        storage.read_into(name, memoryview(view), hasher.update if hasher else None)
+            if hasher is not None and expected is not None and hasher.hexdigest() != expected[1]:
+                raise reader._corrupt(name, expected[0], hasher.hexdigest(), expected[1])
+    except StorageError as exc:
+        shutil.rmtree(local_dir, ignore_errors=True)
+        raise ResumeError(f"cannot download {path} to {local_dir}: {exc}") from exc
+    except BaseException:
+        shutil.rmtree(local_dir, ignore_errors=True)
+        raise
+    return sorted(sizes)
 
 
 def write_entry(storage: Storage, rel: str, data: bytes | TensorFile) -> tuple[int, str]:
@@ -1000,13 +1140,24 @@ def rotate_checkpoints(
     Call it only after the new checkpoint is committed. Refuses (CheckpointError) when a checkpoint
     of an attempt newer than ``attempt`` (default $PREEMPTIBLE_ATTEMPT) exists. Each victim first
     gets a sentinel, so a removal interrupted half-way never leaves a complete-looking checkpoint.
+
+    On object stores the checkpoints come from one recursive listing, without reading each one's
+    manifest (layout.infos_from_listing: complete means manifest present, sentinel absent), and
+    the fence from the registered attempts (layout.fence_attempts): its requests do not grow with
+    the number of checkpoints. Pass the checkpoint just committed in ``protect``.
     """
     store = CheckpointStore(output_dir, storage_options)
-    checkpoints = store.list()
+    local = not store.storage.is_object_store
+    # Object stores: one recursive listing, no manifest read per checkpoint (this runs after
+    # every save, the JIT one included); the fence from the registered attempts.
+    checkpoints = store.list() if local else store.list_from_listing()
     victims = rotation_victims(checkpoints, save_total_limit, frozenset(protect))
     if not victims:
         return []
-    fence_check(checkpoints, attempt_from_env(attempt), "rotate checkpoints")
+    if local:
+        fence_check(checkpoints, attempt_from_env(attempt), "rotate checkpoints")
+    else:
+        fence_attempts(store.storage, attempt_from_env(attempt), "rotate checkpoints")
     removed: list[str] = []
     for victim in victims:
         if victim.complete:

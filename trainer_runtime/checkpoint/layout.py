@@ -27,6 +27,7 @@ from trainer_runtime.errors import CheckpointError, ConfigurationError, StorageE
 from trainer_runtime.protocol import ENV_ATTEMPT
 
 __all__ = [
+    "ATTEMPTS_DIR",
     "CHECKPOINT_PREFIX",
     "MANIFEST_FORMAT",
     "MANIFEST_NAME",
@@ -38,10 +39,14 @@ __all__ = [
     "CheckpointStore",
     "attempt_from_env",
     "checkpoint_name",
+    "fence_attempts",
     "fence_check",
+    "infos_from_listing",
     "inspect_checkpoint",
     "is_complete",
     "parse_step",
+    "register_attempt",
+    "registered_attempts",
     "rotation_victims",
 ]
 
@@ -55,6 +60,11 @@ CHECKPOINT_PREFIX = "checkpoint-"
 MANIFEST_FORMAT = "preemptible-checkpoint/1"
 # per-rank record of the files a rank wrote, merged by the coordinator into the manifest
 PARTIAL_PREFIX = ".partial-rank-"
+# Object stores: one small object per attempt that wrote here (``attempt-<N>.json``), written
+# before its first sentinel, so the attempt fence is one listing of this prefix instead of a look
+# into every checkpoint (fence_attempts).
+ATTEMPTS_DIR = ".preemptible-attempts"
+_ATTEMPT_RE = re.compile(r"^attempt-(\d+)\.json$")
 
 _CHECKPOINT_RE = re.compile(rf"^{re.escape(CHECKPOINT_PREFIX)}(\d+)$")
 
@@ -249,6 +259,77 @@ def inspect_checkpoint(storage: Storage, rel: str = "") -> CheckpointInfo:
     )
 
 
+def infos_from_listing(url: str, files: Mapping[str, int]) -> list[CheckpointInfo]:
+    """Every checkpoint under ``url`` as one recursive listing (path -> size, relative to the
+    output dir) shows it, without reading a manifest; pure.
+
+    Complete here means what the commit order leaves: ``manifest.json`` present and the sentinel
+    absent (or, with no manifest, a stock Hugging Face checkpoint's ``trainer_state.json``). The
+    manifest's sizes are not compared: the writer compared them before writing it. For rotation
+    on object stores, where reading every manifest would cost requests per checkpoint."""
+    by_dir: dict[str, dict[str, int]] = {}
+    for rel, size in files.items():
+        head, sep, tail = rel.strip("/").partition("/")
+        if sep and tail and parse_step(head) is not None:
+            by_dir.setdefault(head, {})[tail] = int(size)
+    base = url.rstrip("/")
+    out = []
+    for name, listed in by_dir.items():
+        unread = {"files": []} if MANIFEST_NAME in listed else None
+        complete, reason = is_complete(listed, unread)
+        out.append(
+            CheckpointInfo(
+                path=f"{base}/{name}",
+                name=name,
+                step=parse_step(name) or 0,
+                complete=complete,
+                reason=reason,
+                size_bytes=sum(listed.values()),
+                manifest=None,
+                attempt=None,
+            )
+        )
+    return sorted(out, key=_sort_key)
+
+
+def registered_attempts(storage: Storage) -> list[int]:
+    """The attempts that registered as writers of this output dir (:func:`register_attempt`),
+    from one listing."""
+    if not storage.exists(ATTEMPTS_DIR):
+        return []
+    found = []
+    for name in storage.listdir(ATTEMPTS_DIR):
+        m = _ATTEMPT_RE.match(name)
+        if m:
+            found.append(int(m.group(1)))
+    return sorted(found)
+
+
+def register_attempt(storage: Storage, attempt: int | None, host: str = "") -> None:
+    """Record that ``attempt`` writes checkpoints here (before its first sentinel), so that
+    :func:`fence_attempts` stops every older attempt; idempotent. No-op without an attempt."""
+    if attempt is None:
+        return
+    rel = f"{ATTEMPTS_DIR}/attempt-{attempt}.json"
+    if storage.exists(rel):
+        return
+    storage.write_json(rel, {"attempt": attempt, "host": host})
+
+
+def fence_attempts(storage: Storage, attempt: int | None, action: str) -> None:
+    """The attempt fence from the registered attempts (one listing, any number of checkpoints):
+    CheckpointError when a newer attempt registered. Unknown attempt (None): not fenced."""
+    if attempt is None:
+        return
+    newer = [a for a in registered_attempts(storage) if a > attempt]
+    if newer:
+        raise CheckpointError(
+            f"refusing to {action}: attempt {max(newer)} writes checkpoints to {storage.url} "
+            f"({ATTEMPTS_DIR}/attempt-{max(newer)}.json), newer than this writer's attempt "
+            f"{attempt} ({ENV_ATTEMPT}); this process is a stale attempt and must stop"
+        )
+
+
 class CheckpointStore:
     """The ``checkpoint-<step>`` directories under one output dir (any fsspec URL)."""
 
@@ -289,6 +370,13 @@ class CheckpointStore:
             if info.complete:
                 return info
         return None
+
+    def list_from_listing(self) -> list[CheckpointInfo]:
+        """Every checkpoint from one recursive listing, no manifest read
+        (:func:`infos_from_listing`): for rotation on object stores."""
+        if not self.storage.exists(""):
+            return []
+        return infos_from_listing(self.storage.url, self.storage.walk_files(""))
 
     def incomplete(self) -> list[CheckpointInfo]:
         return [c for c in self.list() if not c.complete]

@@ -5,7 +5,10 @@ mounted filesystems (a PVC is one) get real durability: every file written throu
 :meth:`Storage.open_write` is flushed and fsynced before it counts as written, and
 :meth:`Storage.atomic_write_json` writes a temporary file and renames it over the target, then
 fsyncs the directory. Object stores (s3, gcs, ...) make an object durable and visible in one piece
-when its upload completes, so there the final name is written directly.
+when its upload completes, so there the final name is written directly: streamed as a multipart
+upload that is aborted on any error (nothing partial is published), conditionally
+(``If-None-Match``) where the caller asks for ``exclusive`` (the manifest); reads of large files
+are parallel ranged reads (:mod:`object_store`).
 
 Every backend error becomes a :class:`~trainer_runtime.errors.StorageError` naming the URL, the
 operation and the cause. This module is torch-free.
@@ -16,14 +19,16 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from typing import Any, BinaryIO
 
 import fsspec
+from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
+from trainer_runtime.checkpoint import object_store
 from trainer_runtime.checkpoint.digest import hash_stream, new_hasher
 from trainer_runtime.checkpoint.direct_io import DirectFile, direct_io_supported
 from trainer_runtime.errors import StorageError
@@ -151,14 +156,26 @@ class Storage:
             )
         self.url = url.rstrip("/") or url
         self.storage_options = dict(storage_options or {})
+        options = self.storage_options
+        if fsspec.core.split_protocol(url)[0] in object_store.S3_PROTOCOLS:
+            # bounded retries and timeouts unless the user set them (object_store.s3_options)
+            options = object_store.s3_options(options)
         try:
-            fs, root = fsspec.core.url_to_fs(url, **self.storage_options)
+            fs, root = fsspec.core.url_to_fs(url, **options)
         except Exception as exc:
-            raise StorageError(url, "open filesystem", exc) from exc
+            raise StorageError(url, "open filesystem", exc, hint=_SCHEME_HINT) from exc
         self.fs: fsspec.AbstractFileSystem = fs
         self.root: str = root.rstrip("/") or root
         # Real files with real fsync and rename: local disks and mounted volumes (PVCs, NFS).
         self.is_local = isinstance(fs, LocalFileSystem)
+        self.is_s3 = object_store.is_s3(fs)
+        # Network object stores (s3, gcs, azure: fsspec's async filesystems), where every
+        # request is a round trip: the attempt fence and rotation avoid one per checkpoint.
+        self.is_object_store = not self.is_local and isinstance(fs, AsyncFileSystem)
+        if self.is_s3:
+            # botocore retries each request already (s3_options): s3fs' own loop around it
+            # would multiply the attempts (5 x 3) and the time a dead server takes to surface.
+            fs.retries = min(int(getattr(fs, "retries", 2)), 2)
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
@@ -177,6 +194,11 @@ class Storage:
             return self.root
         return f"{self.root}/{rel}" if self.root != "/" else f"/{rel}"
 
+    @property
+    def endpoint(self) -> str | None:
+        """The object store's endpoint URL (S3), for messages; None elsewhere."""
+        return object_store.endpoint_of(self.fs)
+
     @contextmanager
     def _op(self, operation: str, rel: str) -> Iterator[None]:
         try:
@@ -184,7 +206,15 @@ class Storage:
         except StorageError:
             raise
         except Exception as exc:
-            raise StorageError(self.join(rel), operation, exc) from exc
+            if not self.is_object_store:
+                raise StorageError(self.join(rel), operation, exc) from exc
+            raise StorageError(
+                self.join(rel),
+                operation,
+                exc,
+                hint=object_store.error_hint(exc),
+                endpoint=self.endpoint,
+            ) from exc
 
     # -- queries -------------------------------------------------------------------------------
     def _fresh(self, path: str) -> None:
@@ -259,6 +289,42 @@ class Storage:
             with suppress(Exception):
                 handle.close()
 
+    def size(self, rel: str) -> int:
+        """A file's size in bytes."""
+        with self._op("stat", rel):
+            return int(self.fs.size(self._path(rel)))
+
+    def read_into(
+        self, rel: str, dest: memoryview, on_block: Callable[[memoryview], Any] | None = None
+    ) -> None:
+        """Fill ``dest`` with the first ``len(dest)`` bytes of a file; ``on_block`` gets them in
+        file order as they arrive (e.g. a checksum, computed beside the reading). Object
+        stores: parallel ranged reads (:func:`object_store.read_into`)."""
+        if self.is_local:
+            view = dest.cast("B") if dest.format != "B" else dest
+            with self._op("read", rel), open(self._path(rel), "rb", buffering=0) as fh:
+                done = 0
+                while done < len(view):
+                    n = fh.readinto(view[done : done + (16 << 20)])
+                    if not n:
+                        raise OSError(f"short read: {done} of {len(view)} bytes")
+                    if on_block is not None:
+                        on_block(view[done : done + n])
+                    done += n
+            return
+        with self._op("read", rel):
+            object_store.read_into(self.fs, self._path(rel), dest, on_block)
+
+    def check_access(self, *, write: bool) -> None:
+        """Before training: the output dir's store answers with these credentials and its
+        bucket exists (object stores), and with ``write`` a file can be created there (a probe
+        object written and removed). Raises StorageError naming the URL, the endpoint and the
+        cause. Local directories are created when first written; nothing is checked here."""
+        if self.is_local:
+            return
+        with self._op("check access (before training)", ""):
+            object_store.check_access(self.fs, self.root, write=write)
+
     def read_json(self, rel: str) -> Any:
         data = self.read_bytes(rel)
         try:
@@ -268,6 +334,10 @@ class Storage:
 
     # -- writes --------------------------------------------------------------------------------
     def makedirs(self, rel: str = "") -> None:
+        if self.is_s3:
+            # S3 has no directories; and s3fs' makedirs creates a missing bucket, which must
+            # fail the run instead (check_access)
+            return
         with self._op("create directory", rel):
             self.fs.makedirs(self._path(rel), exist_ok=True)
 
@@ -277,13 +347,39 @@ class Storage:
         return self.is_local and _direct_io_wanted()
 
     @contextmanager
-    def open_write(self, rel: str) -> Iterator[HashingWriter | _LocalWriter]:
+    def open_write(
+        self, rel: str, *, exclusive: bool = False
+    ) -> Iterator[HashingWriter | _LocalWriter]:
         """Write a file; on a clean exit it is flushed and fsynced (local) or uploaded (remote).
 
         Local files are written around the page cache (:mod:`direct_io`) unless
         ``$PREEMPTIBLE_DIRECT_IO`` is ``0``; the handle's ``size`` and ``digest`` describe what
-        was written."""
+        was written. Object stores: streamed as a multipart upload, published only on a clean
+        exit and aborted otherwise; ``exclusive`` publishes only if the object does not exist
+        (``If-None-Match: *``; StorageError whose cause is FileExistsError otherwise). Local
+        files ignore ``exclusive`` (the manifest is renamed into place there)."""
         path = self._path(rel)
+        if not self.is_local:
+            with self._op("open for writing", rel):
+                upload = object_store.open_upload(self.fs, path, exclusive=exclusive)
+            writer = HashingWriter(upload, self, rel)  # type: ignore[arg-type]
+            try:
+                yield writer
+                writer.finish()
+            except BaseException:
+                with suppress(Exception):
+                    writer.finish()
+                with suppress(Exception):
+                    upload.abort()  # nothing is published
+                raise
+            try:
+                with self._op("upload", rel):
+                    upload.close()
+            except BaseException:
+                with suppress(Exception):
+                    upload.abort()
+                raise
+            return
         if self.writes_direct:
             with self._op("open for writing", rel):
                 os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -300,11 +396,8 @@ class Storage:
                 direct.file.close()
             return
         with self._op("open for writing", rel):
-            if self.is_local:
-                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-                handle: Any = open(path, "wb")  # noqa: SIM115 - closed below
-            else:
-                handle = self.fs.open(path, "wb")
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            handle: Any = open(path, "wb")  # noqa: SIM115 - closed below
         writer = HashingWriter(handle, self, rel)
         try:
             yield writer
@@ -315,33 +408,36 @@ class Storage:
             with suppress(Exception):
                 handle.close()
             raise
-        with self._op("flush and fsync" if self.is_local else "close (upload)", rel):
+        with self._op("flush and fsync", rel):
             handle.flush()
-            if self.is_local:
-                os.fsync(handle.fileno())
+            os.fsync(handle.fileno())
             handle.close()
 
-    def write_bytes(self, rel: str, data: bytes) -> tuple[int, str]:
-        """Write ``data`` durably; returns (size, digest)."""
-        with self.open_write(rel) as fh:
+    def write_bytes(self, rel: str, data: bytes, *, exclusive: bool = False) -> tuple[int, str]:
+        """Write ``data`` durably; returns (size, digest). ``exclusive``: see :meth:`open_write`."""
+        with self.open_write(rel, exclusive=exclusive) as fh:
             fh.write(data)
         return fh.size, fh.digest
 
     def write_json(self, rel: str, obj: Any) -> tuple[int, str]:
         return self.write_bytes(rel, _json_bytes(obj))
 
-    def atomic_write_json(self, rel: str, obj: Any) -> tuple[int, str]:
+    def atomic_write_json(self, rel: str, obj: Any, *, exclusive: bool = False) -> tuple[int, str]:
         """Write JSON so that readers see either nothing/the old content or all of the new.
 
         Local: temp file, fsync, rename over the target, fsync the directory. Object stores: one
-        upload of the final name (an object becomes visible only once complete).
+        upload of the final name (an object becomes visible only once complete); with
+        ``exclusive`` a conditional one that fails if the object exists (the commit point: of
+        two writers, exactly one publishes).
         """
-        return self.atomic_write_bytes(rel, _json_bytes(obj))
+        return self.atomic_write_bytes(rel, _json_bytes(obj), exclusive=exclusive)
 
-    def atomic_write_bytes(self, rel: str, data: bytes) -> tuple[int, str]:
+    def atomic_write_bytes(
+        self, rel: str, data: bytes, *, exclusive: bool = False
+    ) -> tuple[int, str]:
         """:meth:`atomic_write_json` for any bytes."""
         if not self.is_local:
-            return self.write_bytes(rel, data)
+            return self.write_bytes(rel, data, exclusive=exclusive)
         head, _, name = rel.strip("/").rpartition("/")
         tmp_name = f".{name}.tmp-{uuid.uuid4().hex[:12]}"
         tmp_rel = f"{head}/{tmp_name}" if head else tmp_name
@@ -396,6 +492,12 @@ class Storage:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+_SCHEME_HINT = (
+    "use a local path, file://, or an fsspec URL whose filesystem is installed: s3:// needs "
+    "pip install 'preemptible[s3]' (s3fs), gs:// gcsfs, az:// adlfs"
+)
 
 
 def _direct_io_wanted() -> bool:

@@ -16,27 +16,42 @@
   (which ``trainer-runtime grace`` reads);
 - after a JIT stop ``train()`` writes the termination message and exits with ``EXIT_PREEMPTED``.
 
-Only local and mounted output directories are supported: transformers writes with ``os``/``open``.
+transformers writes with ``os``/``open``, so an object-store output dir (``s3://...``, from
+``$PREEMPTIBLE_OUTPUT_DIR`` or ``args.output_dir``) is served through a local scratch directory
+(``$PREEMPTIBLE_SCRATCH_DIR``, e.g. an emptyDir): transformers saves there, then every file is
+uploaded into the checkpoint on the store (multipart, checksummed on the way) inside the same
+commit protocol, and the local copy is removed; a resume downloads the chosen checkpoint into the
+scratch directory first (parallel ranged reads, checksums checked).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
 
-from trainer_runtime.checkpoint.io import CheckpointWriter, rotate_checkpoints
+from trainer_runtime.checkpoint.io import (
+    CheckpointWriter,
+    download_checkpoint,
+    rotate_checkpoints,
+)
 from trainer_runtime.checkpoint.layout import (
     RUNTIME_STATE_NAME,
     CheckpointInfo,
     CheckpointStore,
+    checkpoint_name,
 )
 from trainer_runtime.checkpoint.per_node import gather_objects
 from trainer_runtime.checkpoint.shares import plan_shares
+from trainer_runtime.checkpoint.storage import Storage
 from trainer_runtime.distributed import collectives
 from trainer_runtime.errors import ConfigurationError, ResumeError
 from trainer_runtime.metrics import TrainingMetrics, metrics_from_env
@@ -50,13 +65,25 @@ from trainer_runtime.protocol import (
 from trainer_runtime.signals import SigtermLatch
 from trainer_runtime.timings import SaveTimer, StepTimer, timings_record, write_termination
 
-__all__ = ["PreemptibleCallback", "adoption", "attach", "attach_preemptible", "resolve_resume"]
+__all__ = [
+    "ENV_SCRATCH_DIR",
+    "PreemptibleCallback",
+    "adoption",
+    "attach",
+    "attach_preemptible",
+    "resolve_resume",
+    "scratch_dir",
+    "upload_owners",
+]
 
 logger = logging.getLogger(__name__)
 
 # Name in the manifest of who wrote the checkpoint's files (the manifest is still ours).
 PRODUCER = "transformers.Trainer"
 _ATTR = "_preemptible_callback"
+# Where transformers writes a checkpoint before it is uploaded to an object-store output dir
+# (give it an emptyDir; default: the system's temporary directory).
+ENV_SCRATCH_DIR = "PREEMPTIBLE_SCRATCH_DIR"
 
 
 def _under_operator() -> bool:
@@ -73,6 +100,28 @@ def _local_main() -> bool:
 
 def _is_local(path: str) -> bool:
     return "://" not in path or path.startswith("file://")
+
+
+def scratch_dir(remote: str, base: str | None = None) -> str:
+    """The local directory transformers writes into for the object-store output dir ``remote``;
+    pure: ``<base>/<last part of the URL>-<hash of the URL>`` (``base``: $PREEMPTIBLE_SCRATCH_DIR,
+    else the system's temporary directory)."""
+    base = base or os.environ.get(ENV_SCRATCH_DIR) or tempfile.gettempdir()
+    tail = remote.rstrip("/").rsplit("/", 1)[-1] or "output"
+    digest = hashlib.sha256(remote.rstrip("/").encode()).hexdigest()[:10]
+    return os.path.join(base, "preemptible-scratch", f"{tail}-{digest}")
+
+
+def upload_owners(listings: list[tuple[str, list[str]]]) -> dict[str, int]:
+    """Which rank uploads each file of a checkpoint transformers wrote into local scratch
+    directories; pure. ``listings[rank] = (node, files that rank sees)``: ranks of one node share
+    a scratch directory and see the same files. Each file is uploaded once, by the lowest rank
+    that has it (a node's main process uploads its node's files)."""
+    owners: dict[str, int] = {}
+    for rank, (_, files) in enumerate(listings):
+        for name in files:
+            owners.setdefault(name, rank)
+    return owners
 
 
 def resolve_resume(resume: bool | str | None, output_dir: str) -> str | bool | None:
@@ -142,6 +191,9 @@ class PreemptibleCallback(TrainerCallback):
         self.preempted = False
         self.last_checkpoint: CheckpointInfo | None = None
         self._step_started: float | None = None
+        # an object-store output dir: transformers writes into ``scratch``, we upload (attach)
+        self.remote: str | None = None
+        self.scratch: str | None = None
 
     # -- events ------------------------------------------------------------------------------------
     def _require_trainer(self) -> Any:
@@ -219,6 +271,8 @@ class PreemptibleCallback(TrainerCallback):
         step = int(trainer.state.global_step)
         if self.last_checkpoint is not None and self.last_checkpoint.step == step:
             return None  # this step is already committed (e.g. an epoch save after a JIT one)
+        if self.remote is not None:
+            return self._committed_upload(original, model, trial, *a, **kw)
         run_dir = str(trainer._get_output_dir(trial=trial))
         writer = CheckpointWriter(
             run_dir,
@@ -256,6 +310,71 @@ class PreemptibleCallback(TrainerCallback):
         logger.info("checkpoint %s committed (%.3f s)", info.path, self.save_timer.last or 0.0)
         return result
 
+    def _remote_of(self, local: str) -> str:
+        """The object-store URL of a path under the scratch directory."""
+        assert self.remote is not None and self.scratch is not None
+        rel = os.path.relpath(local, self.scratch)
+        return self.remote if rel == "." else f"{self.remote.rstrip('/')}/{rel}"
+
+    def _committed_upload(
+        self, original: Callable[..., Any], model: Any, trial: Any, *a: Any, **kw: Any
+    ) -> Any:
+        """An object-store output dir: our sentinel on the store, transformers' own save into
+        the scratch directory, each file uploaded (checksummed as it goes up) by one rank,
+        our manifest last; then the local copy goes."""
+        trainer = self._require_trainer()
+        step = int(trainer.state.global_step)
+        local_run = str(trainer._get_output_dir(trial=trial))
+        remote_run = self._remote_of(local_run)
+        writer = CheckpointWriter(
+            remote_run,
+            step,
+            rank=collectives.rank(),
+            world_size=collectives.world_size(),
+            barrier=collectives.barrier,
+        )
+        started = time.monotonic()
+        writer.begin()  # coordinator: fence, sentinel on the store; barrier
+        limit = trainer.args.save_total_limit
+        trainer.args.save_total_limit = None  # as in committed_save: rotation after the commit
+        try:
+            result = original(model, trial, *a, **kw)
+        finally:
+            trainer.args.save_total_limit = limit
+        collectives.barrier()  # every rank's files are in its node's scratch directory
+        local_ckpt = Path(local_run) / checkpoint_name(step)
+        mine = sorted(str(p.relative_to(local_ckpt)) for p in local_ckpt.rglob("*") if p.is_file())
+        listings = [(os.uname().nodename, mine)]
+        if writer.world_size > 1:
+            listings = gather_objects(listings[0])
+        owners = upload_owners(listings)
+        uploading = time.monotonic()
+        names = writer.upload_local_files(
+            {n: str(local_ckpt / n) for n, r in owners.items() if r == writer.rank}
+        )
+        logger.info(
+            "uploaded %d file(s) of %s in %.2f s",
+            len(names),
+            writer.path,
+            time.monotonic() - uploading,
+        )
+        if writer.is_coordinator:
+            writer.write_json(RUNTIME_STATE_NAME, self._record(self.preempted))
+        info = writer.commit({"producer": PRODUCER})  # manifest last (conditional on S3)
+        self.save_timer.record(time.monotonic() - started)
+        self.last_checkpoint = info
+        best = trainer.state.best_model_checkpoint
+        if limit and writer.is_coordinator:
+            protect = [self._remote_of(best)] if best else []
+            rotate_checkpoints(remote_run, limit, protect=protect)
+        collectives.barrier()
+        if _local_main() and str(local_ckpt) != str(best or ""):
+            # the store has it now; the best checkpoint stays for load_best_model_at_end
+            shutil.rmtree(local_ckpt, ignore_errors=True)
+        self._publish(trainer.state)
+        logger.info("checkpoint %s committed (%.3f s)", info.path, self.save_timer.last or 0.0)
+        return result
+
     def _adopt(self, writer: CheckpointWriter) -> None:
         """List what transformers wrote in the manifest. A JIT save records sizes only: reading
         the checkpoint back to hash it (about 98 GB at 7B with fp32 Adam state) would take much
@@ -274,10 +393,17 @@ class PreemptibleCallback(TrainerCallback):
         self, original: Callable[..., Any], resume_from_checkpoint: Any = None, *a: Any, **kw: Any
     ) -> Any:
         trainer = self._require_trainer()
-        resolved = resolve_resume(resume_from_checkpoint, str(trainer.args.output_dir))
+        operator = _under_operator()
+        try:
+            resolved = self._resolve(resume_from_checkpoint)
+        except BaseException as exc:
+            # a bad output dir (scheme, bucket, credentials) or checkpoint: the attempt fails
+            # before training, with the reason in the termination message
+            if operator and not isinstance(exc, SystemExit | KeyboardInterrupt):
+                self._terminate("failed", message=f"{type(exc).__name__}: {exc}")
+            raise
         if isinstance(resolved, str):
             self._load_timings(resolved)
-        operator = _under_operator()
         if self.latch.triggered:
             self.latch = SigtermLatch()  # a SIGTERM that stopped an earlier train() is spent
         self.latch.install()
@@ -313,6 +439,31 @@ class PreemptibleCallback(TrainerCallback):
         finally:
             if not keep_handler:
                 self.latch.uninstall()
+
+    def _resolve(self, resume: Any) -> str | bool | None:
+        """Check the output dir, then resolve the checkpoint to resume from; on an object store
+        the chosen one is downloaded into the scratch directory (by each node's main process)
+        and its local path is what transformers gets."""
+        trainer = self._require_trainer()
+        output = self.remote or str(trainer.args.output_dir)
+        Storage(output).check_access(write=_local_main())
+        resolved = resolve_resume(resume, output)
+        if self.remote is None or not isinstance(resolved, str):
+            return resolved
+        local = os.path.join(str(trainer.args.output_dir), resolved.rstrip("/").rsplit("/", 1)[-1])
+        if _local_main():
+            started = time.monotonic()
+            shutil.rmtree(local, ignore_errors=True)
+            names = download_checkpoint(resolved, local)
+            logger.info(
+                "downloaded %s (%d files) to %s in %.2f s",
+                resolved,
+                len(names),
+                local,
+                time.monotonic() - started,
+            )
+        collectives.barrier()
+        return local
 
     def _load_timings(self, path: str) -> None:
         """Carry step/save measurements over from the checkpoint we resume from."""
@@ -365,16 +516,25 @@ def _drop_jit_callback(trainer: Any) -> None:
         )
 
 
-def _apply_output_dir(trainer: Any) -> None:
-    """``$PREEMPTIBLE_OUTPUT_DIR`` is where the operator looks for checkpoints: it wins."""
+def _apply_output_dir(trainer: Any, callback: PreemptibleCallback) -> None:
+    """``$PREEMPTIBLE_OUTPUT_DIR`` is where the operator looks for checkpoints: it wins. An
+    object-store URL (there or in ``args.output_dir``) becomes the callback's ``remote`` and
+    transformers writes into a local scratch directory instead (see the module docstring)."""
     env = os.environ.get(ENV_OUTPUT_DIR, "").strip()
+    target = env or str(trainer.args.output_dir)
+    if not _is_local(target):
+        callback.remote = target.rstrip("/")
+        callback.scratch = scratch_dir(callback.remote)
+        os.makedirs(callback.scratch, exist_ok=True)
+        logger.info(
+            "output dir %s: transformers writes into %s, each checkpoint is uploaded from there",
+            callback.remote,
+            callback.scratch,
+        )
+        trainer.args.output_dir = callback.scratch
+        return
     if not env:
         return
-    if not _is_local(env):
-        raise ConfigurationError(
-            f"{ENV_OUTPUT_DIR}={env!r}: a transformers.Trainer writes checkpoints to local or "
-            "mounted paths only; use a volume (PVC) path as the TrainingJob's checkpoint.uri"
-        )
     path = env[len("file://") :] if env.startswith("file://") else env
     if os.path.abspath(str(trainer.args.output_dir)) != os.path.abspath(path):
         logger.warning(
@@ -404,7 +564,7 @@ def attach(trainer: Any, *, exit_on_preemption: bool = True) -> PreemptibleCallb
     callback = PreemptibleCallback(exit_on_preemption=exit_on_preemption)
     callback.trainer = trainer
     _drop_jit_callback(trainer)
-    _apply_output_dir(trainer)
+    _apply_output_dir(trainer, callback)
     save = trainer._save_checkpoint
     train = trainer.train
 

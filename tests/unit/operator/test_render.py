@@ -207,6 +207,44 @@ def test_rdma_through_the_pod_template_keeps_our_hardening() -> None:
 
 
 @pytest.mark.parametrize(
+    ("secret", "template_env_from", "expected"),
+    [
+        (None, None, None),
+        ("s3-creds", None, [{"secretRef": {"name": "s3-creds"}}]),
+        (None, [{"configMapRef": {"name": "cfg"}}], [{"configMapRef": {"name": "cfg"}}]),
+        (
+            "s3-creds",
+            [{"configMapRef": {"name": "cfg"}}, {"secretRef": {"name": "s3-creds"}}],
+            [{"secretRef": {"name": "s3-creds"}}, {"configMapRef": {"name": "cfg"}}],
+        ),
+    ],
+)
+def test_checkpoint_credentials_secret_becomes_env_from(
+    secret: str | None, template_env_from: list | None, expected: list | None
+) -> None:
+    """spec.checkpoint.credentialsSecret reaches the training container as envFrom; sources the
+    user adds through podTemplate come after it (nothing of theirs is dropped, nothing doubled)."""
+    checkpoint = {"uri": "s3://bucket/run", **({"credentialsSecret": secret} if secret else {})}
+    template = (
+        {"spec": {"containers": [{"name": "trainer", "envFrom": template_env_from}]}}
+        if template_env_from
+        else None
+    )
+    spec = make_spec(checkpoint=checkpoint, podTemplate=template)
+    (trainer,) = render.render_job(META, spec, _params())["spec"]["template"]["spec"]["containers"]
+    assert trainer.get("envFrom") == expected
+    assert _env(render.render_job(META, spec, _params()))[protocol.ENV_OUTPUT_DIR] == (
+        "s3://bucket/run"
+    )
+
+
+@pytest.mark.parametrize("name", ["Bad_Name", "-x", "a" * 254])
+def test_credentials_secret_must_be_a_secret_name(name: str) -> None:
+    with pytest.raises(ValueError):
+        make_spec(checkpoint={"uri": "s3://b/r", "credentialsSecret": name})
+
+
+@pytest.mark.parametrize(
     ("queue", "priority", "suspended", "labels"),
     [
         (None, None, False, {}),

@@ -22,6 +22,7 @@ from trainer_runtime.checkpoint.layout import (
 )
 from trainer_runtime.errors import ConfigurationError, ResumeError
 from trainer_runtime.hf import PreemptibleCallback, attach, install, resolve_resume, uninstall
+from trainer_runtime.hf.callback import scratch_dir, upload_owners
 
 
 def _hf_files(d: Path, step: int) -> None:
@@ -215,9 +216,46 @@ def test_output_dir_from_the_operator_wins(tmp_path: Path, monkeypatch: pytest.M
     trainer = _trainer(tmp_path)
     attach(trainer)
     assert trainer.args.output_dir == str(tmp_path / "pvc")
+    # An object store: transformers writes into a scratch directory, the callback uploads.
     monkeypatch.setenv("PREEMPTIBLE_OUTPUT_DIR", "s3://bucket/run")
-    with pytest.raises(ConfigurationError, match="local or mounted"):
-        attach(_trainer(tmp_path))
+    monkeypatch.setenv("PREEMPTIBLE_SCRATCH_DIR", str(tmp_path / "scratch"))
+    trainer = _trainer(tmp_path)
+    callback = attach(trainer)
+    assert callback.remote == "s3://bucket/run"
+    assert trainer.args.output_dir == scratch_dir("s3://bucket/run", str(tmp_path / "scratch"))
+    assert Path(trainer.args.output_dir).is_dir()
+
+
+@pytest.mark.parametrize(
+    ("remote", "base", "expected_tail"),
+    [
+        ("s3://bucket/runs/a", "/scratch", "a-"),
+        ("s3://bucket/runs/a/", "/scratch", "a-"),  # the same directory
+        ("gs://bucket", "/scratch", "bucket-"),
+    ],
+)
+def test_scratch_dir(remote: str, base: str, expected_tail: str) -> None:
+    path = scratch_dir(remote, base)
+    assert path.startswith("/scratch/preemptible-scratch/" + expected_tail)
+    assert scratch_dir(remote.rstrip("/"), base) == path
+    assert scratch_dir("s3://other/runs/a", base) != path  # two URLs never share one
+
+
+@pytest.mark.parametrize(
+    ("listings", "owners"),
+    [
+        ([("n0", ["model.safetensors", "rng_state.pth"])], {"model.safetensors": 0,
+                                                           "rng_state.pth": 0}),
+        # two nodes, one process each: each uploads what its node wrote
+        ([("n0", ["model.safetensors", "rng_state_0.pth"]), ("n1", ["rng_state_1.pth"])],
+         {"model.safetensors": 0, "rng_state_0.pth": 0, "rng_state_1.pth": 1}),
+        # two processes share a node's scratch directory: its lowest rank uploads, once
+        ([("n0", ["a", "r0", "r1"]), ("n0", ["a", "r0", "r1"]), ("n1", ["r2"])],
+         {"a": 0, "r0": 0, "r1": 0, "r2": 2}),
+    ],
+)  # fmt: skip
+def test_upload_owners(listings: list, owners: dict) -> None:
+    assert upload_owners(listings) == owners
 
 
 def test_callback_without_attach_says_how_to_attach() -> None:
