@@ -14,6 +14,7 @@ stand-in nodes, two training processes each (4 ranks, gloo), every pod ending as
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -270,3 +271,37 @@ def test_a_local_worker_failure_fails_the_attempt_promptly_without_doubling_the_
     assert code0 == 1 and msg0 is not None and (msg0.local_rank, msg0.rank) == (1, 1), ends
     assert msg0.exit_codes is not None and msg0.exit_codes[0] == EXIT_PEER_FAILED, ends
     assert code1 == EXIT_PEER_FAILED and msg1 is not None and msg1.peer_gone, ends
+
+
+def test_a_shared_four_rank_checkpoint_resumes_at_two_ranks(
+    netns_agent: NodeAgent, tj: TJClient, operator: OperatorProcess, checkpoint_root: Path
+) -> None:
+    """Issue 28's shared saves at another world size on the cluster: a 2 x 2 job is suspended
+    (a graceful JIT stop: each of the 4 ranks writes its share), edited to one process per pod,
+    and resumed: the 2 ranks of the next attempt read the union of the 4 ranks' shards, the
+    data position re-sharded, and train to the end with no lost step."""
+    tj.create(_two_by_two("ws", checkpoint_root, max_steps=STEPS, step_sleep=0.3, save_steps=STEPS))
+    describe = _describe(tj, operator, "ws")
+    wait_for(
+        "ws training (step >= 4)",
+        lambda: (tj.status("ws").get("progress") or {}).get("step", 0) >= 4,
+        on_timeout=describe,
+    )
+    tj.patch_spec("ws", {"suspend": True})
+    status = wait_for("ws suspended", lambda: tj.phase_is("ws", "Suspended"), on_timeout=describe)
+    (first,) = status["attempts"]
+    jit = checkpoint_root / "ws" / f"checkpoint-{first['endStep']}"
+    assert first["checkpoint"].endswith(jit.name) and first.get("lostSteps", 0) == 0, first
+    assert (jit / "optimizer.safetensors.index.json").is_file(), sorted(jit.iterdir())
+    tj.patch_spec("ws", {"numProcPerNode": 1, "suspend": False})
+    status = wait_for(
+        "ws finished", lambda: tj.phase_is("ws", "Succeeded", "Failed"), on_timeout=describe
+    )
+    assert status["phase"] == "Succeeded", describe()
+    second = status["attempts"][-1]
+    assert second["resumeFrom"] == first["checkpoint"], describe()
+    assert second["startStep"] == first["endStep"] and status.get("lostSteps", 0) == 0, status
+    assert status["progress"]["step"] == STEPS, status
+    final = checkpoint_root / "ws" / f"checkpoint-{STEPS}"
+    manifest = json.loads((final / "manifest.json").read_text())
+    assert manifest["world_size"] == 2, manifest  # the 2 ranks of the resumed attempt
