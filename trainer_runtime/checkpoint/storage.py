@@ -319,10 +319,14 @@ class Storage:
         """Before training: the output dir's store answers with these credentials and its
         bucket exists (object stores), and with ``write`` a file can be created there (a probe
         object written and removed). Raises StorageError naming the URL, the endpoint and the
-        cause. Local directories are created when first written; nothing is checked here."""
+        cause. Local directories are created when first written; nothing is checked here.
+        Other filesystems with directories (fsspec's NFS/SFTP kinds) get the directory created
+        first, as a local run would, so the probe tests the permission and not the order."""
         if self.is_local:
             return
         with self._op("check access (before training)", ""):
+            if write and not self.is_object_store:
+                self.fs.makedirs(self.root, exist_ok=True)
             object_store.check_access(self.fs, self.root, write=write)
 
     def read_json(self, rel: str) -> Any:

@@ -88,3 +88,14 @@ def test_read_events_ignores_a_partial_last_line(tmp_path: Path) -> None:
         fh.write('{"event": "step_e')
     assert [e["event"] for e in testing.read_events(events)] == ["step_begin"]
     assert testing.read_events(tmp_path / "missing.jsonl") == []
+
+
+def test_access_check_creates_a_missing_directory_on_a_filesystem_with_directories(
+    tmp_path: Path,
+) -> None:
+    # a run's first start on a non-local filesystem that has directories: the output dir does
+    # not exist yet and must not fail the pre-training check (a local run creates it too)
+    store = Storage(f"slowfile://{tmp_path}/new/out")
+    store.check_access(write=True)
+    assert (tmp_path / "new/out").is_dir()
+    assert list((tmp_path / "new/out").iterdir()) == [], "the probe file is removed"
