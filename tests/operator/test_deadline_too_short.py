@@ -5,6 +5,7 @@ counts the lost steps, does not double the grace, recommends a checkpoint interv
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,9 @@ def test_deadline_too_short_is_recorded_and_an_interval_recommended(
         interval=0.1,
         on_timeout=lambda: tj.describe(name),
     )
+    # A SIGTERM still at step 3 (checkpoint 3 just committed) needs no save and reads as a plain
+    # preemption: let step 4 (1 s long) begin first, a slow machine's post-save work included.
+    time.sleep(0.3)
     pod = tj.running_pod(name, 1)
     assert pod is not None
     tj.evict(pod.metadata.name)
