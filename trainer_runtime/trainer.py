@@ -359,7 +359,8 @@ class Trainer(
         )
         collectives.destroy_at_exit()
         if self.accelerator.device.type == "cpu":
-            host_memory.keep_freed_host_memory()
+            # opt-in only ($PREEMPTIBLE_HOST_MALLOC overrides it): docs/trainer.md
+            host_memory.keep_freed_host_memory(self.args.cpu_malloc_tuning)
 
     def end(self) -> None:
         """Finish the trackers and destroy the process group; call it once, at the very end of a
