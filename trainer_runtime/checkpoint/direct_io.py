@@ -69,7 +69,8 @@ _ZEROS = bytes(1 << 16)
 FUSE_SUPER_MAGIC = 0x65735546
 # What a filesystem answers to a request it does not take: O_DIRECT's alignment or the flag
 # itself (EINVAL, EOPNOTSUPP), or a write out of order where only sequential ones are allowed
-# (mountpoint-s3: EINVAL; others ESPIPE). A real I/O error (EIO, ENOSPC) still fails the save.
+# (mountpoint-s3: EINVAL; ESPIPE where one is taken as a seek). A real I/O error (EIO, ENOSPC)
+# still fails the save.
 _REFUSED = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ESPIPE})
 # devices (st_dev) where a request was refused: later files there are written buffered
 _refusing_devices: set[int] = set()
