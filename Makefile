@@ -37,6 +37,7 @@ bench: setup
 	$(PY) benchmarks/agreement_overhead.py
 	$(PY) benchmarks/sampling_balance.py
 	$(PY) -P benchmarks/checkpoint_io.py
+	$(PY) -P benchmarks/cpu_malloc_tuning.py
 
 # Regenerate the CRD from the operator's models and the plain install YAML from the chart.
 manifests: setup cluster-binaries

@@ -79,7 +79,7 @@ from trainer_runtime.checkpoint.resharding import DataShape, reshard_position
 from trainer_runtime.checkpoint.rng import restore_rng_state
 from trainer_runtime.checkpoint.safetensors_stream import TensorFile
 from trainer_runtime.checkpoint.shares import ShareGroup, share_entries
-from trainer_runtime.checkpoint.storage import Storage
+from trainer_runtime.checkpoint.storage import Storage, configure_direct_io
 from trainer_runtime.data.arguments import (
     build_train_dataloader,
     dataloader_kwargs,
@@ -231,6 +231,8 @@ class Trainer(
     ) -> None:
         self.args = args if args is not None else TrainingArguments()
         check_runtime_support(self.args)  # transformers fields this runtime cannot honour
+        # opt-in only ($PREEMPTIBLE_DIRECT_IO overrides it): docs/checkpoints.md
+        configure_direct_io(self.args.checkpoint_direct_io)
         # Seeded before model_init builds the model (features/model_init.py).
         set_seed(self.args.seed, deterministic=self.args.full_determinism)
         self.model_init = model_init
@@ -357,7 +359,8 @@ class Trainer(
         )
         collectives.destroy_at_exit()
         if self.accelerator.device.type == "cpu":
-            host_memory.keep_freed_host_memory()
+            # opt-in only ($PREEMPTIBLE_HOST_MALLOC overrides it): docs/trainer.md
+            host_memory.keep_freed_host_memory(self.args.cpu_malloc_tuning)
 
     def end(self) -> None:
         """Finish the trackers and destroy the process group; call it once, at the very end of a

@@ -1028,7 +1028,8 @@ def warm_local_writes(uri: str) -> threading.Thread | None:
     written at once), so that the save, often a JIT one racing its grace period, does not pay
     for fresh memory (measured here: the two large files of a 20M-parameter checkpoint took
     225 ms from cold blocks, 166 ms from warm ones). Returns the thread; None where writes do
-    not stage (remote storage, ``$PREEMPTIBLE_DIRECT_IO=0``, no ``O_DIRECT``)."""
+    not stage: ``O_DIRECT`` not asked for (the default: ``checkpoint_direct_io``,
+    ``$PREEMPTIBLE_DIRECT_IO``), remote storage, a FUSE mount, no ``O_DIRECT``."""
     if not Storage(uri).writes_direct:
         return None
     thread = threading.Thread(

@@ -1,4 +1,7 @@
-"""Local checkpoint files written around the page cache (direct_io) and through Storage."""
+"""Local checkpoint files written around the page cache (direct_io) and through Storage.
+
+O_DIRECT is opt-in (checkpoint_direct_io, $PREEMPTIBLE_DIRECT_IO): off by default, never on FUSE,
+and a filesystem refusing it (or an out-of-order write) gets buffered writes in order."""
 
 from __future__ import annotations
 
@@ -11,14 +14,50 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import xxhash
 
 from trainer_runtime.checkpoint import direct_io
+from trainer_runtime.checkpoint import storage as storage_module
 from trainer_runtime.checkpoint.direct_io import ALIGN, DirectFile
-from trainer_runtime.checkpoint.storage import Storage
+from trainer_runtime.checkpoint.io import CheckpointReader, CheckpointWriter
+from trainer_runtime.checkpoint.storage import HashingWriter, Storage, configure_direct_io
 from trainer_runtime.errors import StorageError
 
 pytestmark = pytest.mark.skipif(not direct_io.direct_io_supported(), reason="no O_DIRECT here")
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test starts with O_DIRECT not asked for and no filesystem remembered as refusing."""
+    monkeypatch.delenv("PREEMPTIBLE_DIRECT_IO", raising=False)
+    monkeypatch.setattr(storage_module, "_direct_io_asked", False)
+    monkeypatch.setattr(direct_io, "_refusing_devices", set())
+    monkeypatch.setattr(direct_io, "_logged", set())
+
+
+@pytest.fixture
+def direct_on() -> None:
+    """The opt-in (TrainingArguments.checkpoint_direct_io=True); reset by _isolated."""
+    configure_direct_io(True)
+
+
+@pytest.fixture
+def opens(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Every os.open of the test: (path, flags)."""
+    seen: list[tuple[str, int]] = []
+    real = os.open
+
+    def spy(path: str, flags: int, *args: int, **kwargs: int) -> int:
+        seen.append((str(path), flags))
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(direct_io.os, "open", spy)
+    return seen
+
+
+def _direct_opens(opens: list[tuple[str, int]]) -> list[str]:
+    return [path for path, flags in opens if flags & os.O_DIRECT]
 
 
 @pytest.fixture
@@ -172,7 +211,7 @@ def test_staging_blocks_are_reused_between_files(tmp_path: Path, small_blocks: i
 
 
 def test_storage_writes_local_files_directly_and_names_errors(
-    tmp_path: Path, small_blocks: int
+    tmp_path: Path, small_blocks: int, direct_on: None
 ) -> None:
     storage = Storage(str(tmp_path))
     data = _payload(2 * small_blocks + 5)
@@ -184,7 +223,11 @@ def test_storage_writes_local_files_directly_and_names_errors(
 
 @pytest.mark.parametrize("size_blocks", [0, 5])  # the error at close / from a block's write
 def test_a_failed_write_is_a_storage_error_naming_the_file(
-    tmp_path: Path, small_blocks: int, monkeypatch: pytest.MonkeyPatch, size_blocks: int
+    tmp_path: Path,
+    small_blocks: int,
+    monkeypatch: pytest.MonkeyPatch,
+    size_blocks: int,
+    direct_on: None,
 ) -> None:
     def full(fd: int, data: memoryview, offset: int) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -196,3 +239,165 @@ def test_a_failed_write_is_a_storage_error_naming_the_file(
         fh.write(_payload(size_blocks * small_blocks + 10))
     assert info.value.errno == errno.ENOSPC and info.value.url == f"{tmp_path}/f.bin"
     assert len(os.listdir("/proc/self/fd")) == fds  # the file was closed
+
+
+# -- opt-in only -------------------------------------------------------------------------------
+def test_local_writes_go_through_the_page_cache_by_default(
+    tmp_path: Path, opens: list[tuple[str, int]]
+) -> None:
+    storage = Storage(str(tmp_path))
+    assert not storage.writes_direct
+    data = _payload(3 << 20)
+    with storage.open_write("f.bin") as fh:
+        fh.write(data)
+    assert isinstance(fh, HashingWriter)  # no staging copies
+    assert _direct_opens(opens) == []
+    assert (tmp_path / "f.bin").read_bytes() == data
+
+
+@pytest.mark.parametrize(
+    ("asked", "env", "direct"),
+    [
+        (True, None, True),  # TrainingArguments.checkpoint_direct_io=True
+        (False, "1", True),  # $PREEMPTIBLE_DIRECT_IO=1 turns it on
+        (True, "0", False),  # $PREEMPTIBLE_DIRECT_IO=0 wins over the field
+        (False, None, False),
+    ],
+)
+def test_direct_writes_only_where_asked_for(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    opens: list[tuple[str, int]],
+    asked: bool,
+    env: str | None,
+    direct: bool,
+) -> None:
+    _needs_direct(tmp_path)
+    opens.clear()
+    configure_direct_io(asked)
+    if env is not None:
+        monkeypatch.setenv("PREEMPTIBLE_DIRECT_IO", env)
+    storage = Storage(str(tmp_path / "out"))
+    assert storage.writes_direct is direct
+    with storage.open_write("f.bin") as fh:
+        fh.write(_payload(1 << 20))
+    assert _direct_opens(opens) == ([f"{tmp_path}/out/f.bin"] if direct else [])
+
+
+def test_filesystem_magic_is_statfs_f_type(tmp_path: Path) -> None:
+    assert direct_io.filesystem_magic("/proc") == 0x9FA0  # PROC_SUPER_MAGIC
+    # a directory not created yet: its nearest existing ancestor's filesystem
+    assert direct_io.filesystem_magic(str(tmp_path / "a" / "b")) == direct_io.filesystem_magic(
+        str(tmp_path)
+    )
+
+
+def test_fuse_mounts_never_get_direct_writes_and_are_written_in_order(
+    tmp_path: Path,
+    small_blocks: int,
+    monkeypatch: pytest.MonkeyPatch,
+    opens: list[tuple[str, int]],
+    direct_on: None,
+) -> None:
+    monkeypatch.setattr(direct_io, "filesystem_magic", lambda path: direct_io.FUSE_SUPER_MAGIC)
+    storage = Storage(str(tmp_path))
+    assert not storage.writes_direct
+    with storage.open_write("via-storage.bin") as fh:
+        fh.write(_payload(3 * small_blocks))
+    assert isinstance(fh, HashingWriter)  # buffered, written by the caller's thread, in order
+    offsets: list[int] = []
+    real = os.pwrite
+
+    def recording(fd: int, data: memoryview, offset: int) -> int:
+        offsets.append(offset)
+        time.sleep(0.002 if len(offsets) % 2 else 0)  # out of order, were two in flight
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(direct_io.os, "pwrite", recording)
+    f = _write_and_check(tmp_path, 6 * small_blocks + 999)  # DirectFile asked for direct
+    assert not f.direct and f.sequential and f.direct_bytes == 0
+    assert offsets == sorted(offsets) and len(offsets) >= 6
+    assert _direct_opens(opens) == []
+
+
+class _SequentialOnly:
+    """pwrite of a filesystem that accepts O_DIRECT but refuses a write that does not start
+    where the file ends (EINVAL), as sequential-only filesystems do; a file's first block is
+    slow, so the second writer thread's block arrives first."""
+
+    def __init__(self) -> None:
+        self.ends: dict[int, int] = {}  # by inode
+        self.refused: list[int] = []
+        self.done: list[int] = []
+        self.lock = threading.Lock()
+        self.real = os.pwrite
+
+    def __call__(self, fd: int, data: memoryview, offset: int) -> int:
+        if offset == 0:
+            time.sleep(0.2)
+        inode = os.fstat(fd).st_ino
+        with self.lock:
+            if offset != self.ends.get(inode, 0):
+                self.refused.append(offset)
+                raise OSError(errno.EINVAL, "Invalid argument")
+            n = self.real(fd, data, offset)
+            self.ends[inode] = offset + n
+            self.done.append(offset)
+            return n
+
+
+def test_an_out_of_order_refusal_is_written_again_in_order(
+    tmp_path: Path, small_blocks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fs = _SequentialOnly()
+    monkeypatch.setattr(direct_io.os, "pwrite", fs)
+    f = _write_and_check(tmp_path, 6 * small_blocks + 999)
+    assert fs.refused and f.refused is not None and f.sequential and not f.direct
+    assert fs.done == sorted(fs.done)
+    # the filesystem is remembered: the next file there is not staged at all
+    assert not direct_io.usable_at(str(tmp_path))
+
+
+@pytest.mark.parametrize("where", ["open", "write"])
+def test_a_refused_save_falls_back_and_the_checkpoint_verifies(
+    tmp_path: Path,
+    small_blocks: int,
+    monkeypatch: pytest.MonkeyPatch,
+    opens: list[tuple[str, int]],
+    direct_on: None,
+    where: str,
+) -> None:
+    if where == "open":  # O_DIRECT refused at open (EOPNOTSUPP)
+        spy = direct_io.os.open
+
+        def refusing_open(path: str, flags: int, *args: int) -> int:
+            if flags & os.O_DIRECT:
+                opens.append((str(path), flags))
+                raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+            return spy(path, flags, *args)
+
+        monkeypatch.setattr(direct_io.os, "open", refusing_open)
+    else:  # accepted at open, an out-of-order write refused (EINVAL)
+        fs = _SequentialOnly()
+        monkeypatch.setattr(direct_io.os, "pwrite", fs)
+    g = torch.Generator().manual_seed(1)
+    model = {f"w{i}": torch.randn(1 << 19, generator=g) for i in range(6)}  # 12 MiB
+    optim = {f"m{i}": torch.randn(1 << 18, generator=g) for i in range(4)}
+    writer = CheckpointWriter(str(tmp_path / "out"), 1)
+    writer.begin()
+    writer.write_tensors("model.safetensors", model)
+    writer.write_tensors("optimizer.safetensors", optim)
+    writer.write_json("trainer_state.json", {"global_step": 1})
+    info = writer.commit()
+    assert info.complete
+    if where == "write":
+        assert fs.refused and fs.done == sorted(fs.done)
+    reader = CheckpointReader(info.path)
+    loaded, _ = reader.load_tensors_and_metadata("model.safetensors")
+    loaded_optim, _ = reader.load_tensors_and_metadata("optimizer.safetensors")
+    reader.wait_verified()  # every file's checksum matches what was written
+    assert all(torch.equal(loaded[k], model[k]) for k in model)
+    assert all(torch.equal(loaded_optim[k], optim[k]) for k in optim)
+    # once refused, the rest of the save goes through the page cache
+    tried = [os.path.basename(p) for p in _direct_opens(opens)]
+    assert tried and "optimizer.safetensors" not in tried and "trainer_state.json" not in tried

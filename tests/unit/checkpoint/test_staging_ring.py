@@ -325,8 +325,8 @@ def test_real_writers_checksum_what_the_ring_hands_over(
 ) -> None:
     # HashingWriter hashes blocks of 1 MiB or more on a helper thread and waits at its next
     # call; DirectFile copies into its own blocks: both must see every block as it was.
-    if kind == "buffered":
-        monkeypatch.setenv("PREEMPTIBLE_DIRECT_IO", "0")
+    # O_DIRECT is opt-in ($PREEMPTIBLE_DIRECT_IO=1 or checkpoint_direct_io); buffered: default
+    monkeypatch.setenv("PREEMPTIBLE_DIRECT_IO", "1" if kind == "direct" else "0")
     url = "memory://ring-test/out" if kind == "memory" else str(tmp_path / "out")
     g = torch.Generator().manual_seed(3)
     tensors = {f"t{i}": torch.randn(300_000 + i, generator=g) for i in range(6)}  # ~7 MB

@@ -1,4 +1,5 @@
-"""The staging blocks of local checkpoint writes are ready before the first save."""
+"""The staging blocks of local checkpoint writes (opt-in O_DIRECT) are ready before the first
+save; nothing is staged or warmed when O_DIRECT is not asked for (the default)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from trainer_runtime.checkpoint import direct_io
 from trainer_runtime.checkpoint import io as ckpt_io
+from trainer_runtime.checkpoint import storage as storage_module
 from trainer_runtime.checkpoint.direct_io import DirectFile
 from trainer_runtime.trainer import Trainer
 from trainer_runtime.training_args import TrainingArguments
@@ -16,6 +18,13 @@ from trainer_runtime.training_args import TrainingArguments
 from ..runtime.tiny import TokenData, TokenModelMean
 
 pytestmark = pytest.mark.skipif(not direct_io.direct_io_supported(), reason="no O_DIRECT here")
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PREEMPTIBLE_DIRECT_IO", raising=False)
+    monkeypatch.setattr(storage_module, "_direct_io_asked", False)
+    monkeypatch.setattr(direct_io, "_refusing_devices", set())
 
 
 @pytest.fixture
@@ -30,6 +39,7 @@ def empty_pool(monkeypatch: pytest.MonkeyPatch) -> direct_io._StagingPool:
 def test_local_writes_find_their_blocks_warm(
     tmp_path: Path, empty_pool: direct_io._StagingPool
 ) -> None:
+    storage_module.configure_direct_io(True)
     thread = ckpt_io.warm_local_writes(str(tmp_path))
     assert thread is not None
     thread.join(timeout=30)
@@ -46,8 +56,8 @@ def test_local_writes_find_their_blocks_warm(
 
 @pytest.mark.parametrize(
     ("uri", "env"),
-    [("memory://bucket/run", None), ("{tmp}", "0")],
-    ids=["remote storage", "PREEMPTIBLE_DIRECT_IO=0"],
+    [("memory://bucket/run", "1"), ("{tmp}", "0"), ("{tmp}", None)],
+    ids=["remote storage", "PREEMPTIBLE_DIRECT_IO=0", "not asked for"],
 )
 def test_nothing_is_warmed_where_writes_do_not_stage(
     tmp_path: Path,
@@ -63,14 +73,20 @@ def test_nothing_is_warmed_where_writes_do_not_stage(
 
 
 @pytest.mark.parametrize(
-    ("save_strategy", "jit", "warmed"),
-    [("no", False, False), ("steps", False, True), ("no", True, True)],
+    ("save_strategy", "jit", "direct", "warmed"),
+    [
+        ("no", False, True, False),
+        ("steps", False, True, True),
+        ("no", True, True, True),
+        ("steps", True, False, False),  # the default: no O_DIRECT, nothing staged
+    ],
 )
-def test_train_warms_only_when_it_may_save(
+def test_train_warms_only_when_it_may_save_with_direct_io(
     tmp_path: Path,
     empty_pool: direct_io._StagingPool,
     save_strategy: str,
     jit: bool,
+    direct: bool,
     warmed: bool,
 ) -> None:
     args = TrainingArguments(
@@ -80,6 +96,7 @@ def test_train_warms_only_when_it_may_save(
         save_strategy=save_strategy,
         save_steps=100,
         enable_jit_checkpoint=jit,
+        checkpoint_direct_io=direct,
         use_cpu=True,
     )
     Trainer(model=TokenModelMean(), args=args, train_dataset=TokenData(n=4)).train()

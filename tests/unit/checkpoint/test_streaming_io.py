@@ -63,7 +63,11 @@ def _writer(root: Path | str, step: int = 1) -> CheckpointWriter:
     return w
 
 
-def test_checkpoint_file_is_written_without_a_copy_in_memory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("direct_io", ["0", "1"], ids=["page cache", "O_DIRECT"])
+def test_checkpoint_file_is_written_without_a_copy_in_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct_io: str
+) -> None:
+    monkeypatch.setenv("PREEMPTIBLE_DIRECT_IO", direct_io)
     big = {f"t{i}": torch.randn(1 << 20) for i in range(8)}  # 32 MiB
     # The measure sees a whole-file buffer: safetensors' own save builds one.
     tracemalloc.start()
@@ -90,7 +94,7 @@ def test_checkpoint_file_is_written_without_a_copy_in_memory(tmp_path: Path) -> 
 def test_buffered_large_writes_hash_beside_writing_and_write_back_early(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # the page-cache path (object stores' and $PREEMPTIBLE_DIRECT_IO=0's)
+    # the page-cache path (the default; object stores' and $PREEMPTIBLE_DIRECT_IO=0's)
     monkeypatch.setenv("PREEMPTIBLE_DIRECT_IO", "0")
     monkeypatch.setattr(storage_module, "_WRITEBACK_EVERY", 3 << 20)
     syncs: list[int] = []
