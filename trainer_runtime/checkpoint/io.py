@@ -52,10 +52,12 @@ from trainer_runtime.checkpoint.digest import (
 )
 from trainer_runtime.checkpoint.direct_io import DEPTH, staging_pool
 from trainer_runtime.checkpoint.layout import (
+    CORRUPT_NAME,
     MANIFEST_FORMAT,
     MANIFEST_NAME,
     PARTIAL_PREFIX,
     SENTINEL_NAME,
+    TRAINER_STATE_NAME,
     CheckpointInfo,
     CheckpointStore,
     attempt_from_env,
@@ -78,7 +80,13 @@ from trainer_runtime.checkpoint.safetensors_stream import (
 )
 from trainer_runtime.checkpoint.shares import load_indexed
 from trainer_runtime.checkpoint.storage import Storage
-from trainer_runtime.errors import CheckpointError, ConfigurationError, ResumeError, StorageError
+from trainer_runtime.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    ConfigurationError,
+    ResumeError,
+    StorageError,
+)
 
 __all__ = [
     "OPTIMIZER_META_KEY",
@@ -87,7 +95,9 @@ __all__ = [
     "download_checkpoint",
     "optimizer_state_from_tensors",
     "optimizer_state_to_tensors",
+    "remove_checkpoint",
     "rotate_checkpoints",
+    "verify_checkpoint",
     "warm_local_writes",
     "write_entry",
 ]
@@ -132,12 +142,13 @@ def _check_filename(filename: str) -> str:
         not name
         or name.startswith("/")
         or any(p in ("", ".", "..") for p in parts)
-        or name in (SENTINEL_NAME, MANIFEST_NAME)
+        or name in (SENTINEL_NAME, MANIFEST_NAME, CORRUPT_NAME)
         or parts[-1].startswith(PARTIAL_PREFIX)
     ):
         raise ConfigurationError(
             f"checkpoint filename {filename!r} is invalid: use a relative path without '..' "
-            f"that is not {SENTINEL_NAME!r}, {MANIFEST_NAME!r} or a {PARTIAL_PREFIX!r} record"
+            f"that is not {SENTINEL_NAME!r}, {MANIFEST_NAME!r}, {CORRUPT_NAME!r} or a "
+            f"{PARTIAL_PREFIX!r} record"
         )
     return name
 
@@ -886,6 +897,41 @@ class CheckpointReader:
                 self._pool.shutdown(wait=True)
                 self._pool = None
 
+    def verify_all(self) -> None:
+        """Check the whole checkpoint against its manifest now: it still passes the completeness
+        rule (every listed file present with its size, manifest readable) and every listed
+        checksum matches the file's bytes, read back. CheckpointCorruptError naming the file
+        and both digests (or the rule's reason) when not; ResumeError when storage cannot be
+        read (not a verdict: e.g. a network error). A stock transformers checkpoint has nothing
+        to check beyond the rule. Reads every file: for deciding, after a load failed, whether
+        the checkpoint is corrupt."""
+        try:
+            info = inspect_checkpoint(self.storage, "")
+        except StorageError as exc:
+            raise ResumeError(f"cannot inspect {self.path}: {exc}") from exc
+        if not info.complete:
+            raise CheckpointCorruptError(
+                f"{self.path} no longer passes the completeness rule: {info.reason}"
+            )
+        for entry in (info.manifest or {}).get("files", []):
+            expected = listed_digest(entry)
+            if not expected:
+                continue  # sizes only: the rule checked them
+            name = entry["path"]
+            try:
+                with self.storage.open_read(name) as fh:
+                    _, actual = hash_stream(fh, expected[0])
+            except (StorageError, OSError) as exc:
+                if (isinstance(exc, StorageError) and exc.not_found) or isinstance(
+                    exc, FileNotFoundError
+                ):
+                    raise CheckpointCorruptError(
+                        f"{name} of {self.path} is listed in manifest.json but missing"
+                    ) from exc
+                raise ResumeError(f"cannot read {name} of {self.path}: {exc}") from exc
+            if actual != expected[1]:
+                raise self._corrupt(name, expected[0], actual, expected[1])
+
     def exists(self, filename: str) -> bool:
         return self.storage.exists(filename)
 
@@ -930,8 +976,10 @@ class CheckpointReader:
                 raise self._corrupt(filename, expected[0], actual, expected[1])
         return data
 
-    def _corrupt(self, filename: str, algorithm: str, actual: str, expected: str) -> ResumeError:
-        return ResumeError(
+    def _corrupt(
+        self, filename: str, algorithm: str, actual: str, expected: str
+    ) -> CheckpointCorruptError:
+        return CheckpointCorruptError(
             f"{filename} of {self.path} is corrupt: {algorithm} {actual} != {expected} "
             "(listed in manifest.json); resume from an earlier checkpoint"
         )
@@ -967,6 +1015,22 @@ class CheckpointReader:
         if meta is None:
             raise ResumeError(f"{filename} of {self.path} has no {OPTIMIZER_META_KEY} metadata")
         return optimizer_state_from_tensors(tensors, meta)
+
+
+def verify_checkpoint(path: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Check the checkpoint ``path`` against its manifest now, every byte
+    (:meth:`CheckpointReader.verify_all`): CheckpointCorruptError when it no longer passes the
+    completeness rule or a file does not match; ResumeError when storage cannot be read."""
+    storage = Storage(path, storage_options)
+    try:
+        info = inspect_checkpoint(storage, "")
+    except StorageError as exc:
+        raise ResumeError(f"cannot inspect {path}: {exc}") from exc
+    if not info.complete:
+        raise CheckpointCorruptError(
+            f"{path} no longer passes the completeness rule: {info.reason}"
+        )
+    CheckpointReader(path, storage_options).verify_all()
 
 
 def download_checkpoint(
@@ -1127,6 +1191,44 @@ def optimizer_state_from_tensors(tensors: Mapping[str, torch.Tensor], meta: str)
 
 
 # -- rotation ---------------------------------------------------------------------------------
+# Removed first, while the sentinel is in place: without them no rule calls the rest complete.
+_COMMIT_FILES = (MANIFEST_NAME, TRAINER_STATE_NAME)
+
+
+def remove_checkpoint(
+    storage: Storage, name: str, attempt: int | None = None, *, sentinel_present: bool = False
+) -> None:
+    """Delete the checkpoint directory ``name`` of ``storage`` so that no moment of the deletion
+    (a crash, a SIGKILL, a node lost half-way) leaves a directory that passes the completeness
+    rule: the sentinel is written first (fsynced); then ``manifest.json`` and
+    ``trainer_state.json`` go (what a complete checkpoint, ours or a stock transformers one, is
+    recognised by); then the data; the sentinel last; then the directory. A recursive delete
+    unlinks in directory order, which could take the sentinel before the data. ``attempt``:
+    the attempt the sentinel names (the one that wrote the checkpoint). ``sentinel_present``:
+    the caller knows the sentinel is there (its own, e.g. on a full disk where nothing more can
+    be written): it is not written again."""
+    sentinel = f"{name}/{SENTINEL_NAME}"
+    if not sentinel_present:
+        storage.write_json(sentinel, {"removing": True, "attempt": attempt})
+        storage.fsync_dir(name)
+    for rel in _COMMIT_FILES:
+        try:
+            storage.remove(f"{name}/{rel}")
+        except StorageError as exc:
+            if not exc.not_found:
+                raise
+    storage.fsync_dir(name)
+    if not storage.is_object_store:
+        # Object stores: one batch delete below (the manifest is already gone); elsewhere the
+        # files one by one, so that the sentinel is the last.
+        for rel in sorted(storage.walk_files(name)):
+            if rel != SENTINEL_NAME:
+                storage.remove(f"{name}/{rel}")
+        storage.fsync_dir(name)
+        storage.remove(sentinel)
+    storage.rm_tree(name)
+
+
 def rotate_checkpoints(
     output_dir: str,
     save_total_limit: int | None,
@@ -1138,8 +1240,11 @@ def rotate_checkpoints(
     """Remove the checkpoints :func:`rotation_victims` selects; returns the removed paths.
 
     Call it only after the new checkpoint is committed. Refuses (CheckpointError) when a checkpoint
-    of an attempt newer than ``attempt`` (default $PREEMPTIBLE_ATTEMPT) exists. Each victim first
-    gets a sentinel, so a removal interrupted half-way never leaves a complete-looking checkpoint.
+    of an attempt newer than ``attempt`` (default $PREEMPTIBLE_ATTEMPT) exists. Incomplete
+    directories of an older attempt are removed even when newer than the newest complete
+    checkpoint (no live writer can be writing them). Each victim is removed by
+    :func:`remove_checkpoint`: a removal interrupted half-way never leaves a complete-looking
+    checkpoint.
 
     On object stores the checkpoints come from one recursive listing, without reading each one's
     manifest (layout.infos_from_listing: complete means manifest present, sentinel absent), and
@@ -1151,20 +1256,17 @@ def rotate_checkpoints(
     # Object stores: one recursive listing, no manifest read per checkpoint (this runs after
     # every save, the JIT one included); the fence from the registered attempts.
     checkpoints = store.list() if local else store.list_from_listing()
-    victims = rotation_victims(checkpoints, save_total_limit, frozenset(protect))
+    mine = attempt_from_env(attempt)
+    victims = rotation_victims(checkpoints, save_total_limit, frozenset(protect), mine)
     if not victims:
         return []
     if local:
-        fence_check(checkpoints, attempt_from_env(attempt), "rotate checkpoints")
+        fence_check(checkpoints, mine, "rotate checkpoints")
     else:
-        fence_attempts(store.storage, attempt_from_env(attempt), "rotate checkpoints")
+        fence_attempts(store.storage, mine, "rotate checkpoints")
     removed: list[str] = []
     for victim in victims:
-        if victim.complete:
-            store.storage.write_json(
-                f"{victim.name}/{SENTINEL_NAME}", {"removing": True, "attempt": victim.attempt}
-            )
-        store.storage.rm_tree(victim.name)
+        remove_checkpoint(store.storage, victim.name, victim.attempt)
         removed.append(victim.path)
     store.storage.fsync_dir("")
     return removed
