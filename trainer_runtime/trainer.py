@@ -55,6 +55,7 @@ from trainer_runtime.checkpoint.io import (
     CheckpointReader,
     CheckpointWriter,
     optimizer_state_to_tensors,
+    remove_checkpoint,
     warm_local_writes,
     write_entry,
 )
@@ -1482,9 +1483,15 @@ class Trainer(
         if not jit and self._save_async_active():
             return self._start_async_save()
         writer = self._new_checkpoint_writer(step)
-        writer.begin()
-        writer.write_entries(self._checkpoint_entries(writer.is_coordinator, jit))
-        info = writer.commit(self._manifest_extra())
+        try:
+            writer.begin()
+            writer.write_entries(self._checkpoint_entries(writer.is_coordinator, jit))
+            info = writer.commit(self._manifest_extra())
+        except Exception:
+            # e.g. ENOSPC: its partial directory, newer than every complete checkpoint, would
+            # hold the space (rotation keeps what may still be being written)
+            writer.discard()
+            raise
         seconds = info.save_seconds if info.save_seconds is not None else None
         if seconds is None:
             seconds = time.perf_counter() - started
@@ -1669,6 +1676,8 @@ class Trainer(
         self._async_save = None
         failed = collectives.agree_to_stop(save.error is not None)
         if failed:
+            # every rank's writer thread has ended (each waited, then they agreed)
+            save.writer.discard(every_rank_done=True)
             if save.error is not None:
                 raise save.error
             raise CheckpointError(
@@ -1714,7 +1723,7 @@ class Trainer(
         writer = save.writer
         try:
             if not inspect_checkpoint(writer.root, writer.name).complete:
-                writer.root.rm_tree(writer.name)
+                remove_checkpoint(writer.root, writer.name, writer.attempt)
                 writer.root.fsync_dir("")
         except Exception as exc:  # the JIT checkpoint is committed: never fail the stop here
             logger.warning("could not remove the superseded checkpoint %s: %s", writer.path, exc)
@@ -1730,6 +1739,7 @@ class Trainer(
         save, self._async_save = self._async_save, None
         if save is not None:
             save.cancel()
+            save.writer.discard()  # this rank's thread has ended; one rank: the directory
         self._snapshot_buffers.clear()
 
     def _processing_class_to_save(self) -> Any:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import os
 import socket
 import struct
@@ -114,6 +115,8 @@ _PARALLEL_MIN_BYTES = 64 << 20
 _PARALLEL_FILES = 2
 # upload_local_files / download_checkpoint: blocks read from or written to the local copy
 _UPLOAD_BLOCK = 8 << 20
+
+logger = logging.getLogger(__name__)
 
 # output dir URL -> attempts this process registered there (layout.register_attempt)
 _registered: dict[str, set[int | None]] = {}
@@ -216,6 +219,11 @@ class CheckpointWriter:
         self._started: float | None = None
         self._token: str | None = None
         self._committed = False
+        # what discard() may remove: the directory only once our own sentinel is in it (or it
+        # was created by this writer), and the files this rank started to write
+        self._sentinel_ours = False
+        self._created = False
+        self._touched: set[str] = set()
         # Set by another thread to stop a background write between blocks (Cancelled).
         self.cancel: threading.Event | None = None
 
@@ -270,7 +278,9 @@ class CheckpointWriter:
                 register_attempt(self.root, self.attempt, socket.gethostname())
                 _registered.setdefault(self.root.url, set()).add(self.attempt)
         existed = self.root.exists(self.name)
+        replaced = inspect_checkpoint(self.root, self.name) if existed else None
         self.root.makedirs(self.name)
+        self._created = not existed
         self._token = uuid.uuid4().hex
         sentinel = {
             "attempt": self.attempt,
@@ -285,11 +295,23 @@ class CheckpointWriter:
             sentinel["node"] = self.node
         # The sentinel goes first: from here on the directory reads as incomplete.
         self.root.write_json(self._rel(SENTINEL_NAME), sentinel)
+        self._sentinel_ours = True
         self.root.fsync_dir(self.name)
         self.root.fsync_dir("")
         if existed:
             # A rewrite of the same step (e.g. a resumed attempt saving where the previous one
             # stopped): drop everything the earlier writer left, now that the sentinel protects it.
+            # A complete checkpoint of this step is only ever rewritten by a run that did not
+            # resume from it (the Trainers skip a save of the step they resumed from or saved):
+            # another trajectory's state, which this one replaces.
+            if replaced is not None and replaced.complete:
+                logger.warning(
+                    "replacing the complete checkpoint %s (attempt %s) with this run's state "
+                    "of step %d: this run did not resume from it",
+                    self.path,
+                    replaced.attempt,
+                    self.step,
+                )
             for rel in self.root.walk_files(self.name):
                 if rel != SENTINEL_NAME:
                     self.root.remove(self._rel(rel))
@@ -321,6 +343,7 @@ class CheckpointWriter:
     def _write_file(self, name: str, data: bytes) -> None:
         if self.cancel is not None and self.cancel.is_set():
             raise Cancelled()
+        self._touched.add(name)
         size, digest = self.root.write_bytes(self._rel(name), data)
         self._files[name] = file_record(name, size, digest)
 
@@ -350,6 +373,7 @@ class CheckpointWriter:
                     f"cannot serialise tensors for {self._rel(name)}: {exc}"
                 ) from exc
             return
+        self._touched.add(name)
         try:
             with self.root.open_write(self._rel(name)) as fh:
                 write_safetensors(fh.write, tensors, meta, cancel=self.cancel)
@@ -465,6 +489,7 @@ class CheckpointWriter:
                 raise CheckpointError(f"{name} written twice to {self.path}")
 
         def upload(name: str) -> None:
+            self._touched.add(name)
             with (
                 open(files[name], "rb", buffering=0) as src,
                 self.root.open_write(self._rel(name)) as fh,
@@ -627,6 +652,64 @@ class CheckpointWriter:
                 f"checkpoint {self.path} is not complete after commit: {info.reason}"
             )
         return info
+
+    # -- a failed save ---------------------------------------------------------------------------
+    def discard(self, *, every_rank_done: bool = False) -> list[str]:
+        """After a failed (or abandoned) save: remove what it left, so that a partial checkpoint
+        does not keep holding the space (on a full disk it would, and every later save would
+        fail the same way). Best effort: never raises, logs what it did or could not do.
+        Returns the removed paths.
+
+        The coordinator removes the whole directory (:func:`remove_checkpoint`: never a
+        complete-looking state on the way) when no other rank can still be writing into it
+        (``world_size`` 1, or ``every_rank_done``: the caller knows every rank's writes ended),
+        and only while the sentinel in it is the one it created (never a directory another
+        writer took over, nor an earlier checkpoint of this step whose sentinel was never
+        replaced by ours). Otherwise each rank removes the files it started to write; the
+        directory keeps its sentinel and is removed by rotation once it is abandoned. A
+        committed checkpoint is never touched."""
+        removed: list[str] = []
+        try:
+            if self._committed and inspect_checkpoint(self.root, self.name).complete:
+                return []
+            if self.is_coordinator and (self.world_size == 1 or every_rank_done):
+                if self._sentinel_ours and self._sentinel_still_ours():
+                    remove_checkpoint(self.root, self.name, self.attempt, sentinel_present=True)
+                    removed.append(self.path)
+                elif self._created and not self._sentinel_ours:
+                    self.root.rm_tree(self.name)  # created here, no sentinel ever written
+                    removed.append(self.path)
+                if removed:
+                    self.root.fsync_dir("")
+            else:
+                for name in sorted(self._touched):
+                    try:
+                        self.root.remove(self._rel(name))
+                    except StorageError as exc:
+                        if not exc.not_found:
+                            raise
+                        continue
+                    removed.append(self.root.join(self._rel(name)))
+        except Exception as exc:
+            logger.warning(
+                "could not remove the partial checkpoint %s of the failed save: %s", self.path, exc
+            )
+            return removed
+        if removed:
+            logger.warning(
+                "removed the partial checkpoint %s of the failed save (%d path(s)), so that it "
+                "does not hold the space",
+                self.path,
+                len(removed),
+            )
+        return removed
+
+    def _sentinel_still_ours(self) -> bool:
+        try:
+            sentinel = self.root.read_json(self._rel(SENTINEL_NAME))
+        except StorageError:
+            return False
+        return isinstance(sentinel, dict) and sentinel.get("token") == self._token
 
     # -- one copy per node ---------------------------------------------------------------------
     def _agree(self, phase: str, error: BaseException | None) -> list[Any]:
