@@ -570,10 +570,10 @@ class Trainer(
             return latest
         path = str(resume)
         info = CheckpointStore(output_dir).inspect(path)
-        if not info.complete and from_env and info.step >= 0:
-            # The operator passes the newest complete checkpoint it knew; one that is no longer
-            # complete (a resume found it corrupt and marked it) gives way to the newest
-            # complete one below it, as "latest" would.
+        if not info.complete and from_env and info.corrupt:
+            # The operator passes the newest complete checkpoint it knew (never an older one
+            # than the runtime reported); one a resume marked corrupt since gives way to the
+            # newest complete one before it, as "latest" would.
             older = CheckpointStore(_parent_of(info.path)).latest_complete(below=info.step)
             if older is not None:
                 logger.error(
@@ -585,16 +585,15 @@ class Trainer(
                     older.path,
                 )
                 return older
-            if info.corrupt:
-                # what "latest" does when no complete checkpoint is left (the model is untouched)
-                logger.error(
-                    "%s=%s is marked corrupt (%s) and no complete checkpoint precedes it: "
-                    "starting from scratch",
-                    ENV_RESUME_FROM,
-                    path,
-                    info.reason,
-                )
-                return None
+            # what "latest" does when no complete checkpoint is left (the model is untouched)
+            logger.error(
+                "%s=%s is marked corrupt (%s) and no complete checkpoint precedes it: "
+                "starting from scratch",
+                ENV_RESUME_FROM,
+                path,
+                info.reason,
+            )
+            return None
         if not info.complete:
             raise ResumeError(
                 f"cannot resume from {path}: {info.reason or 'checkpoint incomplete'}"

@@ -223,6 +223,7 @@ class CheckpointWriter:
         # was created by this writer), and the files this rank started to write
         self._sentinel_ours = False
         self._created = False
+        self._marked = False  # a corrupt marker was in the directory: removed at the commit
         self._touched: set[str] = set()
         # Set by another thread to stop a background write between blocks (Cancelled).
         self.cancel: threading.Event | None = None
@@ -312,8 +313,13 @@ class CheckpointWriter:
                     replaced.attempt,
                     self.step,
                 )
+            # A corrupt marker stays until this checkpoint is committed: if this rewrite is cut
+            # short, the directory still reads as the corrupt one (whatever an operator's
+            # resume path to it falls back from), not as an ordinary half-written save.
             for rel in self.root.walk_files(self.name):
-                if rel != SENTINEL_NAME:
+                if rel == CORRUPT_NAME:
+                    self._marked = True
+                elif rel != SENTINEL_NAME:
                     self.root.remove(self._rel(rel))
             self.root.fsync_dir(self.name)
 
@@ -452,7 +458,9 @@ class CheckpointWriter:
         present: dict[str, int] = {}
         for rel, size in sorted(self.root.walk_files(self.name).items()):
             base = rel.rsplit("/", 1)[-1]
-            if rel in (SENTINEL_NAME, MANIFEST_NAME) or base.startswith(PARTIAL_PREFIX):
+            if rel in (SENTINEL_NAME, MANIFEST_NAME, CORRUPT_NAME) or base.startswith(
+                PARTIAL_PREFIX
+            ):
                 continue
             if base.startswith(".") and ".tmp-" in base:
                 continue  # an atomic write's temporary file, not part of the checkpoint
@@ -644,6 +652,12 @@ class CheckpointWriter:
                     "checkpoint not committed by this one"
                 ) from exc
             raise
+        if self._marked:
+            try:
+                self.root.remove(self._rel(CORRUPT_NAME))
+            except StorageError as exc:
+                if not exc.not_found:
+                    raise
         self.root.remove(self._rel(SENTINEL_NAME))
         self.root.fsync_dir(self.name)
         info = inspect_checkpoint(self.root, self.name)
