@@ -605,17 +605,18 @@ class Trainer(
         complete checkpoint before it and load that, every rank agreeing (fallback.py). Returns
         what was loaded. A path the caller asked for never falls back: CheckpointCorruptError."""
         fresh = self._resume_start_state()
+        each_node = per_node.each_node_active(self.args)
+        local_rank = self.accelerator.local_process_index
         while True:
-            kind, message, error = fallback.OK, None, None
+            error: Exception | None = None
             try:
                 self._load_checkpoint(info)
             except Exception as exc:
                 error = exc
-                reason = fallback.classify_failure(info.path, exc)
-                kind = fallback.ERROR if reason is None else fallback.CORRUPT
-                message = f"{type(exc).__name__}: {exc}" if reason is None else reason
-            outcomes = fallback.gather_outcomes(kind, message)
-            agreed = fallback.verdict(outcomes)
+            kind, message = fallback.outcome_of(error)
+            agreed, outcomes = fallback.settle(
+                kind, message, info.path, each_node=each_node, local_rank=local_rank
+            )
             if agreed == fallback.OK:
                 return info
             if agreed == fallback.ERROR:
@@ -625,11 +626,8 @@ class Trainer(
                     f"cannot resume from {info.path}: {fallback.describe(outcomes, fallback.ERROR)}"
                 )
             cause = fallback.describe(outcomes, fallback.CORRUPT)
-            each_node = per_node.each_node_active(self.args)
             marker = None
-            if fallback.marks_here(
-                outcomes, each_node=each_node, local_rank=self.accelerator.local_process_index
-            ):
+            if fallback.marks_here(outcomes, each_node=each_node, local_rank=local_rank):
                 marker = fallback.mark(info.path, cause)
             may_fall_back = self._resume_mode != "path"
             self._restore_resume_start_state(fresh)

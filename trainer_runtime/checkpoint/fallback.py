@@ -6,13 +6,14 @@ by hand) or lose a listed file between the choice and the load. Loading it fails
 every attempt would choose it again and fail the same way. So when loading the chosen checkpoint
 fails on any rank:
 
-1. each rank classifies its own failure (:func:`classify_failure`): corrupt (a
-   :class:`~trainer_runtime.errors.CheckpointCorruptError`, or any other load error for which
-   reading the whole checkpoint back against its manifest finds a mismatch) or another error (a
-   model that does not fit, storage that cannot be reached: not the checkpoint's fault);
-2. the ranks all-gather their outcomes (:func:`gather_outcomes`; every rank calls it, also when
-   its own load succeeded) and get the same verdict (:func:`verdict`): any other error fails
-   every rank; otherwise any corruption makes every rank fall back;
+1. each rank reports its outcome (:func:`outcome_of`): a :class:`CheckpointCorruptError` is a
+   definite finding (CORRUPT); any other load error (a header that does not parse, a value that
+   does not decode, a model that does not fit, a store that cannot be reached) is ERROR;
+2. the ranks all-gather their outcomes (:func:`settle`; every rank calls it, also when its own
+   load succeeded: the damage may be in another rank's file). Without a definite finding but
+   with an error, one reader per copy reads the checkpoint back against its manifest: a mismatch
+   (or a listed file gone, a manifest no longer readable) makes it CORRUPT; otherwise the error
+   is not the checkpoint's fault and fails every rank, nothing marked;
 3. the writer of the directory (rank 0; a node's main process for its own copy under
    ``save_on_each_node``) marks it :data:`~trainer_runtime.checkpoint.layout.CORRUPT_NAME`
    (:func:`mark`), so that no later resume, nor the operator's listing, chooses it again;
@@ -41,11 +42,13 @@ __all__ = [
     "OK",
     "Outcome",
     "agree_step",
-    "classify_failure",
+    "corruption_of",
     "describe",
     "gather_outcomes",
     "mark",
     "marks_here",
+    "outcome_of",
+    "settle",
     "verdict",
 ]
 
@@ -66,25 +69,30 @@ class Outcome:
     message: str | None = None
 
 
-def classify_failure(path: str, exc: BaseException) -> str | None:
-    """Why the checkpoint ``path`` is corrupt, given that loading it raised ``exc``; None when it
-    is not (the error is not the checkpoint's fault, or nothing can tell: ``exc`` stands).
-
-    A :class:`CheckpointCorruptError` says so itself. Any other error (a header that does not
-    parse, a file that vanished, a value that does not decode) is checked by reading the whole
-    checkpoint back against its manifest (:func:`verify_checkpoint`): only a mismatch, or a
-    checkpoint that no longer passes the completeness rule, makes it corrupt. A storage error
-    during that check (an unreachable store) is no verdict."""
-    if isinstance(exc, CheckpointCorruptError):
-        return str(exc)
+def corruption_of(path: str) -> str | None:
+    """Why the checkpoint ``path`` is corrupt, read back whole against its manifest
+    (:func:`verify_checkpoint`), or None when it is intact or nothing can tell (a storage error
+    during the check, e.g. an unreachable store, is no verdict). A stock transformers checkpoint
+    has no checksums: only the completeness rule can call it corrupt."""
     try:
         verify_checkpoint(path)
     except CheckpointCorruptError as found:
-        return f"{found} (loading it failed with {type(exc).__name__}: {exc})"
-    except Exception as other:  # cannot tell: the load error is reported as it is
+        return str(found)
+    except Exception as other:  # cannot tell
         logger.warning("could not verify %s after its load failed: %s", path, other)
         return None
     return None
+
+
+def outcome_of(exc: BaseException | None) -> tuple[str, str | None]:
+    """This rank's (kind, message) for a load that raised ``exc`` (None: it succeeded). Only a
+    :class:`CheckpointCorruptError` says CORRUPT by itself; any other error is ERROR until
+    :func:`settle` had the checkpoint verified."""
+    if exc is None:
+        return OK, None
+    if isinstance(exc, CheckpointCorruptError):
+        return CORRUPT, str(exc)
+    return ERROR, f"{type(exc).__name__}: {exc}"
 
 
 def gather_outcomes(kind: str, message: str | None) -> list[Outcome]:
@@ -94,12 +102,42 @@ def gather_outcomes(kind: str, message: str | None) -> list[Outcome]:
 
 
 def verdict(outcomes: Sequence[Outcome]) -> str:
-    """What every rank does, the same on all: ERROR if any rank failed for another reason than
-    corruption, else CORRUPT if any rank found corruption, else OK; pure."""
+    """What every rank does, the same on all (pure): CORRUPT if any rank found a mismatch (a
+    definite finding: an error elsewhere may well be its consequence, and an older checkpoint
+    that still fails for another reason fails then), else ERROR if any rank failed, else OK."""
     kinds = {o.kind for o in outcomes}
-    if ERROR in kinds:
-        return ERROR
-    return CORRUPT if CORRUPT in kinds else OK
+    if CORRUPT in kinds:
+        return CORRUPT
+    return ERROR if ERROR in kinds else OK
+
+
+def settle(
+    kind: str, message: str | None, path: str, *, each_node: bool = False, local_rank: int = 0
+) -> tuple[str, list[Outcome]]:
+    """Every rank's verdict on loading ``path`` and the outcomes it rests on (collectives: every
+    rank calls it, also one whose load succeeded).
+
+    When some rank failed without a definite finding, one reader per copy of the checkpoint
+    (rank 0; with one copy per node, the main process of each node where a load failed) reads it
+    back against its manifest (:func:`corruption_of`): a mismatch makes it CORRUPT, with the load
+    errors as context; otherwise the load error stands (ERROR). So a checkpoint is read back
+    once per copy, not once per rank, and only on this failure path."""
+    outcomes = gather_outcomes(kind, message)
+    agreed = verdict(outcomes)
+    if agreed != ERROR:
+        return agreed, outcomes
+    if each_node:
+        here = node_label()
+        verifies = local_rank == 0 and any(o.kind == ERROR and o.node == here for o in outcomes)
+    else:
+        verifies = collectives.rank() == 0
+    found = corruption_of(path) if verifies else None
+    if found is not None:
+        found = f"{found} (loading it failed: {describe(outcomes, ERROR)})"
+    checked = gather_outcomes(CORRUPT if found else OK, found)
+    if verdict(checked) == CORRUPT:
+        return CORRUPT, checked
+    return ERROR, outcomes
 
 
 def describe(outcomes: Sequence[Outcome], kind: str) -> str:

@@ -503,17 +503,16 @@ class PreemptibleCallback(TrainerCallback):
             local = os.path.join(
                 str(trainer.args.output_dir), resolved.rstrip("/").rsplit("/", 1)[-1]
             )
-            kind, message, error = fallback.OK, None, None
+            error: Exception | None = None
             if _local_main():
                 try:
+                    # every file's checksum checked as it arrives: CheckpointCorruptError
                     self._download(resolved, local)
-                except CheckpointCorruptError as exc:  # a checksum, checked as it arrives
-                    kind, message, error = fallback.CORRUPT, str(exc), exc
                 except Exception as exc:
-                    kind, message, error = fallback.ERROR, f"{type(exc).__name__}: {exc}", exc
+                    error = exc
             # every node's download agreed on (this also waits for every node's copy)
-            outcomes = fallback.gather_outcomes(kind, message)
-            agreed = fallback.verdict(outcomes)
+            kind, message = fallback.outcome_of(error)
+            agreed, outcomes = fallback.settle(kind, message, resolved)
             if agreed == fallback.OK:
                 return local
             if agreed == fallback.ERROR:

@@ -1,5 +1,6 @@
-"""Two gloo ranks resume from a checkpoint only one of them finds corrupt (its own RNG file):
-both fall back to the previous complete checkpoint together (issue 31, item 3)."""
+"""Two gloo ranks resume from a corrupt checkpoint and fall back to the previous complete one
+together: when only one of them finds the damage (its own RNG file), and when both fail to parse a
+file without a checksum verdict, which rank 0 then reads back (issue 31, item 3)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, port: int, out: str, results: dict) -> None:  # type: ignore[type-arg]
+def _worker(rank: int, port: int, out: str, damage: tuple, results: dict) -> None:  # type: ignore[type-arg]
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -36,8 +37,8 @@ def _worker(rank: int, port: int, out: str, results: dict) -> None:  # type: ign
     make_trainer(root / "run", max_steps=6, save_steps=2).train()  # checkpoints 2, 4, 6
     dist.barrier()
     if rank == 0:
-        # only rank 1 reads this file: rank 0's own load of checkpoint-6 succeeds
-        flip_byte(root / "run" / "checkpoint-6" / "rng_state_1.safetensors")
+        name, offset = damage
+        flip_byte(root / "run" / "checkpoint-6" / name, offset)
     dist.barrier()
     resumed = make_trainer(root / "run", max_steps=6, save_steps=100)
     start = StartStep()
@@ -49,18 +50,31 @@ def _worker(rank: int, port: int, out: str, results: dict) -> None:  # type: ign
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_ranks_agree_to_fall_back_when_one_finds_the_checkpoint_corrupt(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("damage", "finding"),
+    [
+        # only rank 1 reads its RNG file: rank 0's own load succeeds, rank 1's checksum fails
+        pytest.param(("rng_state_1.safetensors", -3), "rank 1: ", id="one-rank-checksum"),
+        # both ranks read every model shard; a broken header fails to parse before any checksum
+        pytest.param(
+            ("model-00002-of-00002.safetensors", 9), "loading it failed", id="both-unparseable"
+        ),
+    ],
+)
+def test_ranks_agree_to_fall_back_from_a_corrupt_checkpoint(
+    tmp_path: Path, damage: tuple[str, int], finding: str
+) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(port, str(tmp_path), results), nprocs=2, join=True)
+        mp.spawn(_worker, args=(port, str(tmp_path), damage, results), nprocs=2, join=True)
         results = dict(results)
     for rank in (0, 1):
         step, identical, marker = results[rank]
         # both resumed from checkpoint-4 and ended where an uninterrupted run ends
         assert (step, identical) == (4, True), results
-        # rank 0 wrote the marker (before training went on) with rank 1's finding
-        assert marker is not None and "rank 1" in marker["reason"], marker
-        assert "rng_state_1.safetensors" in marker["reason"], marker
+        # rank 0 wrote the marker (before training went on), naming the damaged file
+        assert marker is not None and damage[0] in marker["reason"], marker
+        assert finding in marker["reason"], marker
