@@ -689,7 +689,8 @@ class Trainer(
         }
 
     def _restore_resume_start_state(self, saved: dict[str, Any]) -> None:
-        self.state = copy.deepcopy(saved["state"])
+        # in place: whatever holds the state object keeps seeing the current one
+        vars(self.state).update(vars(copy.deepcopy(saved["state"])))
         if saved["optimizer"] is not None and self.optimizer is not None:
             self.optimizer.load_state_dict(copy.deepcopy(saved["optimizer"]))
         if saved["scheduler"] is not None and self.lr_scheduler is not None:

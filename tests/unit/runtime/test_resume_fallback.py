@@ -178,3 +178,31 @@ def test_a_load_error_that_is_not_corruption_is_raised_and_marks_nothing(
     # read back against its manifest, checkpoint-6 is intact: not marked, still the newest
     assert not (tmp_path / "checkpoint-6" / CORRUPT_NAME).exists()
     assert CheckpointStore(str(tmp_path)).latest_complete().step == 6  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("damage", "finding"),
+    [
+        (lambda d: (d / "optimizer.safetensors").unlink(), "file optimizer.safetensors missing"),
+        (lambda d: (d / "manifest.json").write_text("{not json"), "manifest.json is unreadable"),
+    ],
+    ids=["listed-file-gone", "manifest-unreadable"],
+)
+def test_a_checkpoint_damaged_between_the_choice_and_the_load_is_marked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage, finding: str
+) -> None:  # type: ignore[no-untyped-def]
+    full = uninterrupted(tmp_path / "full")
+    out = tmp_path / "run"
+    saved_run(out)
+    real = Trainer._load_checkpoint
+
+    def damaged_then_loaded(self: Trainer, info) -> None:  # type: ignore[no-untyped-def]
+        if info.step == 6:
+            damage(out / "checkpoint-6")  # after the choice, before the load
+        real(self, info)
+
+    monkeypatch.setattr(Trainer, "_load_checkpoint", damaged_then_loaded)
+    resumed, start = resumed_trainer(out, max_steps=6, save_steps=100)
+    resumed.train(resume_from_checkpoint=True)
+    assert start.step == 4 and start.marker is not None and finding in start.marker["reason"]
+    assert_same_training(full, resumed)
