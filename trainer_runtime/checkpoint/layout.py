@@ -374,7 +374,10 @@ def _corrupt_reason(storage: Storage, rel: str) -> str | None:
     except StorageError:
         return None
     value = data.get("reason") if isinstance(data, dict) else None
-    return value if isinstance(value, str) and value else None
+    if not isinstance(value, str) or not value:
+        return None
+    # bounded: the operator copies the reason into the TrainingJob's status
+    return value if len(value) <= 1000 else value[:997] + "..."
 
 
 def mark_corrupt(storage: Storage, rel: str, reason: str, attempt: int | None = None) -> str:

@@ -49,6 +49,7 @@ from trainer_runtime.checkpoint.layout import (
     CheckpointInfo,
     CheckpointStore,
     checkpoint_name,
+    parse_step,
 )
 from trainer_runtime.checkpoint.per_node import gather_objects
 from trainer_runtime.checkpoint.shares import plan_shares
@@ -560,8 +561,8 @@ class PreemptibleCallback(TrainerCallback):
                 "so no other checkpoint is substituted: pass an earlier checkpoint, or "
                 "resume_from_checkpoint=True for the newest complete one"
             )
-        step = CheckpointStore(path).inspect("").step
-        older = CheckpointStore(output).latest_complete(below=step)
+        step = parse_step(path)
+        older = CheckpointStore(output).latest_complete(below=-1 if step is None else step)
         agreed = fallback.agree_step(older.step if older is not None else None)
         if agreed is not None and older is not None:
             logger.error("falling back to %s (step %d)", older.path, older.step)
