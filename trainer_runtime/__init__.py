@@ -23,6 +23,7 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": "errors",
     "StorageError": "errors",
     "ResumeError": "errors",
+    "CheckpointCorruptError": "errors",
     "Storage": "checkpoint.storage",
     "CheckpointInfo": "checkpoint.layout",
     "CheckpointStore": "checkpoint.layout",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 
 __all__ = [
+    "CheckpointCorruptError",
     "CheckpointError",
     "ConfigurationError",
     "ResumeError",
@@ -32,6 +33,12 @@ class CheckpointError(TrainerRuntimeError):
 
 class ResumeError(CheckpointError):
     """A checkpoint cannot be resumed from (missing, incomplete or corrupt)."""
+
+
+class CheckpointCorruptError(ResumeError):
+    """A checkpoint that passed the completeness rule does not hold what its manifest lists: a
+    checksum or size mismatch, a listed file gone, a manifest no longer readable. Resume marks
+    such a checkpoint corrupt and falls back to the previous complete one (docs/checkpoints.md)."""
 
 
 # errno -> what the user can do about it

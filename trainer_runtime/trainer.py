@@ -10,6 +10,7 @@ step boundaries.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import logging
 import math
@@ -30,7 +31,7 @@ from trainer_runtime.callbacks import (
     DefaultFlowCallback,
     TrainerCallback,
 )
-from trainer_runtime.checkpoint import per_node
+from trainer_runtime.checkpoint import fallback, per_node
 from trainer_runtime.checkpoint.background import (
     BackgroundSave,
     SnapshotBuffers,
@@ -55,6 +56,7 @@ from trainer_runtime.checkpoint.io import (
     CheckpointReader,
     CheckpointWriter,
     optimizer_state_to_tensors,
+    remove_checkpoint,
     warm_local_writes,
     write_entry,
 )
@@ -111,7 +113,12 @@ from trainer_runtime.distributed.ddp_args import (
 )
 from trainer_runtime.distributed.peers import PeerLoss, PeerWatch, peer_failure_in
 from trainer_runtime.distributed.trainer_fsdp import FsdpTrainerMixin
-from trainer_runtime.errors import CheckpointError, ConfigurationError, ResumeError
+from trainer_runtime.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    ConfigurationError,
+    ResumeError,
+)
 from trainer_runtime.features import host_memory, losses
 from trainer_runtime.features.hub import HubMixin
 from trainer_runtime.features.hyperparameter_search import HyperparameterSearchMixin
@@ -159,6 +166,14 @@ def _wait_for_exit(seconds: float = 30.0) -> None:
 def under_operator() -> bool:
     """The operator's environment contract is present: exit codes and termination messages apply."""
     return bool(os.environ.get(ENV_OUTPUT_DIR) or os.environ.get(ENV_ATTEMPT))
+
+
+def _parent_of(path: str) -> str:
+    """The directory (URL) holding the checkpoint directory ``path``."""
+    head, sep, _ = path.rstrip("/").rpartition("/")
+    if not sep:
+        return "."
+    return head if head and not head.endswith("/") else head + "/"
 
 
 def _to_device(data: Any, device: torch.device) -> Any:
@@ -311,6 +326,10 @@ class Trainer(
         self.in_padding_batch = False
         # An iterable dataset's own position, loaded from a checkpoint, applied at the epoch start.
         self._dataset_state: dict[str, Any] | None = None
+        # How the checkpoint to resume from was asked for (_resolve_resume): what a corrupt one
+        # falls back to. "latest": resume_from_checkpoint=True; "latest_env": $..._RESUME_FROM
+        # =latest; "env_path": a path from the operator; "path": a path the caller gave.
+        self._resume_mode: str | None = None
         self._num_batches: int | None = None  # micro-batches per epoch (when known up front)
         self._epoch_length_known = False
         # create_scheduler() built the schedule (rebuilt per train() call, as transformers does).
@@ -511,6 +530,7 @@ class Trainer(
     # -- resume resolution -------------------------------------------------------------------------
     def _resolve_resume(self, resume: bool | str | None) -> CheckpointInfo | None:
         from_env = False
+        self._resume_mode = None
         if resume is None:
             raw = os.environ.get(ENV_RESUME_FROM, "").strip()
             if not raw:
@@ -520,6 +540,10 @@ class Trainer(
         if resume is False:
             return None
         output_dir = str(self.args.output_dir)
+        if resume is True:
+            self._resume_mode = "latest_env" if from_env else "latest"
+        else:
+            self._resume_mode = "env_path" if from_env else "path"
         if per_node.each_node_active(self.args):
             # Each node resumes from its own copy; all ranks agree on the step (a collective).
             return per_node.resolve_resume(
@@ -549,11 +573,135 @@ class Trainer(
             return latest
         path = str(resume)
         info = CheckpointStore(output_dir).inspect(path)
+        if not info.complete and from_env and info.corrupt:
+            # The operator passes the newest complete checkpoint it knew (never an older one
+            # than the runtime reported); one a resume marked corrupt since gives way to the
+            # newest complete one before it, as "latest" would.
+            older = CheckpointStore(_parent_of(info.path)).latest_complete(below=info.step)
+            if older is not None:
+                logger.error(
+                    "%s=%s is not usable (%s): resuming from %s, the newest complete checkpoint "
+                    "before it",
+                    ENV_RESUME_FROM,
+                    path,
+                    info.reason,
+                    older.path,
+                )
+                return older
+            # what "latest" does when no complete checkpoint is left (the model is untouched)
+            logger.error(
+                "%s=%s is marked corrupt (%s) and no complete checkpoint precedes it: "
+                "starting from scratch",
+                ENV_RESUME_FROM,
+                path,
+                info.reason,
+            )
+            return None
         if not info.complete:
             raise ResumeError(
                 f"cannot resume from {path}: {info.reason or 'checkpoint incomplete'}"
             )
         return info
+
+    def _load_resume_checkpoint(self, info: CheckpointInfo) -> CheckpointInfo | None:
+        """Load ``info``; when it turns out corrupt on any rank, mark it, fall back to the newest
+        complete checkpoint before it and load that, every rank agreeing (fallback.py). Returns
+        what was loaded. A path the caller asked for never falls back: CheckpointCorruptError."""
+        fresh = self._resume_start_state()
+        each_node = per_node.each_node_active(self.args)
+        local_rank = self.accelerator.local_process_index
+        while True:
+            error: Exception | None = None
+            try:
+                self._load_checkpoint(info)
+            except Exception as exc:
+                error = exc
+            kind, message = fallback.outcome_of(error)
+            agreed, outcomes = fallback.settle(
+                kind, message, info.path, each_node=each_node, local_rank=local_rank
+            )
+            if agreed == fallback.OK:
+                return info
+            if agreed == fallback.ERROR:
+                if error is not None:
+                    raise error
+                raise ResumeError(
+                    f"cannot resume from {info.path}: {fallback.describe(outcomes, fallback.ERROR)}"
+                )
+            cause = fallback.describe(outcomes, fallback.CORRUPT)
+            marker = None
+            if fallback.marks_here(outcomes, each_node=each_node, local_rank=local_rank):
+                marker = fallback.mark(info.path, cause)
+            may_fall_back = self._resume_mode != "path"
+            self._restore_resume_start_state(fresh)
+            logger.error(
+                "checkpoint %s is corrupt: %s; marked corrupt%s, it is never resumed from again%s",
+                info.path,
+                cause,
+                f" ({marker})" if marker else "",
+                "; falling back to the previous complete checkpoint" if may_fall_back else "",
+            )
+            if not may_fall_back:
+                raise CheckpointCorruptError(
+                    f"cannot resume from {info.path}: it is corrupt ({cause}); it was asked for "
+                    "by path, so no other checkpoint is substituted: pass an earlier "
+                    "checkpoint, or resume_from_checkpoint=True for the newest complete one"
+                )
+            older = self._older_complete(info, each_node)
+            if older is None:
+                # The model already holds weights of the corrupt checkpoint: starting from
+                # scratch needs a fresh process. With every checkpoint marked, the next attempt
+                # ("latest") starts from scratch; a path gets an error again.
+                raise CheckpointCorruptError(
+                    f"cannot resume: {info.path} is corrupt ({cause}) and no complete "
+                    "checkpoint precedes it; it is marked, so a new run resuming from 'latest' "
+                    "starts from scratch"
+                )
+            logger.error("falling back to %s (step %d)", older.path, older.step)
+            info = older
+
+    def _older_complete(self, failed: CheckpointInfo, each_node: bool) -> CheckpointInfo | None:
+        """The newest complete checkpoint before ``failed``, the same on every rank."""
+        if each_node:
+            return per_node.resolve_resume(
+                str(self.args.output_dir),
+                True,
+                from_env=True,  # none left: None (the caller reports it)
+                local_rank=self.accelerator.local_process_index,
+                below=failed.step,
+            )
+        older = CheckpointStore(_parent_of(failed.path)).latest_complete(below=failed.step)
+        step = fallback.agree_step(older.step if older is not None else None)
+        return older if step is not None else None
+
+    def _resume_start_state(self) -> dict[str, Any]:
+        """What loading a checkpoint changes besides the model (which the next load overwrites),
+        as it is before the first load: copied back before a fallback loads another one."""
+        optimizer = self.optimizer
+        return {
+            "state": copy.deepcopy(self.state),
+            # a fresh optimizer has no per-parameter state yet: its state_dict is small
+            "optimizer": copy.deepcopy(optimizer.state_dict())
+            if optimizer is not None and not optimizer.state
+            else None,
+            "scheduler": copy.deepcopy(self.lr_scheduler.state_dict())
+            if self.lr_scheduler is not None
+            else None,
+            "timers": copy.deepcopy((self.step_timer, self.save_timer, self.micro_batch_timer)),
+            "sigterm_to_exit": list(self.sigterm_to_exit),
+        }
+
+    def _restore_resume_start_state(self, saved: dict[str, Any]) -> None:
+        # in place: whatever holds the state object keeps seeing the current one
+        vars(self.state).update(vars(copy.deepcopy(saved["state"])))
+        if saved["optimizer"] is not None and self.optimizer is not None:
+            self.optimizer.load_state_dict(copy.deepcopy(saved["optimizer"]))
+        if saved["scheduler"] is not None and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(copy.deepcopy(saved["scheduler"]))
+        self.step_timer, self.save_timer, self.micro_batch_timer = copy.deepcopy(saved["timers"])
+        self.sigterm_to_exit = list(saved["sigterm_to_exit"])
+        self._position = _DataPosition()
+        self._dataset_state = None
 
     # -- setup -------------------------------------------------------------------------------------
     def _is_iterable(self) -> bool:
@@ -835,7 +983,7 @@ class Trainer(
         self._position = _DataPosition()
         self.last_checkpoint = None
         if checkpoint is not None:
-            self._load_checkpoint(checkpoint)
+            self._load_resume_checkpoint(checkpoint)
             self._load_callback_state()
         self.state.preemptible["attempt"] = attempt_from_env()
         if self.state.global_step >= self.state.max_steps:
@@ -1485,9 +1633,15 @@ class Trainer(
         if not jit and self._save_async_active():
             return self._start_async_save()
         writer = self._new_checkpoint_writer(step)
-        writer.begin()
-        writer.write_entries(self._checkpoint_entries(writer.is_coordinator, jit))
-        info = writer.commit(self._manifest_extra())
+        try:
+            writer.begin()
+            writer.write_entries(self._checkpoint_entries(writer.is_coordinator, jit))
+            info = writer.commit(self._manifest_extra())
+        except Exception:
+            # e.g. ENOSPC: its partial directory, newer than every complete checkpoint, would
+            # hold the space (rotation keeps what may still be being written)
+            writer.discard()
+            raise
         seconds = info.save_seconds if info.save_seconds is not None else None
         if seconds is None:
             seconds = time.perf_counter() - started
@@ -1672,6 +1826,8 @@ class Trainer(
         self._async_save = None
         failed = collectives.agree_to_stop(save.error is not None)
         if failed:
+            # every rank's writer thread has ended (each waited, then they agreed)
+            save.writer.discard(every_rank_done=True)
             if save.error is not None:
                 raise save.error
             raise CheckpointError(
@@ -1717,7 +1873,7 @@ class Trainer(
         writer = save.writer
         try:
             if not inspect_checkpoint(writer.root, writer.name).complete:
-                writer.root.rm_tree(writer.name)
+                remove_checkpoint(writer.root, writer.name, writer.attempt)
                 writer.root.fsync_dir("")
         except Exception as exc:  # the JIT checkpoint is committed: never fail the stop here
             logger.warning("could not remove the superseded checkpoint %s: %s", writer.path, exc)
@@ -1733,6 +1889,7 @@ class Trainer(
         save, self._async_save = self._async_save, None
         if save is not None:
             save.cancel()
+            save.writer.discard()  # this rank's thread has ended; one rank: the directory
         self._snapshot_buffers.clear()
 
     def _processing_class_to_save(self) -> Any:

@@ -232,6 +232,11 @@ def test_get_last_checkpoint_skips_incomplete(tmp_path: Path) -> None:
     done = tmp_path / "checkpoint-2"
     done.mkdir()
     (done / "trainer_state.json").write_text("{}")  # a stock, complete checkpoint
+    (done / "model.safetensors").write_bytes(b"\x08" + bytes(15))
+    # half removed (its weights gone first): not complete either
+    removed = tmp_path / "checkpoint-5"
+    removed.mkdir()
+    (removed / "trainer_state.json").write_text("{}")
     partial = tmp_path / "checkpoint-10"
     partial.mkdir()
     (partial / SENTINEL_NAME).write_text("")

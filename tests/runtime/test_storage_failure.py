@@ -1,5 +1,5 @@
-"""Storage failing during a save: a clear error naming the path, and the previous checkpoint
-stays complete and resumable."""
+"""Storage failing during a save: a clear error naming the path, the failed save's partial
+directory removed, and the previous checkpoint stays complete and resumable."""
 
 from __future__ import annotations
 
@@ -42,6 +42,9 @@ def test_disk_full_during_save(tmp_path: Path, reference: Reference) -> None:
 
     assert checkpoint_info(out, SAVE_STEPS).complete
     assert not checkpoint_info(out, 2 * SAVE_STEPS).complete
+    # the failed save removed its partial directory: its space is back for the next attempt
+    assert not (out / f"checkpoint-{2 * SAVE_STEPS}").exists()
+    assert "removed the partial checkpoint" in text, run.tail()
     latest = CheckpointStore(str(out)).latest_complete()
     assert latest is not None and latest.step == SAVE_STEPS
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import os
 import socket
 import struct
@@ -52,10 +53,12 @@ from trainer_runtime.checkpoint.digest import (
 )
 from trainer_runtime.checkpoint.direct_io import DEPTH, staging_pool
 from trainer_runtime.checkpoint.layout import (
+    CORRUPT_NAME,
     MANIFEST_FORMAT,
     MANIFEST_NAME,
     PARTIAL_PREFIX,
     SENTINEL_NAME,
+    TRAINER_STATE_NAME,
     CheckpointInfo,
     CheckpointStore,
     attempt_from_env,
@@ -78,7 +81,13 @@ from trainer_runtime.checkpoint.safetensors_stream import (
 )
 from trainer_runtime.checkpoint.shares import load_indexed
 from trainer_runtime.checkpoint.storage import Storage
-from trainer_runtime.errors import CheckpointError, ConfigurationError, ResumeError, StorageError
+from trainer_runtime.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    ConfigurationError,
+    ResumeError,
+    StorageError,
+)
 
 __all__ = [
     "OPTIMIZER_META_KEY",
@@ -87,7 +96,9 @@ __all__ = [
     "download_checkpoint",
     "optimizer_state_from_tensors",
     "optimizer_state_to_tensors",
+    "remove_checkpoint",
     "rotate_checkpoints",
+    "verify_checkpoint",
     "warm_local_writes",
     "write_entry",
 ]
@@ -104,6 +115,8 @@ _PARALLEL_MIN_BYTES = 64 << 20
 _PARALLEL_FILES = 2
 # upload_local_files / download_checkpoint: blocks read from or written to the local copy
 _UPLOAD_BLOCK = 8 << 20
+
+logger = logging.getLogger(__name__)
 
 # output dir URL -> attempts this process registered there (layout.register_attempt)
 _registered: dict[str, set[int | None]] = {}
@@ -132,12 +145,13 @@ def _check_filename(filename: str) -> str:
         not name
         or name.startswith("/")
         or any(p in ("", ".", "..") for p in parts)
-        or name in (SENTINEL_NAME, MANIFEST_NAME)
+        or name in (SENTINEL_NAME, MANIFEST_NAME, CORRUPT_NAME)
         or parts[-1].startswith(PARTIAL_PREFIX)
     ):
         raise ConfigurationError(
             f"checkpoint filename {filename!r} is invalid: use a relative path without '..' "
-            f"that is not {SENTINEL_NAME!r}, {MANIFEST_NAME!r} or a {PARTIAL_PREFIX!r} record"
+            f"that is not {SENTINEL_NAME!r}, {MANIFEST_NAME!r}, {CORRUPT_NAME!r} or a "
+            f"{PARTIAL_PREFIX!r} record"
         )
     return name
 
@@ -205,6 +219,12 @@ class CheckpointWriter:
         self._started: float | None = None
         self._token: str | None = None
         self._committed = False
+        # what discard() may remove: the directory only once our own sentinel is in it (or it
+        # was created by this writer), and the files this rank started to write
+        self._sentinel_ours = False
+        self._created = False
+        self._marked = False  # a corrupt marker was in the directory: removed at the commit
+        self._touched: set[str] = set()
         # Set by another thread to stop a background write between blocks (Cancelled).
         self.cancel: threading.Event | None = None
 
@@ -259,7 +279,9 @@ class CheckpointWriter:
                 register_attempt(self.root, self.attempt, socket.gethostname())
                 _registered.setdefault(self.root.url, set()).add(self.attempt)
         existed = self.root.exists(self.name)
+        replaced = inspect_checkpoint(self.root, self.name) if existed else None
         self.root.makedirs(self.name)
+        self._created = not existed
         self._token = uuid.uuid4().hex
         sentinel = {
             "attempt": self.attempt,
@@ -274,13 +296,30 @@ class CheckpointWriter:
             sentinel["node"] = self.node
         # The sentinel goes first: from here on the directory reads as incomplete.
         self.root.write_json(self._rel(SENTINEL_NAME), sentinel)
+        self._sentinel_ours = True
         self.root.fsync_dir(self.name)
         self.root.fsync_dir("")
         if existed:
             # A rewrite of the same step (e.g. a resumed attempt saving where the previous one
             # stopped): drop everything the earlier writer left, now that the sentinel protects it.
+            # A complete checkpoint of this step is only ever rewritten by a run that did not
+            # resume from it (the Trainers skip a save of the step they resumed from or saved):
+            # another trajectory's state, which this one replaces.
+            if replaced is not None and replaced.complete:
+                logger.warning(
+                    "replacing the complete checkpoint %s (attempt %s) with this run's state "
+                    "of step %d: this run did not resume from it",
+                    self.path,
+                    replaced.attempt,
+                    self.step,
+                )
+            # A corrupt marker stays until this checkpoint is committed: if this rewrite is cut
+            # short, the directory still reads as the corrupt one (whatever an operator's
+            # resume path to it falls back from), not as an ordinary half-written save.
             for rel in self.root.walk_files(self.name):
-                if rel != SENTINEL_NAME:
+                if rel == CORRUPT_NAME:
+                    self._marked = True
+                elif rel != SENTINEL_NAME:
                     self.root.remove(self._rel(rel))
             self.root.fsync_dir(self.name)
 
@@ -310,6 +349,7 @@ class CheckpointWriter:
     def _write_file(self, name: str, data: bytes) -> None:
         if self.cancel is not None and self.cancel.is_set():
             raise Cancelled()
+        self._touched.add(name)
         size, digest = self.root.write_bytes(self._rel(name), data)
         self._files[name] = file_record(name, size, digest)
 
@@ -339,6 +379,7 @@ class CheckpointWriter:
                     f"cannot serialise tensors for {self._rel(name)}: {exc}"
                 ) from exc
             return
+        self._touched.add(name)
         try:
             with self.root.open_write(self._rel(name)) as fh:
                 write_safetensors(fh.write, tensors, meta, cancel=self.cancel)
@@ -417,7 +458,9 @@ class CheckpointWriter:
         present: dict[str, int] = {}
         for rel, size in sorted(self.root.walk_files(self.name).items()):
             base = rel.rsplit("/", 1)[-1]
-            if rel in (SENTINEL_NAME, MANIFEST_NAME) or base.startswith(PARTIAL_PREFIX):
+            if rel in (SENTINEL_NAME, MANIFEST_NAME, CORRUPT_NAME) or base.startswith(
+                PARTIAL_PREFIX
+            ):
                 continue
             if base.startswith(".") and ".tmp-" in base:
                 continue  # an atomic write's temporary file, not part of the checkpoint
@@ -454,6 +497,7 @@ class CheckpointWriter:
                 raise CheckpointError(f"{name} written twice to {self.path}")
 
         def upload(name: str) -> None:
+            self._touched.add(name)
             with (
                 open(files[name], "rb", buffering=0) as src,
                 self.root.open_write(self._rel(name)) as fh,
@@ -608,6 +652,12 @@ class CheckpointWriter:
                     "checkpoint not committed by this one"
                 ) from exc
             raise
+        if self._marked:
+            try:
+                self.root.remove(self._rel(CORRUPT_NAME))
+            except StorageError as exc:
+                if not exc.not_found:
+                    raise
         self.root.remove(self._rel(SENTINEL_NAME))
         self.root.fsync_dir(self.name)
         info = inspect_checkpoint(self.root, self.name)
@@ -616,6 +666,64 @@ class CheckpointWriter:
                 f"checkpoint {self.path} is not complete after commit: {info.reason}"
             )
         return info
+
+    # -- a failed save ---------------------------------------------------------------------------
+    def discard(self, *, every_rank_done: bool = False) -> list[str]:
+        """After a failed (or abandoned) save: remove what it left, so that a partial checkpoint
+        does not keep holding the space (on a full disk it would, and every later save would
+        fail the same way). Best effort: never raises, logs what it did or could not do.
+        Returns the removed paths.
+
+        The coordinator removes the whole directory (:func:`remove_checkpoint`: never a
+        complete-looking state on the way) when no other rank can still be writing into it
+        (``world_size`` 1, or ``every_rank_done``: the caller knows every rank's writes ended),
+        and only while the sentinel in it is the one it created (never a directory another
+        writer took over, nor an earlier checkpoint of this step whose sentinel was never
+        replaced by ours). Otherwise each rank removes the files it started to write; the
+        directory keeps its sentinel and is removed by rotation once it is abandoned. A
+        committed checkpoint is never touched."""
+        removed: list[str] = []
+        try:
+            if self._committed and inspect_checkpoint(self.root, self.name).complete:
+                return []
+            if self.is_coordinator and (self.world_size == 1 or every_rank_done):
+                if self._sentinel_ours and self._sentinel_still_ours():
+                    remove_checkpoint(self.root, self.name, self.attempt, sentinel_present=True)
+                    removed.append(self.path)
+                elif self._created and not self._sentinel_ours:
+                    self.root.rm_tree(self.name)  # created here, no sentinel ever written
+                    removed.append(self.path)
+                if removed:
+                    self.root.fsync_dir("")
+            else:
+                for name in sorted(self._touched):
+                    try:
+                        self.root.remove(self._rel(name))
+                    except StorageError as exc:
+                        if not exc.not_found:
+                            raise
+                        continue
+                    removed.append(self.root.join(self._rel(name)))
+        except Exception as exc:
+            logger.warning(
+                "could not remove the partial checkpoint %s of the failed save: %s", self.path, exc
+            )
+            return removed
+        if removed:
+            logger.warning(
+                "removed the partial checkpoint %s of the failed save (%d path(s)), so that it "
+                "does not hold the space",
+                self.path,
+                len(removed),
+            )
+        return removed
+
+    def _sentinel_still_ours(self) -> bool:
+        try:
+            sentinel = self.root.read_json(self._rel(SENTINEL_NAME))
+        except StorageError:
+            return False
+        return isinstance(sentinel, dict) and sentinel.get("token") == self._token
 
     # -- one copy per node ---------------------------------------------------------------------
     def _agree(self, phase: str, error: BaseException | None) -> list[Any]:
@@ -886,6 +994,41 @@ class CheckpointReader:
                 self._pool.shutdown(wait=True)
                 self._pool = None
 
+    def verify_all(self) -> None:
+        """Check the whole checkpoint against its manifest now: it still passes the completeness
+        rule (every listed file present with its size, manifest readable) and every listed
+        checksum matches the file's bytes, read back. CheckpointCorruptError naming the file
+        and both digests (or the rule's reason) when not; ResumeError when storage cannot be
+        read (not a verdict: e.g. a network error). A stock transformers checkpoint has nothing
+        to check beyond the rule. Reads every file: for deciding, after a load failed, whether
+        the checkpoint is corrupt."""
+        try:
+            info = inspect_checkpoint(self.storage, "")
+        except StorageError as exc:
+            raise ResumeError(f"cannot inspect {self.path}: {exc}") from exc
+        if not info.complete:
+            raise CheckpointCorruptError(
+                f"{self.path} no longer passes the completeness rule: {info.reason}"
+            )
+        for entry in (info.manifest or {}).get("files", []):
+            expected = listed_digest(entry)
+            if not expected:
+                continue  # sizes only: the rule checked them
+            name = entry["path"]
+            try:
+                with self.storage.open_read(name) as fh:
+                    _, actual = hash_stream(fh, expected[0])
+            except (StorageError, OSError) as exc:
+                if (isinstance(exc, StorageError) and exc.not_found) or isinstance(
+                    exc, FileNotFoundError
+                ):
+                    raise CheckpointCorruptError(
+                        f"{name} of {self.path} is listed in manifest.json but missing"
+                    ) from exc
+                raise ResumeError(f"cannot read {name} of {self.path}: {exc}") from exc
+            if actual != expected[1]:
+                raise self._corrupt(name, expected[0], actual, expected[1])
+
     def exists(self, filename: str) -> bool:
         return self.storage.exists(filename)
 
@@ -930,8 +1073,10 @@ class CheckpointReader:
                 raise self._corrupt(filename, expected[0], actual, expected[1])
         return data
 
-    def _corrupt(self, filename: str, algorithm: str, actual: str, expected: str) -> ResumeError:
-        return ResumeError(
+    def _corrupt(
+        self, filename: str, algorithm: str, actual: str, expected: str
+    ) -> CheckpointCorruptError:
+        return CheckpointCorruptError(
             f"{filename} of {self.path} is corrupt: {algorithm} {actual} != {expected} "
             "(listed in manifest.json); resume from an earlier checkpoint"
         )
@@ -967,6 +1112,22 @@ class CheckpointReader:
         if meta is None:
             raise ResumeError(f"{filename} of {self.path} has no {OPTIMIZER_META_KEY} metadata")
         return optimizer_state_from_tensors(tensors, meta)
+
+
+def verify_checkpoint(path: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Check the checkpoint ``path`` against its manifest now, every byte
+    (:meth:`CheckpointReader.verify_all`): CheckpointCorruptError when it no longer passes the
+    completeness rule or a file does not match; ResumeError when storage cannot be read."""
+    storage = Storage(path, storage_options)
+    try:
+        info = inspect_checkpoint(storage, "")
+    except StorageError as exc:
+        raise ResumeError(f"cannot inspect {path}: {exc}") from exc
+    if not info.complete:
+        raise CheckpointCorruptError(
+            f"{path} no longer passes the completeness rule: {info.reason}"
+        )
+    CheckpointReader(path, storage_options).verify_all()
 
 
 def download_checkpoint(
@@ -1128,6 +1289,44 @@ def optimizer_state_from_tensors(tensors: Mapping[str, torch.Tensor], meta: str)
 
 
 # -- rotation ---------------------------------------------------------------------------------
+# Removed first, while the sentinel is in place: without them no rule calls the rest complete.
+_COMMIT_FILES = (MANIFEST_NAME, TRAINER_STATE_NAME)
+
+
+def remove_checkpoint(
+    storage: Storage, name: str, attempt: int | None = None, *, sentinel_present: bool = False
+) -> None:
+    """Delete the checkpoint directory ``name`` of ``storage`` so that no moment of the deletion
+    (a crash, a SIGKILL, a node lost half-way) leaves a directory that passes the completeness
+    rule: the sentinel is written first (fsynced); then ``manifest.json`` and
+    ``trainer_state.json`` go (what a complete checkpoint, ours or a stock transformers one, is
+    recognised by); then the data; the sentinel last; then the directory. A recursive delete
+    unlinks in directory order, which could take the sentinel before the data. ``attempt``:
+    the attempt the sentinel names (the one that wrote the checkpoint). ``sentinel_present``:
+    the caller knows the sentinel is there (its own, e.g. on a full disk where nothing more can
+    be written): it is not written again."""
+    sentinel = f"{name}/{SENTINEL_NAME}"
+    if not sentinel_present:
+        storage.write_json(sentinel, {"removing": True, "attempt": attempt})
+        storage.fsync_dir(name)
+    for rel in _COMMIT_FILES:
+        try:
+            storage.remove(f"{name}/{rel}")
+        except StorageError as exc:
+            if not exc.not_found:
+                raise
+    storage.fsync_dir(name)
+    if not storage.is_object_store:
+        # Object stores: one batch delete below (the manifest is already gone); elsewhere the
+        # files one by one, so that the sentinel is the last.
+        for rel in sorted(storage.walk_files(name)):
+            if rel != SENTINEL_NAME:
+                storage.remove(f"{name}/{rel}")
+        storage.fsync_dir(name)
+        storage.remove(sentinel)
+    storage.rm_tree(name)
+
+
 def rotate_checkpoints(
     output_dir: str,
     save_total_limit: int | None,
@@ -1139,8 +1338,11 @@ def rotate_checkpoints(
     """Remove the checkpoints :func:`rotation_victims` selects; returns the removed paths.
 
     Call it only after the new checkpoint is committed. Refuses (CheckpointError) when a checkpoint
-    of an attempt newer than ``attempt`` (default $PREEMPTIBLE_ATTEMPT) exists. Each victim first
-    gets a sentinel, so a removal interrupted half-way never leaves a complete-looking checkpoint.
+    of an attempt newer than ``attempt`` (default $PREEMPTIBLE_ATTEMPT) exists. Incomplete
+    directories of an older attempt are removed even when newer than the newest complete
+    checkpoint (no live writer can be writing them). Each victim is removed by
+    :func:`remove_checkpoint`: a removal interrupted half-way never leaves a complete-looking
+    checkpoint.
 
     On object stores the checkpoints come from one recursive listing, without reading each one's
     manifest (layout.infos_from_listing: complete means manifest present, sentinel absent), and
@@ -1152,20 +1354,17 @@ def rotate_checkpoints(
     # Object stores: one recursive listing, no manifest read per checkpoint (this runs after
     # every save, the JIT one included); the fence from the registered attempts.
     checkpoints = store.list() if local else store.list_from_listing()
-    victims = rotation_victims(checkpoints, save_total_limit, frozenset(protect))
+    mine = attempt_from_env(attempt)
+    victims = rotation_victims(checkpoints, save_total_limit, frozenset(protect), mine)
     if not victims:
         return []
     if local:
-        fence_check(checkpoints, attempt_from_env(attempt), "rotate checkpoints")
+        fence_check(checkpoints, mine, "rotate checkpoints")
     else:
-        fence_attempts(store.storage, attempt_from_env(attempt), "rotate checkpoints")
+        fence_attempts(store.storage, mine, "rotate checkpoints")
     removed: list[str] = []
     for victim in victims:
-        if victim.complete:
-            store.storage.write_json(
-                f"{victim.name}/{SENTINEL_NAME}", {"removing": True, "attempt": victim.attempt}
-            )
-        store.storage.rm_tree(victim.name)
+        remove_checkpoint(store.storage, victim.name, victim.attempt)
         removed.append(victim.path)
     store.storage.fsync_dir("")
     return removed

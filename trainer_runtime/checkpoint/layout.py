@@ -9,15 +9,19 @@ Layout (DESIGN.md)::
 
 A checkpoint is complete iff ``manifest.json`` exists, the sentinel does not, and every file the
 manifest lists exists with its listed size. A stock Hugging Face checkpoint (no manifest) is
-complete iff there is no sentinel and ``trainer_state.json`` exists.
+complete iff there is no sentinel, ``trainer_state.json`` exists, and none of the files
+transformers always writes is missing or empty (:func:`stock_problems`). A directory a resume
+found corrupt carries ``checkpoint-is-corrupt.txt`` and is never complete again.
 
 The operator imports this module, so it must never import torch.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import os
 import re
+import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +33,7 @@ from trainer_runtime.protocol import ENV_ATTEMPT
 __all__ = [
     "ATTEMPTS_DIR",
     "CHECKPOINT_PREFIX",
+    "CORRUPT_NAME",
     "MANIFEST_FORMAT",
     "MANIFEST_NAME",
     "PARTIAL_PREFIX",
@@ -44,13 +49,19 @@ __all__ = [
     "infos_from_listing",
     "inspect_checkpoint",
     "is_complete",
+    "mark_corrupt",
     "parse_step",
     "register_attempt",
     "registered_attempts",
     "rotation_victims",
+    "stock_problems",
 ]
 
 SENTINEL_NAME = "checkpoint-is-incomplete.txt"
+# Written into a checkpoint that passed the completeness rule but failed verification on resume
+# (a checksum mismatch, a listed file gone): it is never complete again, so no reader (resume,
+# the operator, rotation's "newest complete") chooses it. JSON: reason, marked_at, attempt, host.
+CORRUPT_NAME = "checkpoint-is-corrupt.txt"
 MANIFEST_NAME = "manifest.json"
 TRAINER_STATE_NAME = "trainer_state.json"
 # This runtime's own record of a checkpoint (timings, attempt, data position). It is a file of its
@@ -81,6 +92,8 @@ class CheckpointInfo:
     size_bytes: int
     manifest: dict[str, Any] | None
     attempt: int | None
+    # marked corrupt by a resume (CORRUPT_NAME present): never complete, never being written
+    corrupt: bool = False
 
     @property
     def save_seconds(self) -> float | None:
@@ -118,6 +131,81 @@ def attempt_from_env(value: int | None = None) -> int | None:
         ) from None
 
 
+# The files transformers.Trainer._save_checkpoint writes that hold the model: one of them (or an
+# FSDP / DeepSpeed directory of its own) is in every checkpoint it writes.
+_STOCK_WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+)
+_STOCK_WEIGHT_DIRS = ("pytorch_model_fsdp", "global_step")
+# Files transformers never writes empty (torch.save, safetensors and JSON always have a header):
+# an empty one was created but its data never reached the disk (no fsync before a crash).
+_NEVER_EMPTY = (".safetensors", ".bin", ".pt", ".pth", ".json")
+# "<stem>-00001-of-00003.<ext>": a shard of a sharded file (transformers' and ours)
+_SHARD_RE = re.compile(r"^(?P<stem>.+)-(?P<i>\d+)-of-(?P<n>\d+)\.(?P<ext>safetensors|bin)$")
+_RNG_RE = re.compile(r"^rng_state_(\d+)\.pth$")
+
+
+def stock_problems(files: Mapping[str, int]) -> list[str]:
+    """Why a directory without our manifest is not a complete stock transformers checkpoint
+    (empty list: complete); pure, from the names and sizes alone.
+
+    transformers writes ``trainer_state.json`` last but fsyncs nothing, and its rotation (like
+    any recursive delete) unlinks files in directory order, so ``trainer_state.json`` alone
+    proves neither that the other files reached the disk nor that none was deleted. What can be
+    told from a listing is checked: the state file is there; the model is there (a weights file,
+    an index, or an FSDP / DeepSpeed state directory); an index has shards and a sharded file has
+    every shard (``-0000i-of-0000n``); ``optimizer.pt`` has its ``scheduler.pt`` (transformers
+    always writes both) and ``scheduler.pt`` some optimizer state; per-rank RNG files are
+    numbered without gaps; and none of these files is empty. What a listing cannot show (a
+    truncated file of the right name, the last rank's RNG file) needs a manifest: checkpoints the
+    ``trainer_runtime.hf`` integration commits have one."""
+    problems: list[str] = []
+    top = {p for p in files if "/" not in p}
+    if TRAINER_STATE_NAME not in files:
+        return [f"{MANIFEST_NAME} missing (and no {TRAINER_STATE_NAME})"]
+    weight_dirs = any(p.split("/", 1)[0].startswith(_STOCK_WEIGHT_DIRS) for p in files if "/" in p)
+    if not weight_dirs and not any(name in top for name in _STOCK_WEIGHTS):
+        problems.append(
+            f"no model weights ({', '.join(_STOCK_WEIGHTS[:2])}, ...) next to "
+            f"{TRAINER_STATE_NAME}: save cut short or half removed"
+        )
+    shards: dict[tuple[str, str, int], set[int]] = {}
+    for name in top:
+        m = _SHARD_RE.match(name)
+        if m:
+            key = (m["stem"], m["ext"], int(m["n"]))
+            shards.setdefault(key, set()).add(int(m["i"]))
+    for (stem, ext, n), have in sorted(shards.items()):
+        missing = sorted(set(range(1, n + 1)) - have)
+        if missing:
+            problems.append(
+                f"{len(missing)} of {n} shards of {stem}.{ext} missing "
+                f"(e.g. {stem}-{missing[0]:05d}-of-{n:05d}.{ext})"
+            )
+    for index in sorted(top):
+        if index.endswith(".index.json"):
+            stem, _, ext = index[: -len(".index.json")].rpartition(".")
+            if ext in ("safetensors", "bin") and not any(k[:2] == (stem, ext) for k in shards):
+                problems.append(f"{index} present but none of its shards")
+    if "optimizer.pt" in top and "scheduler.pt" not in top:
+        problems.append("optimizer.pt present but scheduler.pt missing")
+    if "scheduler.pt" in top and not any(p.startswith(("optimizer", "global_step")) for p in files):
+        problems.append("scheduler.pt present but no optimizer state (optimizer.pt)")
+    ranks = sorted(int(m.group(1)) for m in map(_RNG_RE.match, top) if m)
+    if ranks and ranks != list(range(ranks[-1] + 1)):
+        gaps = sorted(set(range(ranks[-1] + 1)) - set(ranks))
+        problems.append(f"rng_state_{gaps[0]}.pth missing (rank files are numbered 0..N-1)")
+    for name in sorted(top):
+        if files[name] == 0 and name.endswith(_NEVER_EMPTY):
+            problems.append(f"file {name} is empty (written but never flushed to disk)")
+    return problems
+
+
 def is_complete(
     files: Mapping[str, int], manifest: Mapping[str, Any] | None
 ) -> tuple[bool, str | None]:
@@ -127,14 +215,15 @@ def is_complete(
     ``manifest`` is the parsed ``manifest.json`` or None when there is none (or it is unreadable).
     Returns ``(complete, reason)``; ``reason`` says why not, None when complete.
     """
+    if CORRUPT_NAME in files:
+        return False, f"marked corrupt by a resume ({CORRUPT_NAME})"
     if SENTINEL_NAME in files:
         return False, f"sentinel {SENTINEL_NAME} present (save interrupted or still in progress)"
     if manifest is None:
         if MANIFEST_NAME in files:
             return False, f"{MANIFEST_NAME} is unreadable"
-        if TRAINER_STATE_NAME in files:
-            return True, None  # stock Hugging Face checkpoint
-        return False, f"{MANIFEST_NAME} missing (and no {TRAINER_STATE_NAME})"
+        problems = stock_problems(files)  # a stock transformers checkpoint, or nothing
+        return (False, "; ".join(problems)) if problems else (True, None)
     listed = manifest.get("files")
     if not isinstance(listed, list):
         return False, f"{MANIFEST_NAME} malformed: 'files' is not a list"
@@ -156,10 +245,22 @@ def _sort_key(info: CheckpointInfo) -> tuple[int, str]:
     return info.step, info.name
 
 
+def _abandoned(info: CheckpointInfo, attempt: int | None) -> bool:
+    """An incomplete directory no live writer can be writing: marked corrupt by a resume, or
+    started by an attempt older than ``attempt`` (the operator never runs two attempts at once,
+    and the fence stops an older one before it writes)."""
+    if info.complete:
+        return False
+    if info.corrupt:
+        return True
+    return attempt is not None and info.attempt is not None and info.attempt < attempt
+
+
 def rotation_victims(
     checkpoints: Iterable[CheckpointInfo],
     save_total_limit: int | None,
     protect: Iterable[str] = frozenset(),
+    attempt: int | None = None,
 ) -> list[CheckpointInfo]:
     """Which checkpoints rotation removes (oldest first); pure.
 
@@ -169,7 +270,9 @@ def rotation_victims(
       limit, like Hugging Face (limit 5 with an older best keeps the best and the 4 newest).
     - Complete checkpoints beyond the limit are removed, oldest first.
     - Incomplete checkpoints older than the newest complete one are abandoned writes and removed;
-      incomplete ones newer than it may still be being written and are kept.
+      incomplete ones newer than it may still be being written and are kept, unless no live
+      writer can be writing them: marked corrupt, or started by an attempt older than
+      ``attempt`` (this writer's, e.g. a save of the previous attempt that failed or was killed).
     - With no complete checkpoint at all, nothing is removed.
     """
     if save_total_limit is None:
@@ -199,7 +302,7 @@ def rotation_victims(
         for c in ordered
         if c.name not in keep
         and c.name not in protected
-        and (c.complete or _sort_key(c) < _sort_key(newest))
+        and (c.complete or _sort_key(c) < _sort_key(newest) or _abandoned(c, attempt))
     ]
     return victims
 
@@ -240,6 +343,11 @@ def inspect_checkpoint(storage: Storage, rel: str = "") -> CheckpointInfo:
                 files = {k: v for k, v in files.items() if k != MANIFEST_NAME}
             # otherwise it stays listed with manifest None, which the rule reports as unreadable
     complete, reason = is_complete(files, manifest)
+    corrupt = CORRUPT_NAME in files
+    if corrupt:
+        why = _corrupt_reason(storage, rel)
+        if why:
+            reason = f"{reason}: {why}"
     attempt: int | None = None
     if manifest is not None and isinstance(manifest.get("attempt"), int):
         attempt = manifest["attempt"]
@@ -256,7 +364,40 @@ def inspect_checkpoint(storage: Storage, rel: str = "") -> CheckpointInfo:
         size_bytes=sum(files.values()),
         manifest=manifest,
         attempt=attempt,
+        corrupt=corrupt,
     )
+
+
+def _corrupt_reason(storage: Storage, rel: str) -> str | None:
+    try:
+        data = storage.read_json(f"{rel}/{CORRUPT_NAME}" if rel else CORRUPT_NAME)
+    except StorageError:
+        return None
+    value = data.get("reason") if isinstance(data, dict) else None
+    if not isinstance(value, str) or not value:
+        return None
+    # bounded: the operator copies the reason into the TrainingJob's status
+    return value if len(value) <= 1000 else value[:997] + "..."
+
+
+def mark_corrupt(storage: Storage, rel: str, reason: str, attempt: int | None = None) -> str:
+    """Write :data:`CORRUPT_NAME` into the checkpoint directory ``rel`` (durably, through the
+    storage seam): from then on the completeness rule says it is not complete, so no resume
+    (ours, the hf integration's, the operator's choice) picks it again. Its data is left as it
+    is, for inspection; rotation removes it like any abandoned write. Returns its path."""
+    rel_marker = f"{rel}/{CORRUPT_NAME}" if rel else CORRUPT_NAME
+    storage.write_json(
+        rel_marker,
+        {
+            "reason": reason[:4000],
+            "marked_at": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            "attempt": attempt,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        },
+    )
+    storage.fsync_dir(rel)
+    return storage.join(rel_marker)
 
 
 def infos_from_listing(url: str, files: Mapping[str, int]) -> list[CheckpointInfo]:
@@ -287,6 +428,7 @@ def infos_from_listing(url: str, files: Mapping[str, int]) -> list[CheckpointInf
                 size_bytes=sum(listed.values()),
                 manifest=None,
                 attempt=None,
+                corrupt=CORRUPT_NAME in listed,
             )
         )
     return sorted(out, key=_sort_key)
@@ -363,9 +505,13 @@ class CheckpointStore:
             return inspect_checkpoint(self.storage, text[len(prefix) :])
         return inspect_checkpoint(Storage(text, self.storage.storage_options), "")
 
-    def latest_complete(self) -> CheckpointInfo | None:
-        """The complete checkpoint with the highest step, or None."""
+    def latest_complete(self, below: int | None = None) -> CheckpointInfo | None:
+        """The complete checkpoint with the highest step (lower than ``below`` if given), or
+        None."""
         for name in reversed(self.names()):
+            step = parse_step(name)
+            if below is not None and (step is None or step >= below):
+                continue
             info = inspect_checkpoint(self.storage, name)
             if info.complete:
                 return info

@@ -248,9 +248,9 @@ def check_requested_checkpoint(path: str, reports: Collection[NodeReport]) -> in
 
 
 # -- the resume collective -------------------------------------------------------------------
-def _report(store: CheckpointStore, path: str | None) -> NodeReport:
+def _report(store: CheckpointStore, path: str | None, below: int | None = None) -> NodeReport:
     infos = store.list()
-    complete = tuple(i.step for i in infos if i.complete)
+    complete = tuple(i.step for i in infos if i.complete and (below is None or i.step < below))
     requested: tuple[bool, int, str | None] | None = None
     if path is not None:
         info = store.inspect(path)
@@ -276,16 +276,23 @@ def _set_aside_newer(store: CheckpointStore, step: int, reason: str) -> list[str
 
 
 def resolve_resume(
-    output_dir: str, resume: bool | str, *, from_env: bool, local_rank: int
+    output_dir: str,
+    resume: bool | str,
+    *,
+    from_env: bool,
+    local_rank: int,
+    below: int | None = None,
 ) -> CheckpointInfo | None:
     """The checkpoint this rank resumes from, agreed by every rank (a collective: call it on all).
 
     ``resume``: True for the newest complete checkpoint, or a path (resolved on each node). Each
     rank reads its own node's ``output_dir``; all ranks get the same step or the same error.
+    ``below``: only steps lower than this count (the fallback from a corrupt checkpoint).
     """
     store = CheckpointStore(output_dir)
     path = None if resume is True else str(resume)
-    reports = [NodeReport(*r) for r in gather_objects(tuple(_fields(_report(store, path))))]
+    report = _report(store, path, below)
+    reports = [NodeReport(*r) for r in gather_objects(tuple(_fields(report)))]
     if path is not None:
         check_requested_checkpoint(path, reports)
         info = store.inspect(path)

@@ -38,6 +38,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from trainer_runtime.checkpoint import fallback
 from trainer_runtime.checkpoint.io import (
     CheckpointWriter,
     download_checkpoint,
@@ -48,12 +49,13 @@ from trainer_runtime.checkpoint.layout import (
     CheckpointInfo,
     CheckpointStore,
     checkpoint_name,
+    parse_step,
 )
 from trainer_runtime.checkpoint.per_node import gather_objects
 from trainer_runtime.checkpoint.shares import plan_shares
 from trainer_runtime.checkpoint.storage import Storage
 from trainer_runtime.distributed import collectives
-from trainer_runtime.errors import ConfigurationError, ResumeError
+from trainer_runtime.errors import CheckpointCorruptError, ConfigurationError, ResumeError
 from trainer_runtime.metrics import TrainingMetrics, metrics_from_env
 from trainer_runtime.protocol import (
     ENV_ATTEMPT,
@@ -159,9 +161,37 @@ def resolve_resume(resume: bool | str | None, output_dir: str) -> str | bool | N
         logger.info("resuming from the newest complete checkpoint %s", latest.path)
         return latest.path
     info = store.inspect(str(resume))
+    if not info.complete and from_env and info.corrupt:
+        # The operator passes the newest complete checkpoint it knew; one a resume has marked
+        # corrupt since gives way to the newest complete one before it, as in our Trainer.
+        older = store.latest_complete(below=info.step)
+        if older is not None:
+            logger.error(
+                "%s=%s is not usable (%s): resuming from %s, the newest complete checkpoint "
+                "before it",
+                ENV_RESUME_FROM,
+                resume,
+                info.reason,
+                older.path,
+            )
+            return older.path
+        logger.error(
+            "%s=%s is marked corrupt (%s) and no complete checkpoint precedes it: "
+            "starting from scratch",
+            ENV_RESUME_FROM,
+            resume,
+            info.reason,
+        )
+        return None
     if not info.complete:
         raise ResumeError(f"cannot resume from {resume}: {info.reason or 'checkpoint incomplete'}")
     return info.path
+
+
+def _may_fall_back(resume: bool | str | None) -> bool:
+    """Whether a corrupt checkpoint may give way to an older one: not for a path the caller
+    passed to train() (``$PREEMPTIBLE_RESUME_FROM``, ``True`` and the operator's path may)."""
+    return resume is None or resume is True
 
 
 def adoption(
@@ -282,24 +312,30 @@ class PreemptibleCallback(TrainerCallback):
             barrier=collectives.barrier,
         )
         started = time.monotonic()
-        writer.begin()  # coordinator: fence, sentinel (fsynced); barrier
         limit = trainer.args.save_total_limit
-        # transformers rotates inside _save_checkpoint, before our commit: it could delete the
-        # newest complete checkpoint while the new one is still incomplete. Rotate after instead.
-        trainer.args.save_total_limit = None
         try:
-            result = original(model, trial, *a, **kw)
-        finally:
-            trainer.args.save_total_limit = limit
-        writer.sync_present()  # each rank flushes what it (or transformers for it) wrote
-        collectives.barrier()
-        self._adopt(writer)
-        if writer.is_coordinator:
-            writer.write_json(RUNTIME_STATE_NAME, self._record(self.preempted))
-        extra: dict[str, Any] = {"producer": PRODUCER}
-        if self.preempted:
-            extra["checksums"] = "sizes only: JIT save of transformers.Trainer"
-        info = writer.commit(extra)  # manifest last, sentinel removed last
+            writer.begin()  # coordinator: fence, sentinel (fsynced); barrier
+            # transformers rotates inside _save_checkpoint, before our commit: it could delete
+            # the newest complete checkpoint while the new one is still incomplete. Rotate after.
+            trainer.args.save_total_limit = None
+            try:
+                result = original(model, trial, *a, **kw)
+            finally:
+                trainer.args.save_total_limit = limit
+            writer.sync_present()  # each rank flushes what it (or transformers for it) wrote
+            collectives.barrier()
+            self._adopt(writer)
+            if writer.is_coordinator:
+                writer.write_json(RUNTIME_STATE_NAME, self._record(self.preempted))
+            extra: dict[str, Any] = {"producer": PRODUCER}
+            if self.preempted:
+                extra["checksums"] = "sizes only: JIT save of transformers.Trainer"
+            info = writer.commit(extra)  # manifest last, sentinel removed last
+        except Exception:
+            # e.g. ENOSPC: the partial directory would keep holding the space (one process:
+            # the whole directory; several: what this rank wrote through the writer)
+            writer.discard()
+            raise
         self.save_timer.record(time.monotonic() - started)
         self.last_checkpoint = info
         if limit and writer.is_coordinator:
@@ -334,33 +370,41 @@ class PreemptibleCallback(TrainerCallback):
             barrier=collectives.barrier,
         )
         started = time.monotonic()
-        writer.begin()  # coordinator: fence, sentinel on the store; barrier
         limit = trainer.args.save_total_limit
-        trainer.args.save_total_limit = None  # as in committed_save: rotation after the commit
-        try:
-            result = original(model, trial, *a, **kw)
-        finally:
-            trainer.args.save_total_limit = limit
-        collectives.barrier()  # every rank's files are in its node's scratch directory
         local_ckpt = Path(local_run) / checkpoint_name(step)
-        mine = sorted(str(p.relative_to(local_ckpt)) for p in local_ckpt.rglob("*") if p.is_file())
-        listings = [(os.uname().nodename, mine)]
-        if writer.world_size > 1:
-            listings = gather_objects(listings[0])
-        owners = upload_owners(listings)
-        uploading = time.monotonic()
-        names = writer.upload_local_files(
-            {n: str(local_ckpt / n) for n, r in owners.items() if r == writer.rank}
-        )
-        logger.info(
-            "uploaded %d file(s) of %s in %.2f s",
-            len(names),
-            writer.path,
-            time.monotonic() - uploading,
-        )
-        if writer.is_coordinator:
-            writer.write_json(RUNTIME_STATE_NAME, self._record(self.preempted))
-        info = writer.commit({"producer": PRODUCER})  # manifest last (conditional on S3)
+        try:
+            writer.begin()  # coordinator: fence, sentinel on the store; barrier
+            trainer.args.save_total_limit = None  # as in committed_save: rotate after the commit
+            try:
+                result = original(model, trial, *a, **kw)
+            finally:
+                trainer.args.save_total_limit = limit
+            collectives.barrier()  # every rank's files are in its node's scratch directory
+            mine = sorted(
+                str(p.relative_to(local_ckpt)) for p in local_ckpt.rglob("*") if p.is_file()
+            )
+            listings = [(os.uname().nodename, mine)]
+            if writer.world_size > 1:
+                listings = gather_objects(listings[0])
+            owners = upload_owners(listings)
+            uploading = time.monotonic()
+            names = writer.upload_local_files(
+                {n: str(local_ckpt / n) for n, r in owners.items() if r == writer.rank}
+            )
+            logger.info(
+                "uploaded %d file(s) of %s in %.2f s",
+                len(names),
+                writer.path,
+                time.monotonic() - uploading,
+            )
+            if writer.is_coordinator:
+                writer.write_json(RUNTIME_STATE_NAME, self._record(self.preempted))
+            info = writer.commit({"producer": PRODUCER})  # manifest last (conditional on S3)
+        except Exception:
+            writer.discard()  # what reached the store
+            if _local_main():
+                shutil.rmtree(local_ckpt, ignore_errors=True)  # and the scratch copy
+            raise
         self.save_timer.record(time.monotonic() - started)
         self.last_checkpoint = info
         best = trainer.state.best_model_checkpoint
@@ -448,22 +492,88 @@ class PreemptibleCallback(TrainerCallback):
         output = self.remote or str(trainer.args.output_dir)
         Storage(output).check_access(write=_local_main())
         resolved = resolve_resume(resume, output)
+        self.last_checkpoint = None  # (of an earlier train() call)
+        if isinstance(resolved, str):
+            # The state at this step is the checkpoint's: a save of the same step (an epoch or
+            # final save right after the resume) is skipped instead of rewriting it, which would
+            # delete the complete checkpoint before its replacement is complete.
+            self.last_checkpoint = CheckpointStore(output).inspect(resolved)
         if self.remote is None or not isinstance(resolved, str):
             return resolved
-        local = os.path.join(str(trainer.args.output_dir), resolved.rstrip("/").rsplit("/", 1)[-1])
-        if _local_main():
-            started = time.monotonic()
-            shutil.rmtree(local, ignore_errors=True)
-            names = download_checkpoint(resolved, local)
-            logger.info(
-                "downloaded %s (%d files) to %s in %.2f s",
-                resolved,
-                len(names),
-                local,
-                time.monotonic() - started,
+        while True:
+            local = os.path.join(
+                str(trainer.args.output_dir), resolved.rstrip("/").rsplit("/", 1)[-1]
             )
-        collectives.barrier()
-        return local
+            error: Exception | None = None
+            if _local_main():
+                try:
+                    # every file's checksum checked as it arrives: CheckpointCorruptError
+                    self._download(resolved, local)
+                except Exception as exc:
+                    error = exc
+            # every node's download agreed on (this also waits for every node's copy)
+            kind, message = fallback.outcome_of(error)
+            agreed, outcomes = fallback.settle(kind, message, resolved)
+            if agreed == fallback.OK:
+                return local
+            if agreed == fallback.ERROR:
+                if error is not None:
+                    raise error
+                raise ResumeError(
+                    f"cannot resume from {resolved}: {fallback.describe(outcomes, fallback.ERROR)}"
+                )
+            older = self._fall_back(resume, resolved, output, outcomes)
+            if older is None:
+                self.last_checkpoint = None
+                return None  # transformers has loaded nothing yet: a fresh start is clean
+            resolved = older.path
+            self.last_checkpoint = older
+
+    def _download(self, remote: str, local: str) -> None:
+        started = time.monotonic()
+        shutil.rmtree(local, ignore_errors=True)
+        names = download_checkpoint(remote, local)
+        logger.info(
+            "downloaded %s (%d files) to %s in %.2f s",
+            remote,
+            len(names),
+            local,
+            time.monotonic() - started,
+        )
+
+    def _fall_back(
+        self, resume: Any, path: str, output: str, outcomes: list[fallback.Outcome]
+    ) -> CheckpointInfo | None:
+        """``path`` is corrupt (fallback.py): mark it (rank 0), then the newest complete
+        checkpoint before it, the same on every rank; None: start fresh. CheckpointCorruptError
+        for a path the caller passed, or with nothing left under resume_from_checkpoint=True."""
+        cause = fallback.describe(outcomes, fallback.CORRUPT)
+        marker = fallback.mark(path, cause) if collectives.rank() == 0 else None
+        logger.error(
+            "checkpoint %s is corrupt: %s; marked corrupt%s, it is never resumed from again",
+            path,
+            cause,
+            f" ({marker})" if marker else "",
+        )
+        if not _may_fall_back(resume):
+            raise CheckpointCorruptError(
+                f"cannot resume from {path}: it is corrupt ({cause}); it was asked for by path, "
+                "so no other checkpoint is substituted: pass an earlier checkpoint, or "
+                "resume_from_checkpoint=True for the newest complete one"
+            )
+        step = parse_step(path)
+        older = CheckpointStore(output).latest_complete(below=-1 if step is None else step)
+        agreed = fallback.agree_step(older.step if older is not None else None)
+        if agreed is not None and older is not None:
+            logger.error("falling back to %s (step %d)", older.path, older.step)
+            return older
+        if resume is True:
+            raise CheckpointCorruptError(
+                f"resume_from_checkpoint=True but {path} is corrupt ({cause}) and no complete "
+                "checkpoint precedes it"
+            )
+        logger.error("no complete checkpoint precedes %s: starting from scratch", path)
+        return None
 
     def _load_timings(self, path: str) -> None:
         """Carry step/save measurements over from the checkpoint we resume from."""

@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 
 from trainer_runtime.checkpoint.layout import (
+    CORRUPT_NAME,
     MANIFEST_NAME,
     SENTINEL_NAME,
     TRAINER_STATE_NAME,
     CheckpointStore,
     is_complete,
+    mark_corrupt,
     parse_step,
 )
 
@@ -25,6 +27,16 @@ MANIFEST = {
     ],
 }
 ALL = {"model.safetensors": 100, "trainer_state.json": 10, MANIFEST_NAME: 50}
+# What transformers.Trainer._save_checkpoint writes for one process (no manifest of ours).
+STOCK = {
+    "config.json": 600,
+    "model.safetensors": 1000,
+    "optimizer.pt": 2000,
+    "scheduler.pt": 1400,
+    "rng_state.pth": 14000,
+    "training_args.bin": 5000,
+    TRAINER_STATE_NAME: 900,
+}
 
 
 @pytest.mark.parametrize(
@@ -57,6 +69,9 @@ ALL = {"model.safetensors": 100, "trainer_state.json": 10, MANIFEST_NAME: 50}
         ),
         ({**ALL}, {"files": "nope"}, False, "malformed"),
         ({**ALL}, {"files": [{"size": 1}]}, False, "malformed"),
+        # a resume found it corrupt: never complete again, whatever else is there
+        ({**ALL, CORRUPT_NAME: 80}, MANIFEST, False, "marked corrupt"),
+        ({**STOCK, CORRUPT_NAME: 80}, None, False, "marked corrupt"),
     ],
 )
 def test_is_complete_table(
@@ -67,6 +82,91 @@ def test_is_complete_table(
     if reason_part is None:
         assert reason is None
     else:
+        assert reason is not None and reason_part in reason
+
+
+def _without(files: dict[str, int], *names: str) -> dict[str, int]:
+    return {k: v for k, v in files.items() if k not in names}
+
+
+@pytest.mark.parametrize(
+    ("files", "complete", "reason_part"),
+    [
+        (STOCK, True, None),
+        (
+            _without(STOCK, "optimizer.pt", "scheduler.pt", "rng_state.pth"),
+            True,
+            None,
+        ),  # model only
+        ({**_without(STOCK, "model.safetensors"), "adapter_model.safetensors": 9}, True, None),
+        # several ranks: one RNG file each
+        (
+            {**_without(STOCK, "rng_state.pth"), "rng_state_0.pth": 9, "rng_state_1.pth": 9},
+            True,
+            None,
+        ),
+        # sharded weights with their index
+        (
+            {
+                **_without(STOCK, "model.safetensors"),
+                "model.safetensors.index.json": 50,
+                "model-00001-of-00002.safetensors": 500,
+                "model-00002-of-00002.safetensors": 500,
+            },
+            True,
+            None,
+        ),
+        # FSDP: the model and the optimizer in state directories of their own
+        (
+            {
+                **_without(STOCK, "model.safetensors", "optimizer.pt"),
+                "pytorch_model_fsdp_0/__0_0.distcp": 500,
+                "optimizer_0/__0_0.distcp": 900,
+            },
+            True,
+            None,
+        ),
+        # DeepSpeed: everything in global_step<N>/
+        (
+            {**_without(STOCK, "model.safetensors", "optimizer.pt"), "global_step5/a.pt": 5},
+            True,
+            None,
+        ),
+        (_without(STOCK, TRAINER_STATE_NAME), False, f"no {TRAINER_STATE_NAME}"),
+        # half removed (a recursive delete unlinks in directory order) or cut short
+        (_without(STOCK, "model.safetensors"), False, "no model weights"),
+        (_without(STOCK, "scheduler.pt"), False, "scheduler.pt missing"),
+        (_without(STOCK, "optimizer.pt"), False, "no optimizer state"),
+        (
+            {**_without(STOCK, "rng_state.pth"), "rng_state_0.pth": 9, "rng_state_2.pth": 9},
+            False,
+            "rng_state_1.pth missing",
+        ),
+        (
+            {
+                **_without(STOCK, "model.safetensors"),
+                "model.safetensors.index.json": 50,
+                "model-00002-of-00003.safetensors": 500,
+            },
+            False,
+            "2 of 3 shards of model.safetensors missing (e.g. model-00001-of-00003",
+        ),
+        (
+            {**_without(STOCK, "model.safetensors"), "model.safetensors.index.json": 50},
+            False,
+            "none of its shards",
+        ),
+        # written but never flushed: an empty file after a crash (no fsync)
+        ({**STOCK, TRAINER_STATE_NAME: 0}, False, f"file {TRAINER_STATE_NAME} is empty"),
+        ({**STOCK, "model.safetensors": 0}, False, "file model.safetensors is empty"),
+    ],
+)
+def test_stock_transformers_checkpoint_rule(
+    files: dict[str, int], complete: bool, reason_part: str | None
+) -> None:
+    ok, reason = is_complete(files, None)
+    assert ok is complete, reason
+    if reason_part is not None:
         assert reason is not None and reason_part in reason
 
 
@@ -164,6 +264,25 @@ def test_sentinel_attempt_is_reported_for_incomplete_writes(tmp_path: Path) -> N
     _write_ckpt(tmp_path, 9, sentinel=True, manifest=False)
     info = CheckpointStore(str(tmp_path)).inspect("checkpoint-9")
     assert not info.complete and info.attempt == 3
+
+
+def test_marked_corrupt_checkpoint_is_never_complete(tmp_path: Path) -> None:
+    _write_ckpt(tmp_path, 1)
+    _write_ckpt(tmp_path, 2)
+    store = CheckpointStore(str(tmp_path))
+    assert store.latest_complete().step == 2  # type: ignore[union-attr]
+    marker = mark_corrupt(store.storage, "checkpoint-2", "model.safetensors: xxh3 a != b", 4)
+    assert marker == f"{tmp_path}/checkpoint-2/{CORRUPT_NAME}"
+    assert json.loads(Path(marker).read_text())["attempt"] == 4
+    info = store.inspect("checkpoint-2")
+    assert not info.complete and info.corrupt
+    assert info.reason == (
+        f"marked corrupt by a resume ({CORRUPT_NAME}): model.safetensors: xxh3 a != b"
+    )
+    assert info.attempt == 2  # still the writer's (the manifest's)
+    assert store.latest_complete().step == 1  # type: ignore[union-attr]
+    assert store.latest_complete(below=1) is None
+    assert [i.name for i in store.list_from_listing() if i.corrupt] == ["checkpoint-2"]
 
 
 def test_missing_output_dir_lists_nothing(tmp_path: Path) -> None:

@@ -28,7 +28,13 @@ from trainer_runtime.checkpoint.io import (
     optimizer_state_from_tensors,
     optimizer_state_to_tensors,
 )
-from trainer_runtime.checkpoint.layout import MANIFEST_NAME, SENTINEL_NAME, CheckpointStore
+from trainer_runtime.checkpoint.layout import (
+    CORRUPT_NAME,
+    MANIFEST_NAME,
+    SENTINEL_NAME,
+    CheckpointStore,
+    mark_corrupt,
+)
 from trainer_runtime.errors import CheckpointError, ConfigurationError, ResumeError, StorageError
 from trainer_runtime.protocol import ENV_ATTEMPT
 
@@ -472,3 +478,27 @@ def test_protocol_misuse(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="committed"):
         w.write_bytes("b.bin", b"1")
     assert copy.copy(w.files) == w.files
+
+
+def test_a_rewrite_of_a_marked_checkpoint_keeps_the_marker_until_its_commit(out: str) -> None:
+    _save(out, 3)
+    store = CheckpointStore(out)
+    mark_corrupt(store.storage, "checkpoint-3", "model.safetensors: xxh3 a != b")
+    w = CheckpointWriter(out, 3, attempt=2)
+    w.begin()
+    w.write_tensors("model.safetensors", {"w": torch.ones(4)})
+    # cut short here, it still reads as the corrupt checkpoint (what a resume falls back from)
+    during = store.inspect("checkpoint-3")
+    assert not during.complete and during.corrupt
+    w.write_json("trainer_state.json", {"global_step": 3})
+    info = w.commit()
+    assert info.complete and not info.corrupt
+    assert CORRUPT_NAME not in store.storage.walk_files("checkpoint-3")
+    assert CORRUPT_NAME not in {f["path"] for f in info.manifest["files"]}  # type: ignore[index]
+
+
+def test_the_corrupt_marker_is_not_a_checkpoint_file(tmp_path: Path) -> None:
+    w = CheckpointWriter(str(tmp_path), 1)
+    w.begin()
+    with pytest.raises(ConfigurationError, match=CORRUPT_NAME):
+        w.write_bytes(CORRUPT_NAME, b"{}")

@@ -138,6 +138,7 @@ def test_infos_from_listing_apply_the_commit_order_without_reading_manifests() -
         "checkpoint-4/checkpoint-is-incomplete.txt": 5,
         "checkpoint-4/manifest.json": 100,  # being rewritten: the sentinel wins
         "checkpoint-6/trainer_state.json": 3,  # a stock transformers checkpoint
+        "checkpoint-6/model.safetensors": 7,
         "checkpoint-8/model.safetensors": 10,  # neither: an abandoned write
         ".preemptible-attempts/attempt-1.json": 2,
         "runs/x": 1,
@@ -147,7 +148,7 @@ def test_infos_from_listing_apply_the_commit_order_without_reading_manifests() -
     assert [(i.name, i.complete, i.size_bytes) for i in infos] == [
         ("checkpoint-2", True, 110),
         ("checkpoint-4", False, 105),
-        ("checkpoint-6", True, 3),
+        ("checkpoint-6", True, 10),
         ("checkpoint-8", False, 10),
     ]
     assert infos[0].path == "s3://b/run/checkpoint-2"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
 import torch
+from fsspec import register_implementation
+from fsspec.implementations.memory import MemoryFileSystem
 
 from trainer_runtime.checkpoint.io import CheckpointWriter, rotate_checkpoints
 from trainer_runtime.checkpoint.layout import (
@@ -14,15 +17,19 @@ from trainer_runtime.checkpoint.layout import (
     CheckpointStore,
     rotation_victims,
 )
+from trainer_runtime.checkpoint.storage import Storage
 from trainer_runtime.errors import CheckpointError, ConfigurationError
 
 
 def _ckpts(spec: str) -> list[CheckpointInfo]:
-    """'10 20 30i' -> checkpoints at steps 10, 20 (complete) and 30 (incomplete)."""
+    """'10 20 30i 40i@2 50c' -> checkpoints at steps 10, 20 (complete), 30 (incomplete), 40
+    (incomplete, started by attempt 2) and 50 (marked corrupt by a resume)."""
     out = []
     for token in spec.split():
-        incomplete = token.endswith("i")
-        step = int(token.rstrip("i"))
+        token, _, attempt = token.partition("@")
+        corrupt = token.endswith("c")
+        incomplete = token.endswith("i") or corrupt
+        step = int(token.rstrip("ic"))
         out.append(
             CheckpointInfo(
                 f"/o/checkpoint-{step}",
@@ -32,7 +39,8 @@ def _ckpts(spec: str) -> list[CheckpointInfo]:
                 "sentinel" if incomplete else None,
                 1,
                 None,
-                None,
+                int(attempt) if attempt else None,
+                corrupt,
             )
         )
     return out
@@ -66,6 +74,31 @@ def test_rotation_victims_table(
     spec: str, limit: int | None, protect: tuple, victims: list[int]
 ) -> None:
     result = rotation_victims(_ckpts(spec), limit, frozenset(protect))
+    assert [v.step for v in result] == victims
+
+
+@pytest.mark.parametrize(
+    ("spec", "attempt", "victims"),
+    [
+        # a newer incomplete directory of this attempt may still be being written: kept
+        ("10 20 30i@3", 3, [10]),
+        # one of an older attempt cannot be (a failed or killed save): removed
+        ("10 20 30i@2", 3, [10, 30]),
+        ("10 20 30i@2 40i@3", 3, [10, 30]),
+        # unknown attempts (no operator, or a stock sentinel): kept, as before
+        ("10 20 30i", 3, [10]),
+        ("10 20 30i@2", None, [10]),
+        # marked corrupt by a resume: nobody writes it, removed whatever its step
+        ("10 20 30c", None, [10, 30]),
+        ("10 20 30c@3", 3, [10, 30]),
+        # still nothing removed without a complete checkpoint
+        ("10i@1 20c", 3, []),
+    ],
+)
+def test_rotation_removes_newer_directories_no_live_writer_can_be_writing(
+    spec: str, attempt: int | None, victims: list[int]
+) -> None:
+    result = rotation_victims(_ckpts(spec), 1, frozenset(), attempt)
     assert [v.step for v in result] == victims
 
 
@@ -135,3 +168,66 @@ def test_stale_attempt_does_not_rotate(tmp_path: Path) -> None:
         rotate_checkpoints(out, 1, attempt=1)
     assert [c.step for c in CheckpointStore(out).list()] == [10, 20, 30]
     assert rotate_checkpoints(out, 1, attempt=2) == [f"{out}/checkpoint-10", f"{out}/checkpoint-20"]
+
+
+class _SentinelFirstFS(MemoryFileSystem):
+    """An in-memory store whose recursive delete unlinks the sentinel first (a directory order
+    that can happen on any filesystem) and whose process 'dies' after ``budget`` unlinks."""
+
+    protocol = ("sentinelfirst",)
+    store: dict = {}  # noqa: RUF012 - fsspec's own class-level store, one per protocol
+    pseudo_dirs = [""]  # noqa: RUF012
+    budget: int | None = None
+
+    def _unlinked(self) -> None:
+        if self.budget is not None:
+            if self.budget == 0:
+                raise _Crash()
+            type(self).budget = self.budget - 1
+
+    def rm_file(self, path: str) -> None:
+        self._unlinked()
+        super().rm_file(path)
+
+    def rm(self, path, recursive=False, maxdepth=None):  # type: ignore[no-untyped-def]
+        files = sorted(self.find(path), key=lambda p: not p.endswith(SENTINEL_NAME))
+        for name in files:
+            self.rm_file(name)
+        super().rm(path, recursive=recursive, maxdepth=maxdepth)
+
+
+class _Crash(Exception):
+    pass
+
+
+def _stock_checkpoint(storage: Storage, step: int) -> None:
+    """What transformers.Trainer writes (no manifest of ours)."""
+    for name in ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        storage.write_bytes(f"checkpoint-{step}/{name}", b"x" * 64)
+    storage.write_json(f"checkpoint-{step}/trainer_state.json", {"global_step": step})
+
+
+@pytest.mark.parametrize("kind", ["ours", "stock"])
+def test_rotation_interrupted_at_any_unlink_never_leaves_a_complete_looking_victim(
+    kind: str,
+) -> None:
+    register_implementation("sentinelfirst", _SentinelFirstFS, clobber=True)
+    out = "sentinelfirst://rotation/run"
+    storage = Storage(out)
+    for budget in range(12):
+        _SentinelFirstFS.budget = None
+        _SentinelFirstFS.store.clear()
+        for step in (1, 2):
+            if kind == "ours":
+                _save(out, step)
+            else:
+                _stock_checkpoint(storage, step)
+        store = CheckpointStore(out)
+        assert store.inspect("checkpoint-1").complete
+        _SentinelFirstFS.budget = budget  # the process dies at this unlink
+        with contextlib.suppress(CheckpointError):  # _Crash, as storage reports it
+            rotate_checkpoints(out, 1)
+        _SentinelFirstFS.budget = None
+        left = store.inspect("checkpoint-1")
+        assert not left.complete, f"{kind}, crash after {budget} unlinks: {left}"
+        assert store.latest_complete().step == 2  # type: ignore[union-attr]

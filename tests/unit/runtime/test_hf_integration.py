@@ -3,6 +3,7 @@ the commit of a directory written by transformers, attaching, and the CLI on suc
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ from trainer_runtime.checkpoint.layout import (
     SENTINEL_NAME,
     CheckpointStore,
 )
-from trainer_runtime.errors import ConfigurationError, ResumeError
+from trainer_runtime.errors import CheckpointCorruptError, ConfigurationError, ResumeError
 from trainer_runtime.hf import PreemptibleCallback, attach, install, resolve_resume, uninstall
 from trainer_runtime.hf.callback import scratch_dir, upload_owners
 
@@ -368,16 +369,86 @@ def test_committed_save_rotates_only_after_the_commit(tmp_path: Path) -> None:
     cb.committed_save(lambda *a: pytest.fail("saved twice"), None, None)
 
 
-def test_committed_save_failure_leaves_the_checkpoint_incomplete(tmp_path: Path) -> None:
+def test_committed_save_failure_removes_its_partial_checkpoint(tmp_path: Path) -> None:
+    _committed(tmp_path, 1)
     cb = PreemptibleCallback()
     cb.trainer = _FakeTrainer(tmp_path, 3, limit=None)
 
     def failing_save(model: object, trial: object) -> None:
         (tmp_path / "checkpoint-3").mkdir(exist_ok=True)
         (tmp_path / "checkpoint-3" / "model.safetensors").write_bytes(b"\x01\x02")
-        raise OSError("disk full")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(OSError, match="No space left"):
         cb.committed_save(failing_save, None, None)
-    info = CheckpointStore(str(tmp_path)).inspect("checkpoint-3")
-    assert not info.complete and "sentinel" in (info.reason or "")
+    # its partial directory does not keep holding the space; the previous one is untouched
+    assert not (tmp_path / "checkpoint-3").exists()
+    assert CheckpointStore(str(tmp_path)).latest_complete().step == 1  # type: ignore[union-attr]
+
+
+def test_a_save_of_the_step_resumed_from_keeps_the_complete_checkpoint(tmp_path: Path) -> None:
+    # Re-saving the step just resumed from would delete its complete checkpoint before the
+    # new one is complete: it is the same state, so the save is skipped.
+    _committed(tmp_path, 4)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "checkpoint-4").iterdir()}
+    cb = PreemptibleCallback()
+    cb.trainer = _FakeTrainer(tmp_path, 4, limit=None)
+    assert cb._resolve(True) == str(tmp_path / "checkpoint-4")
+    assert cb.last_checkpoint is not None and cb.last_checkpoint.step == 4
+    cb.committed_save(lambda *a: pytest.fail("checkpoint-4 rewritten"), None, None)
+    after = {p.name: p.read_bytes() for p in (tmp_path / "checkpoint-4").iterdir()}
+    assert after == before and CheckpointStore(str(tmp_path)).inspect("checkpoint-4").complete
+
+
+def _remote_checkpoint(url: str, step: int) -> None:
+    w = CheckpointWriter(url, step, attempt=1)
+    w.begin()
+    w.write_bytes("model.safetensors", os.urandom(256))
+    w.write_json("trainer_state.json", {"global_step": step})
+    w.commit({"producer": "transformers.Trainer"})
+
+
+def test_a_corrupt_download_is_marked_and_the_previous_checkpoint_downloaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    remote = "memory://eng31-hf-fallback/run"
+    store = CheckpointStore(remote)
+    try:
+        for step in (2, 4):
+            _remote_checkpoint(remote, step)
+        blob = bytearray(store.storage.read_bytes("checkpoint-4/model.safetensors"))
+        blob[-1] ^= 0xFF  # same size: only the checksum, checked as it arrives, tells
+        store.storage.write_bytes("checkpoint-4/model.safetensors", bytes(blob))
+        cb = PreemptibleCallback()
+        cb.trainer = _FakeTrainer(tmp_path / "scratch", 4, limit=None)
+        cb.remote = remote
+        with pytest.raises(CheckpointCorruptError, match="asked for by path"):
+            cb._resolve(f"{remote}/checkpoint-4")
+        assert store.inspect("checkpoint-4").corrupt
+        monkeypatch.setenv("PREEMPTIBLE_RESUME_FROM", f"{remote}/checkpoint-4")  # the operator's
+        local = cb._resolve(None)
+        assert local == str(tmp_path / "scratch" / "checkpoint-2")
+        assert (Path(local) / "model.safetensors").stat().st_size == 256
+        assert cb.last_checkpoint is not None and cb.last_checkpoint.step == 2
+    finally:
+        store.storage.rm_tree("")
+
+
+def test_a_corrupt_download_falls_back_under_latest(tmp_path: Path) -> None:
+    remote = "memory://eng31-hf-fallback-latest/run"
+    store = CheckpointStore(remote)
+    try:
+        for step in (2, 4):
+            _remote_checkpoint(remote, step)
+        blob = bytearray(store.storage.read_bytes("checkpoint-4/model.safetensors"))
+        blob[0] ^= 0xFF
+        store.storage.write_bytes("checkpoint-4/model.safetensors", bytes(blob))
+        cb = PreemptibleCallback()
+        cb.trainer = _FakeTrainer(tmp_path / "scratch", 4, limit=None)
+        cb.remote = remote
+        assert cb._resolve(True) == str(tmp_path / "scratch" / "checkpoint-2")
+        info = store.inspect("checkpoint-4")
+        assert not info.complete and "model.safetensors" in (info.reason or "")
+        assert not (tmp_path / "scratch" / "checkpoint-4").exists()  # the bad copy is gone
+    finally:
+        store.storage.rm_tree("")
