@@ -37,17 +37,31 @@ class SleepCallback(TrainerCallback):
         print(f"STEP {state.global_step}", flush=True)
 
 
+class EndCallback(TrainerCallback):
+    """Says when transformers' end of training reached the callbacks."""
+
+    def on_train_end(self, args, state, control, **kwargs):
+        print("TRAIN END", flush=True)
+
+
 class SlowSaveTrainer(Trainer):
     """A user subclass whose model save takes ``save_sleep`` seconds after the weights are on disk
     (a large model on a slow volume)."""
 
     save_sleep = 0.0
+    fail_save_rank = -1
 
     def save_model(self, output_dir=None, _internal_call=False):
+        if _internal_call and self.args.process_index == self.fail_save_rank:
+            raise RuntimeError(f"disk full on purpose, rank {self.args.process_index}")
         super().save_model(output_dir, _internal_call=_internal_call)
         if _internal_call and self.save_sleep:
             print(f"SAVING {output_dir}", flush=True)
             time.sleep(self.save_sleep)
+
+    def _load_best_model(self):
+        print(f"LOADING BEST {self.state.best_model_checkpoint}", flush=True)
+        super()._load_best_model()
 
 
 def main() -> None:
@@ -58,6 +72,15 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--save-sleep", type=float, default=0.0)
     p.add_argument("--save-total-limit", type=int, default=None)
+    p.add_argument(
+        "--best",
+        action="store_true",
+        help="evaluate every --save-steps, load_best_model_at_end=True (with --save-total-limit 1)",
+    )
+    p.add_argument("--fail-save-rank", type=int, default=-1, help="this rank's saves raise")
+    p.add_argument(
+        "--linger", type=float, default=0.0, help="the failing rank stays alive this long after"
+    )
     p.add_argument("--attach", action="store_true", help="the one-line integration")
     p.add_argument("--final-dir", default=None)
     a = p.parse_args()
@@ -65,6 +88,11 @@ def main() -> None:
     tok = models.tokenizer()
     model = models.gpt2(tok, seed=0)
     ds = models.causal_lm_dataset(tok, n=32).remove_columns(["text"])
+    best = (
+        {"eval_strategy": "steps", "eval_steps": a.save_steps, "load_best_model_at_end": True}
+        if a.best
+        else {}
+    )
     args = TrainingArguments(
         output_dir=a.output_dir,
         max_steps=a.max_steps,
@@ -78,20 +106,30 @@ def main() -> None:
         seed=7,
         use_cpu=True,
         disable_tqdm=True,
+        **best,
     )
     SlowSaveTrainer.save_sleep = a.save_sleep
+    SlowSaveTrainer.fail_save_rank = a.fail_save_rank
     trainer = SlowSaveTrainer(
         model=model,
         args=args,
         train_dataset=ds,
+        eval_dataset=ds if a.best else None,
         data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-        callbacks=[SleepCallback(a.step_sleep)] if a.step_sleep else None,
+        callbacks=[EndCallback(), *([SleepCallback(a.step_sleep)] if a.step_sleep else [])],
     )
     if a.attach:
         import trainer_runtime
 
         trainer_runtime.attach_preemptible(trainer)
-    trainer.train()
+    try:
+        trainer.train()
+    except Exception as exc:
+        if a.linger and args.process_index == a.fail_save_rank:
+            # e.g. a script's own cleanup: the process (and its connections) stay alive
+            print(f"LINGERING after {type(exc).__name__}: {exc}", flush=True)
+            time.sleep(a.linger)
+        raise
     if a.final_dir and trainer.args.process_index == 0:
         trainer.save_model(a.final_dir)
     print("FINISHED", flush=True)

@@ -226,6 +226,35 @@ def test_one_line_attach_and_cli_inspect_grace_on_its_checkpoints(
     assert grace["terminationGracePeriodSeconds"] >= 1
 
 
+def test_jit_stop_skips_transformers_end_of_training(tmp_path: Path) -> None:
+    """save_total_limit=1 + load_best_model_at_end: transformers' _finalize_training would load
+    the best checkpoint and delete every other one, the JIT checkpoint included, before the exit.
+    After a JIT stop none of it runs: the JIT checkpoint stays complete, exit 75 right away."""
+    out = tmp_path / "out"
+    extra = ("--step-sleep", "0.4", "--save-total-limit", "1", "--best")
+    run = Run(
+        tmp_path / "a1",
+        _argv(SCRIPT, out, mode="run", extra=extra),
+        _operator_env(out, tmp_path, 1),
+    )
+    run.wait_for("STEP 5")  # checkpoint-4 saved after the evaluation of step 4: the best one
+    run.signal(signal.SIGTERM)
+    code = run.wait()
+    log = run.log()
+    assert code == EXIT_PREEMPTED, log
+    msg = run.termination()
+    assert msg.reason == "preempted" and msg.complete and msg.step >= 5, msg
+    assert msg.checkpoint and msg.checkpoint.endswith(f"checkpoint-{msg.step}")
+    jit = CheckpointStore(str(out)).inspect(f"checkpoint-{msg.step}")
+    assert jit.complete, (jit, log)
+    listed = {f["path"] for f in jit.manifest["files"]}
+    assert {"model.safetensors", "optimizer.pt", "trainer_state.json"} <= listed
+    assert (out / "checkpoint-4").is_dir(), "the best checkpoint is kept by our rotation"
+    assert "LOADING BEST" not in log, log
+    assert "TRAIN END" not in log, log
+    assert CheckpointStore(str(out)).latest_complete().step == msg.step
+
+
 def test_sigkill_during_save_leaves_an_incomplete_checkpoint_that_resume_skips(
     tmp_path: Path, reference: Path
 ) -> None:
@@ -293,6 +322,46 @@ def test_sigterm_to_one_of_two_ranks_stops_both_at_the_same_step(tmp_path: Path)
     assert info.complete and info.manifest["world_size"] == 2, info
     listed = {f["path"] for f in info.manifest["files"]}
     assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors"} <= listed
+
+
+def test_a_save_failing_on_one_rank_fails_every_rank_promptly(tmp_path: Path) -> None:
+    """Rank 1's part of a save raises and its process stays alive (a script's cleanup, or NCCL,
+    which does not notice a peer's failure): rank 0 must not wait for it in a barrier until the
+    collective timeout. Every rank reaches the same agreement point, rank 0 fails with rank 1's
+    error named, while rank 1 is still alive."""
+    out = tmp_path / "out"
+    port = str(free_port())
+    runs = []
+    for rank in range(2):
+        env = _operator_env(
+            out,
+            tmp_path / f"rank{rank}",
+            1,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            WORLD_SIZE="2",
+            RANK=str(rank),
+            NODE_RANK=str(rank),
+            LOCAL_RANK="0",
+        )
+        (tmp_path / f"rank{rank}").mkdir()
+        extra = ("--save-steps", "2", "--fail-save-rank", "1", "--linger", "300")
+        runs.append(Run(tmp_path / f"rank{rank}", _argv(SCRIPT, out, mode="run", extra=extra), env))
+    try:
+        runs[1].wait_for("LINGERING")
+        code = runs[0].wait(timeout=120)  # well under the collective timeout (30 min)
+        assert runs[1].proc.poll() is None, "rank 0 waited for rank 1 to end"
+        log = runs[0].log()
+        assert code not in (0, EXIT_PREEMPTED), log
+        assert "rank 1: RuntimeError: disk full on purpose" in log, log[-3000:]
+        msg = runs[0].termination()
+        assert msg.reason == "failed" and "rank 1" in (msg.message or ""), msg
+        assert not CheckpointStore(str(out)).inspect("checkpoint-2").complete
+    finally:
+        for run in runs:
+            if run.proc.poll() is None:
+                run.proc.kill()
+            run.wait()
 
 
 def test_launch_transformers_torchrun_two_workers_unmodified_script(tmp_path: Path) -> None:

@@ -14,7 +14,10 @@
   and ``resume_from_checkpoint=True`` means the newest complete one, never a half-written one;
 - step and save wall times go to ``/metrics`` and to ``preemptible_state.json`` in each checkpoint
   (which ``trainer-runtime grace`` reads);
-- after a JIT stop ``train()`` writes the termination message and exits with ``EXIT_PREEMPTED``.
+- after a JIT stop nothing of transformers' end of training runs (no best-model load, no
+  ``save_total_limit=1`` cleanup that would delete the JIT checkpoint, no ``on_train_end``, no wait
+  for a hub push): the callback raises :class:`JitStop` right after the commit, ``train()`` writes
+  the termination message and exits with ``EXIT_PREEMPTED``.
 
 transformers writes with ``os``/``open``, so an object-store output dir (``s3://...``, from
 ``$PREEMPTIBLE_OUTPUT_DIR`` or ``args.output_dir``) is served through a local scratch directory
@@ -26,13 +29,14 @@ scratch directory first (parallel ranged reads, checksums checked).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +59,12 @@ from trainer_runtime.checkpoint.per_node import gather_objects
 from trainer_runtime.checkpoint.shares import plan_shares
 from trainer_runtime.checkpoint.storage import Storage
 from trainer_runtime.distributed import collectives
-from trainer_runtime.errors import CheckpointCorruptError, ConfigurationError, ResumeError
+from trainer_runtime.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    ConfigurationError,
+    ResumeError,
+)
 from trainer_runtime.metrics import TrainingMetrics, metrics_from_env
 from trainer_runtime.protocol import (
     ENV_ATTEMPT,
@@ -69,6 +78,7 @@ from trainer_runtime.timings import SaveTimer, StepTimer, timings_record, write_
 
 __all__ = [
     "ENV_SCRATCH_DIR",
+    "JitStop",
     "PreemptibleCallback",
     "adoption",
     "attach",
@@ -206,6 +216,73 @@ def adoption(
     return {name: listing[name] for name in shares[rank]}, True
 
 
+class JitStop(SystemExit):
+    """Raised by the callback on every rank right after the JIT checkpoint is committed (and the
+    termination message written): it unwinds transformers' ``train()`` past its end of training.
+    ``_finalize_training`` would load the best model (minutes for a large one, past the grace),
+    delete every checkpoint but the best one under ``save_total_limit=1`` (the JIT checkpoint
+    included), run ``on_train_end`` (trackers may upload the model there) and wait for a hub
+    push. The wrapped ``train()`` catches it and exits with ``EXIT_PREEMPTED``. A ``SystemExit``
+    (code 75) so that nothing on the way catches it as an error (``except Exception``, accelerate's
+    batch-size finder) and, should it escape, the process still ends with 75."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(EXIT_PREEMPTED)
+        self.step = step
+
+
+class SaveFailedOnARank(CheckpointError):
+    """A part of a save failed on some rank; raised on every rank at the same agreement point
+    (so no rank waits for the others in a barrier), naming the failing ranks."""
+
+
+def _agree_on(error: Exception | None, what: str, path: str) -> None:
+    """Every rank calls this after its part of ``what``, failed or not (``error``): an
+    all-gather of each rank's outcome. A failure on any rank raises :class:`SaveFailedOnARank`
+    on every rank, naming the rank(s) and their errors; in one process the error itself."""
+    if not collectives.is_distributed():
+        if error is not None:
+            raise error
+        return
+    kind = fallback.OK if error is None else fallback.ERROR
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    outcomes = fallback.gather_outcomes(kind, message)
+    if fallback.verdict(outcomes) == fallback.OK:
+        return
+    raise SaveFailedOnARank(
+        f"{what} of {path} failed on {fallback.describe(outcomes, fallback.ERROR)}"
+    ) from error
+
+
+@contextlib.contextmanager
+def _no_hub_push(trainer: Any, jit: bool) -> Iterator[None]:
+    """A JIT save does not push to the Hub (``push_to_hub``: transformers would copy the weights
+    into the output dir and start an upload that the exit right after the commit cuts off)."""
+    push = getattr(trainer.args, "push_to_hub", False)
+    if not (jit and push):
+        yield
+        return
+    trainer.args.push_to_hub = False
+    try:
+        yield
+    finally:
+        trainer.args.push_to_hub = push
+
+
+def _flush_trackers(trainer: Any) -> None:
+    """The cheap part of ``on_train_end`` after a JIT stop: flush TensorBoard's event files
+    (wandb, mlflow and others flush from their own exit handlers; their ``on_train_end`` may
+    upload the model, which a preempted attempt must not do)."""
+    for cb in trainer.callback_handler.callbacks:
+        writer = getattr(cb, "tb_writer", None)
+        flush = getattr(writer, "flush", None)
+        if callable(flush):
+            try:
+                flush()
+            except Exception as exc:  # a tracker never blocks the exit
+                logger.warning("cannot flush %s: %s", type(cb).__name__, exc)
+
+
 class PreemptibleCallback(TrainerCallback):
     """The callback half of the integration; create it with :func:`attach`, which also wraps
     ``trainer.train`` (resume, exit code) and ``trainer._save_checkpoint`` (the commit)."""
@@ -261,6 +338,11 @@ class PreemptibleCallback(TrainerCallback):
         logger.warning("SIGTERM: stopping at step %d for a JIT checkpoint", state.global_step)
         trainer = self._require_trainer()
         trainer._save_checkpoint(trainer.model, trial=None)
+        # Committed on every rank (the commit ends with a barrier). Nothing of transformers' end
+        # of training may run now: leave train() (see JitStop); the wrapper exits with 75.
+        self._terminate("preempted", sigterm_to_exit=self.latch.elapsed())
+        _flush_trackers(trainer)
+        raise JitStop(int(state.global_step))
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.preempted:  # no second (epoch) save or evaluation after the JIT checkpoint
@@ -313,28 +395,45 @@ class PreemptibleCallback(TrainerCallback):
         )
         started = time.monotonic()
         limit = trainer.args.save_total_limit
+        result: Any = None
         try:
             writer.begin()  # coordinator: fence, sentinel (fsynced); barrier
+            # Each part below ends in an agreement that every rank reaches, its own part failed
+            # or not: a failure on one rank fails all of them there, promptly and named, instead
+            # of leaving the others in a barrier until the collective timeout.
+            error: Exception | None = None
             # transformers rotates inside _save_checkpoint, before our commit: it could delete
             # the newest complete checkpoint while the new one is still incomplete. Rotate after.
             trainer.args.save_total_limit = None
             try:
-                result = original(model, trial, *a, **kw)
+                with _no_hub_push(trainer, self.preempted):
+                    result = original(model, trial, *a, **kw)
+            except Exception as exc:
+                error = exc
             finally:
                 trainer.args.save_total_limit = limit
-            writer.sync_present()  # each rank flushes what it (or transformers for it) wrote
-            collectives.barrier()
-            self._adopt(writer)
-            if writer.is_coordinator:
-                writer.write_json(RUNTIME_STATE_NAME, self._record(self.preempted))
+            _agree_on(error, "transformers' save", writer.path)  # every rank finished writing
+            try:
+                writer.sync_present()  # each rank flushes what it (or transformers for it) wrote
+            except Exception as exc:
+                error = exc
+            _agree_on(error, "the fsync", writer.path)
+            try:
+                self._adopt(writer)
+                if writer.is_coordinator:
+                    writer.write_json(RUNTIME_STATE_NAME, self._record(self.preempted))
+            except Exception as exc:
+                error = exc
+            _agree_on(error, "the listing", writer.path)
             extra: dict[str, Any] = {"producer": PRODUCER}
             if self.preempted:
                 extra["checksums"] = "sizes only: JIT save of transformers.Trainer"
             info = writer.commit(extra)  # manifest last, sentinel removed last
-        except Exception:
+        except Exception as exc:
             # e.g. ENOSPC: the partial directory would keep holding the space (one process:
-            # the whole directory; several: what this rank wrote through the writer)
-            writer.discard()
+            # the whole directory; several: what this rank wrote through the writer, or the
+            # whole directory when every rank is known to be done with it)
+            writer.discard(every_rank_done=isinstance(exc, SaveFailedOnARank))
             raise
         self.save_timer.record(time.monotonic() - started)
         self.last_checkpoint = info
@@ -372,36 +471,52 @@ class PreemptibleCallback(TrainerCallback):
         started = time.monotonic()
         limit = trainer.args.save_total_limit
         local_ckpt = Path(local_run) / checkpoint_name(step)
+        result: Any = None
         try:
             writer.begin()  # coordinator: fence, sentinel on the store; barrier
+            error: Exception | None = None  # each part ends in an agreement (committed_save)
             trainer.args.save_total_limit = None  # as in committed_save: rotate after the commit
             try:
-                result = original(model, trial, *a, **kw)
+                with _no_hub_push(trainer, self.preempted):
+                    result = original(model, trial, *a, **kw)
+            except Exception as exc:
+                error = exc
             finally:
                 trainer.args.save_total_limit = limit
-            collectives.barrier()  # every rank's files are in its node's scratch directory
-            mine = sorted(
-                str(p.relative_to(local_ckpt)) for p in local_ckpt.rglob("*") if p.is_file()
-            )
+            # every rank's files are in its node's scratch directory
+            _agree_on(error, "transformers' save", writer.path)
+            mine: list[str] = []
+            try:
+                mine = sorted(
+                    str(p.relative_to(local_ckpt)) for p in local_ckpt.rglob("*") if p.is_file()
+                )
+            except Exception as exc:
+                error = exc
             listings = [(os.uname().nodename, mine)]
             if writer.world_size > 1:
                 listings = gather_objects(listings[0])
+            _agree_on(error, "the listing", writer.path)
             owners = upload_owners(listings)
             uploading = time.monotonic()
-            names = writer.upload_local_files(
-                {n: str(local_ckpt / n) for n, r in owners.items() if r == writer.rank}
-            )
-            logger.info(
-                "uploaded %d file(s) of %s in %.2f s",
-                len(names),
-                writer.path,
-                time.monotonic() - uploading,
-            )
-            if writer.is_coordinator:
-                writer.write_json(RUNTIME_STATE_NAME, self._record(self.preempted))
+            try:
+                names = writer.upload_local_files(
+                    {n: str(local_ckpt / n) for n, r in owners.items() if r == writer.rank}
+                )
+                logger.info(
+                    "uploaded %d file(s) of %s in %.2f s",
+                    len(names),
+                    writer.path,
+                    time.monotonic() - uploading,
+                )
+                if writer.is_coordinator:
+                    writer.write_json(RUNTIME_STATE_NAME, self._record(self.preempted))
+            except Exception as exc:
+                error = exc
+            _agree_on(error, "the upload", writer.path)
             info = writer.commit({"producer": PRODUCER})  # manifest last (conditional on S3)
-        except Exception:
-            writer.discard()  # what reached the store
+        except Exception as exc:
+            # what reached the store (all of it when every rank is known to be done)
+            writer.discard(every_rank_done=isinstance(exc, SaveFailedOnARank))
             if _local_main():
                 shutil.rmtree(local_ckpt, ignore_errors=True)  # and the scratch copy
             raise
@@ -425,10 +540,19 @@ class PreemptibleCallback(TrainerCallback):
         of the grace period, and a reader checks sizes. A periodic save hashes every file, each
         rank a share of them by bytes (shares.plan_shares), read back while they are likely
         still in the page cache; the coordinator's listing is the one every rank splits."""
-        listing = writer.present_files() if writer.is_coordinator else None
+        listing: dict[str, int] | None = None
+        error: Exception | None = None
+        if writer.is_coordinator:
+            try:
+                listing = writer.present_files()
+            except Exception as exc:  # the others wait in the gather: reach it, then raise
+                error = exc
         if writer.world_size > 1:
             listing = gather_objects(listing)[0]
-        assert listing is not None
+        if error is not None:
+            raise error
+        if listing is None:
+            raise CheckpointError(f"rank 0 could not list {writer.path}; see its error")
         files, checksum = adoption(listing, writer.rank, writer.world_size, jit=self.preempted)
         writer.adopt(files, checksum=checksum)
 
@@ -436,7 +560,7 @@ class PreemptibleCallback(TrainerCallback):
     def wrapped_train(
         self, original: Callable[..., Any], resume_from_checkpoint: Any = None, *a: Any, **kw: Any
     ) -> Any:
-        trainer = self._require_trainer()
+        self._require_trainer()
         operator = _under_operator()
         try:
             resolved = self._resolve(resume_from_checkpoint)
@@ -456,14 +580,12 @@ class PreemptibleCallback(TrainerCallback):
         self.preempted = False
         keep_handler = False
         try:
-            output = original(resolved, *a, **kw)
-            state = trainer.state
-            if self.preempted and 0 < state.max_steps <= state.global_step:
-                self.preempted = False
-            if self.preempted:
+            try:
+                output = original(resolved, *a, **kw)
+            except JitStop as stop:
+                # the JIT checkpoint is committed and the termination message written (the
+                # callback); transformers' end of training was skipped on purpose
                 keep_handler = True  # a second SIGTERM must not turn exit 75 into death by signal
-                elapsed = self.latch.elapsed()
-                self._terminate("preempted", sigterm_to_exit=elapsed)
                 if self.exit_on_preemption:
                     logger.warning(
                         "preempted: checkpoint %s written, exiting with %d",
@@ -471,7 +593,7 @@ class PreemptibleCallback(TrainerCallback):
                         EXIT_PREEMPTED,
                     )
                     collectives.exit_process(EXIT_PREEMPTED)
-                return output
+                return self._preempted_output(stop.step)
             if operator:
                 keep_handler = True
                 self._terminate("completed")
@@ -483,6 +605,21 @@ class PreemptibleCallback(TrainerCallback):
         finally:
             if not keep_handler:
                 self.latch.uninstall()
+
+    def _preempted_output(self, step: int) -> Any:
+        """What ``train()`` returns after a JIT stop with ``exit_on_preemption=False``: the
+        step, no loss or metrics (transformers computes them in the end of training, skipped)."""
+        from transformers.trainer_utils import TrainOutput
+
+        trainer = self._require_trainer()
+        trainer.is_in_train = False
+        handle = getattr(trainer, "neftune_hook_handle", None)
+        if getattr(trainer, "neftune_noise_alpha", None) is not None and handle is not None:
+            from transformers.integrations.neftune import deactivate_neftune
+
+            # as _finalize_training does, so that what follows runs without the noise
+            deactivate_neftune(trainer.model, handle, trainer.accelerator)
+        return TrainOutput(step, float("nan"), {})
 
     def _resolve(self, resume: Any) -> str | bool | None:
         """Check the output dir, then resolve the checkpoint to resume from; on an object store
