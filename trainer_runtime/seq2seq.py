@@ -46,6 +46,11 @@ class Seq2SeqTrainer(Trainer):
     generate, so ``compute_metrics`` receives generated token ids. Takes the Trainer's
     arguments."""
 
+    # transformers' Seq2SeqTrainer gathers each batch's loss repeated eval_batch_size times with
+    # no trimming, so a short last batch weighs as a full one: eval_loss is the mean of the
+    # batch losses. Same here, so eval_loss (and metric_for_best_model="loss") agree.
+    _eval_loss_weighting = "batch"
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if getattr(self.args, "sortish_sampler", False):

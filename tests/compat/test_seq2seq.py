@@ -4,8 +4,8 @@ Each check runs the same code under transformers' classes and ours (only the two
 with the tiny T5 of tests/transformers/models.py, on CPU, dropout off, same seed: same eval_loss,
 same generated ids (greedy and beam search), same metric keys, same ``predict()`` arrays, with
 ``generation_max_length``, ``generation_num_beams``, ``generation_config`` and ``**gen_kwargs``.
-Evaluation sets hold a multiple of the batch size (transformers weights a short last batch like a
-full one in eval_loss; ours by its size).
+A short last evaluation batch weighs as a full one in ``eval_loss`` on both sides (transformers'
+Seq2SeqTrainer gathers without trimming; the plain Trainer weighs every sample once, on both sides).
 """
 
 from __future__ import annotations
@@ -292,6 +292,23 @@ def test_without_predict_with_generate_it_is_the_trainer(tmp_path: Path) -> None
     sbs.assert_arrays_match(out["transformers"].predictions, out["ours"].predictions, "logits")
     assert_metrics_match(out["transformers"].metrics, out["ours"].metrics, "metrics")
     assert out["ours"].predictions[0].ndim == 3  # (batch, length, vocab) logits
+
+
+@pytest.mark.parametrize("generate", [False, True], ids=["logits", "generate"])
+def test_short_last_batch_weighs_as_a_full_one_side_by_side(tmp_path: Path, generate: bool) -> None:
+    """12 samples in batches of 5: transformers' Seq2SeqTrainer counts the batch of 2 as 5 rows
+    in eval_loss and test_loss (the mean of the 3 batch losses); so do we."""
+    out = {
+        w: make(w, tmp_path, per_device_eval_batch_size=5, predict_with_generate=generate)
+        for w in BOTH
+    }
+    metrics = {w: t.evaluate(held_out(12)) for w, t in out.items()}
+    assert_metrics_match(metrics["transformers"], metrics["ours"], "evaluate() with a short batch")
+    predicted = {w: t.predict(held_out(12)) for w, t in out.items()}
+    assert predicted["ours"].label_ids.shape[0] == 12
+    assert_metrics_match(
+        predicted["transformers"].metrics, predicted["ours"].metrics, "predict() with a short batch"
+    )
 
 
 def test_loss_only_evaluation_side_by_side(tmp_path: Path) -> None:

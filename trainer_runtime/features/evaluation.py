@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -451,17 +451,23 @@ def prefix_metrics(metrics: Mapping[str, Any], metric_key_prefix: str) -> dict[s
     return out
 
 
-def _mean_loss(losses: Nested, nan_inf_filter: bool) -> float | None:
-    values = (
-        np.concatenate([np.atleast_1d(x) for x in losses])
-        if isinstance(losses, list)
-        else np.atleast_1d(losses)
+def _flat(values: Nested) -> np.ndarray:
+    return (
+        np.concatenate([np.atleast_1d(x) for x in values])
+        if isinstance(values, list)
+        else np.atleast_1d(values)
     ).astype(np.float64)
+
+
+def _mean_loss(losses: Nested, nan_inf_filter: bool, weights: Nested | None = None) -> float | None:
+    values = _flat(losses)
+    w = _flat(weights) if weights is not None else np.ones_like(values)
     if nan_inf_filter:
-        values = values[np.isfinite(values)]
-    if values.size == 0:
+        finite = np.isfinite(values)
+        values, w = values[finite], w[finite]
+    if values.size == 0 or w.sum() <= 0:
         return None
-    return float(values.mean())
+    return float((values * w).sum() / w.sum())
 
 
 def evaluation_loop(
@@ -478,6 +484,7 @@ def evaluation_loop(
     metric_key_prefix: str = "eval",
     main_input_name: str = "input_ids",
     nan_inf_filter: bool = True,
+    loss_weighting: Literal["sample", "batch"] = "sample",
     gather: Callable[[Any], Any] = lambda x: x,
     on_prediction_step: Callable[[], None] | None = None,
     keep_predictions: bool = False,
@@ -491,7 +498,13 @@ def evaluation_loop(
     ``batch_eval_metrics`` (``predict`` returns them). A dict passed as ``accumulators`` receives
     the four :class:`PredictionAccumulator` (losses, preds, labels, inputs) for inspection.
     ``prepare`` maps each batch before use (e.g. moves it to the device).
+    ``loss_weighting`` says what the mean loss averages: ``"sample"`` (every sample once, the
+    Trainer's) or ``"batch"`` (every batch once, whatever its size: transformers'
+    ``Seq2SeqTrainer`` gathers each batch's loss repeated ``eval_batch_size`` times without
+    dropping the short last batch's missing rows).
     """
+    if loss_weighting not in ("sample", "batch"):
+        raise ValueError(f"loss_weighting={loss_weighting!r}: expected 'sample' or 'batch'")
     unknown = set(include_for_metrics) - {"inputs", "loss"}
     if unknown:
         raise ValueError(
@@ -509,6 +522,8 @@ def evaluation_loop(
         name: PredictionAccumulator(do_concat=eval_do_concat_batches)
         for name in ("losses", "preds", "labels", "inputs")
     }
+    # Per-sample weights of the mean loss when batches count once each (1/rows per row).
+    loss_weights = PredictionAccumulator(do_concat=True) if loss_weighting == "batch" else None
     if accumulators is not None:
         accumulators.update(acc)
     keep = not batch_eval_metrics or keep_predictions
@@ -528,6 +543,9 @@ def evaluation_loop(
             # One loss per sample so the mean over the set weights batches by size.
             sample_losses = gather(loss.detach().reshape(1).repeat(batch_size))
             acc["losses"].add(sample_losses)
+            if loss_weights is not None:
+                share = torch.full((batch_size,), 1.0 / batch_size, dtype=torch.float32)
+                loss_weights.add(gather(share.to(loss.device)))
         if batch_inputs is not None:
             batch_inputs = gather(batch_inputs)
             if keep:
@@ -559,7 +577,7 @@ def evaluation_loop(
                 compute_result=is_last,
             )
         if eval_accumulation_steps is not None and (index + 1) % eval_accumulation_steps == 0:
-            for a in acc.values():
+            for a in (*acc.values(), *([loss_weights] if loss_weights is not None else [])):
                 a.to_host()
 
     losses = acc["losses"].result()
@@ -579,7 +597,8 @@ def evaluation_loop(
             )
     result = dict(metrics or {})
     if losses is not None:
-        mean = _mean_loss(losses, nan_inf_filter)
+        weights = loss_weights.result() if loss_weights is not None else None
+        mean = _mean_loss(losses, nan_inf_filter, weights)
         result["loss"] = mean if mean is not None else math.nan
     output = EvalLoopOutput(
         predictions=preds,

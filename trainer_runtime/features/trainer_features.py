@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sized
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -160,6 +160,8 @@ class TrainerFeaturesMixin:
     preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None
     label_smoother: LabelSmoother | None = None
     is_in_train: bool = False
+    # What eval_loss averages: every sample once; Seq2SeqTrainer: every batch once (as theirs).
+    _eval_loss_weighting: Literal["sample", "batch"] = "sample"
 
     # -- setup ---------------------------------------------------------------------------------
     def _init_features(
@@ -421,6 +423,7 @@ class TrainerFeaturesMixin:
                 batch_eval_metrics=args.batch_eval_metrics,
                 metric_key_prefix=metric_key_prefix,
                 nan_inf_filter=args.logging_nan_inf_filter,
+                loss_weighting=self._eval_loss_weighting,
                 gather=gather,
                 on_prediction_step=lambda: self._on_evaluation_batch(dataloader),
                 keep_predictions=description == "Prediction",

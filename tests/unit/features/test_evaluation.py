@@ -350,3 +350,26 @@ def test_kv_cache_outputs_are_not_predictions() -> None:
     batch = {"input_ids": torch.tensor([[1, 2], [3, 4]])}
     _, logits, _ = prediction_step(CachingModel(), batch, prediction_loss_only=False)
     assert isinstance(logits, torch.Tensor) and logits.shape == (2, 2, 1)
+
+
+@pytest.mark.parametrize(
+    ("weighting", "rows"),
+    [("sample", [5, 5, 2]), ("batch", [5, 5, 2]), ("sample", [4, 4]), ("batch", [4, 4])],
+)
+def test_eval_loss_weighs_samples_or_batches(weighting: str, rows: list[int]):
+    """ "sample": every sample once (a short last batch by its size); "batch": every batch once
+    (transformers' Seq2SeqTrainer); the two agree when every batch is full."""
+    model = TinyCausalLM()
+    batches = [make_batches(1, n, lengths=[5], seed=i)[0] for i, n in enumerate(rows)]
+    step = _step()
+    per_batch = [float(step(model, b)[0]) for b in batches]
+    out = evaluation_loop(model, batches, step=step, loss_weighting=weighting)  # type: ignore[arg-type]
+    weights = rows if weighting == "sample" else [1] * len(rows)
+    expected = sum(w * loss for w, loss in zip(weights, per_batch, strict=True)) / sum(weights)
+    assert out.metrics["eval_loss"] == pytest.approx(expected, rel=1e-6)
+    assert out.num_samples == sum(rows)
+
+
+def test_eval_loss_weighting_rejects_unknown():
+    with pytest.raises(ValueError, match="loss_weighting='tokens'"):
+        evaluation_loop(TinyCausalLM(), [], step=_step(), loss_weighting="tokens")  # type: ignore[arg-type]
