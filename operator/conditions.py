@@ -51,6 +51,7 @@ class Reason:
     COMPLETED = "Completed"
     SUSPENDED = "Suspended"
     RESUMED = "Resumed"
+    RESUME_FELL_BACK = "ResumeFellBack"
     # interruptions: preemptions (never count against maxRestarts)
     KUEUE_PREEMPTED = "KueuePreempted"
     KUEUE_EVICTED = "KueueEvicted"

@@ -448,6 +448,10 @@ class AttemptRecord(_Model):
     """Newest complete checkpoint when the attempt ended."""
     resume_from: str | None = None
     """PREEMPTIBLE_RESUME_FROM given to the attempt."""
+    resumed_from: str | None = None
+    """Checkpoint the attempt actually loaded, as its runtime reported it when it ended (empty
+    for a fresh start). It differs from resumeFrom when that checkpoint turned out corrupt and
+    the runtime fell back to an earlier complete one; startStep is then that one's step."""
     grace_seconds: int | None = None
     """terminationGracePeriodSeconds of the attempt's pods."""
     sigterm_to_exit_seconds: float | None = None

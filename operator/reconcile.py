@@ -30,6 +30,7 @@ from pydantic import ValidationError
 
 from preemptible_operator import conditions as cond
 from preemptible_operator import metrics, models, render
+from preemptible_operator.attempts import fallback_message, resumed_from
 from preemptible_operator.budget import spread_interval
 from preemptible_operator.checkpoint_store import CheckpointView, PathMap
 from preemptible_operator.classify import (
@@ -833,6 +834,15 @@ class Reconciler:
                         completed_at=now,
                         save_seconds=msg.save_seconds.last,
                     )
+        loaded = resumed_from(messages)
+        if loaded is not None:
+            fell_back = fallback_message(
+                record.attempt, record.resume_from, record.start_step, loaded
+            )
+            if fell_back is not None:
+                result.events.append(("Warning", Reason.RESUME_FELL_BACK, fell_back))
+            record.resumed_from = _pod_checkpoint_path(spec, loaded.path)
+            record.start_step = loaded.step
         ckpt = status.last_complete_checkpoint
         lost = 0
         if interruption.outcome != "Succeeded" and end_step is not None:

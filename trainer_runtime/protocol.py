@@ -148,6 +148,15 @@ class TerminationMessage(BaseModel):
     checkpoint: str | None = Field(default=None, description="Path of the checkpoint just written.")
     complete: bool = Field(default=False, description="Whether that checkpoint is complete.")
     attempt: int | None = None
+    resumed_from: str | None = Field(
+        default=None,
+        description="Path of the checkpoint this attempt actually loaded (None: a fresh start). "
+        "It differs from PREEMPTIBLE_RESUME_FROM's choice when that checkpoint was corrupt and "
+        "the runtime fell back to an earlier complete one.",
+    )
+    resumed_from_step: int | None = Field(
+        default=None, description="With resumed_from: that checkpoint's global step."
+    )
     step_seconds: StepTimings = Field(default_factory=StepTimings)
     save_seconds: SaveTimings = Field(default_factory=SaveTimings)
     sigterm_to_exit_seconds: float | None = None

@@ -168,9 +168,11 @@ def write_termination(
     stop: str | None = None,
     failed_rank: int | None = None,
     peer_gone: bool | None = None,
+    resumed_from: Any = None,
 ) -> None:
     """Write the pod's termination message (exit protocol); ``checkpoint`` is the last
-    checkpoint's info (``path``, ``complete``) or None. A write error is logged, never raised:
+    checkpoint's info (``path``, ``complete``) or None; ``resumed_from`` the info (``path``,
+    ``step``) of the checkpoint the attempt loaded, or None. A write error is logged, never raised:
     the exit code still tells the operator how the run ended."""
     msg = TerminationMessage(
         reason=reason,  # type: ignore[arg-type]
@@ -188,6 +190,8 @@ def write_termination(
         message=message[:2000] if message else None,
         failed_rank=failed_rank,
         peer_gone=peer_gone,
+        resumed_from=resumed_from.path if resumed_from is not None else None,
+        resumed_from_step=resumed_from.step if resumed_from is not None else None,
     )
     try:
         write_termination_message(msg)

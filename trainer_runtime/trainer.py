@@ -982,8 +982,10 @@ class Trainer(
         self.control = TrainerControl()
         self._position = _DataPosition()
         self.last_checkpoint = None
+        # What was loaded (a fallback may load an earlier one): the termination message says it.
+        self._resumed_from: CheckpointInfo | None = None
         if checkpoint is not None:
-            self._load_resume_checkpoint(checkpoint)
+            self._resumed_from = self._load_resume_checkpoint(checkpoint)
             self._load_callback_state()
         self.state.preemptible["attempt"] = attempt_from_env()
         if self.state.global_step >= self.state.max_steps:
@@ -2314,4 +2316,5 @@ class Trainer(
             stop=self._jit_stop_kind if self.preempted else None,
             failed_rank=failed_rank,
             peer_gone=peer_gone or None,
+            resumed_from=getattr(self, "_resumed_from", None),
         )

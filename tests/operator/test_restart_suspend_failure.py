@@ -77,7 +77,8 @@ def test_suspend_checkpoints_and_resume_continues(
     operator: OperatorProcess,
     checkpoint_root: Path,
 ) -> None:
-    tj.create(toy_training_job("sus", checkpoint_root, max_steps=24, step_sleep=0.3))
+    # Periodic saves every 2 steps: a complete checkpoint precedes the JIT one.
+    tj.create(toy_training_job("sus", checkpoint_root, max_steps=24, step_sleep=0.3, save_steps=2))
     wait_for(
         "running at step >= 3",
         lambda: (tj.status("sus").get("progress") or {}).get("step", 0) >= 3,
@@ -101,6 +102,13 @@ def test_suspend_checkpoints_and_resume_continues(
     )
     assert first["lostSteps"] == 0 and first["checkpoint"].endswith(f"-{first['endStep']}")
     assert not tj.pods("sus") or all(p.status.phase == "Failed" for p in tj.pods("sus"))
+    # The JIT checkpoint rots while suspended (same size, one byte flipped: it still lists as
+    # complete, so the operator still names it); the runtime finds it corrupt on load, falls
+    # back to the periodic checkpoint before it, and the operator records what was loaded.
+    model = Path(first["checkpoint"]) / "model.safetensors"
+    data = bytearray(model.read_bytes())
+    data[-3] ^= 0xFF
+    model.write_bytes(bytes(data))
     tj.patch_spec("sus", {"suspend": False})
     status = wait_for(
         "Succeeded",
@@ -110,8 +118,14 @@ def test_suspend_checkpoints_and_resume_continues(
     assert status["phase"] == "Succeeded"
     second = status["attempts"][1]
     assert second["resumeFrom"] == first["checkpoint"]
+    loaded = second["resumedFrom"]
+    assert loaded != first["checkpoint"] and second["startStep"] < first["endStep"], second
+    assert loaded.endswith(f"checkpoint-{second['startStep']}"), second
     assert status.get("preemptions", 0) == 0 and status.get("failures", 0) == 0
-    assert "Resumed" in [r for r, _ in tj.events("sus")]
+    events = tj.events("sus")
+    assert "Resumed" in [r for r, _ in events]
+    (fell_back,) = [m for r, m in events if r == "ResumeFellBack"]
+    assert first["checkpoint"] in fell_back or f"step {first['endStep']}" in fell_back
 
 
 def test_real_failures_use_max_restarts_with_backoff(

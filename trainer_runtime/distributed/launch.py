@@ -458,6 +458,11 @@ def pod_end(
         else (max(own) if own else None),
         "exit_codes": [w.exit_code for w in codes] or None,
         "attempt": next((m.attempt for m in messages if m.attempt is not None), None),
+        # Every rank loads the same checkpoint (they agree on any fallback): the first says it.
+        "resumed_from": next((m.resumed_from for m in messages if m.resumed_from), None),
+        "resumed_from_step": next(
+            (m.resumed_from_step for m in messages if m.resumed_from_step is not None), None
+        ),
     }
     base = min(
         (w for w in workers if w.message is not None), key=lambda w: w.local_rank, default=None

@@ -313,6 +313,17 @@ def test_pod_end_merges_the_workers_messages() -> None:
     assert quiet.sigterm_to_exit_seconds == 1.2
 
 
+@pytest.mark.parametrize("signalled", [True, False])
+def test_pod_end_says_which_checkpoint_the_workers_loaded(signalled: bool) -> None:
+    # Every worker loaded checkpoint-4 (they agreed to fall back from a corrupt checkpoint-6):
+    # the pod's message says so, whichever worker's message is the base.
+    loaded = {"resumed_from": "/c/checkpoint-4", "resumed_from_step": 4}
+    _, msg = pod_end([_w(0, 75, _m()), _w(1, 75, _m(**loaded))], signalled=signalled)
+    assert (msg.resumed_from, msg.resumed_from_step) == ("/c/checkpoint-4", 4)
+    _, fresh = pod_end([_w(0, 75, _m()), _w(1, 75, _m())], signalled=signalled)
+    assert fresh.resumed_from is None and fresh.resumed_from_step is None
+
+
 def test_pod_end_failure_keeps_the_newest_complete_checkpoint() -> None:
     periodic = _m("failed", step=9, checkpoint="/c/checkpoint-8", complete=True, message="boom")
     code, msg = pod_end([_w(0, 1, periodic), _w(1, 143)], agent_code=1)

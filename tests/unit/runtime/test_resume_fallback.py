@@ -12,7 +12,13 @@ import pytest
 from trainer_runtime.callbacks import TrainerCallback
 from trainer_runtime.checkpoint.layout import CORRUPT_NAME, CheckpointStore
 from trainer_runtime.errors import CheckpointCorruptError
-from trainer_runtime.protocol import ENV_ATTEMPT, ENV_OUTPUT_DIR, ENV_RESUME_FROM
+from trainer_runtime.protocol import (
+    ENV_ATTEMPT,
+    ENV_OUTPUT_DIR,
+    ENV_RESUME_FROM,
+    ENV_TERMINATION_LOG,
+    read_termination_message,
+)
 from trainer_runtime.trainer import Trainer
 
 from ..builders import StopAt
@@ -21,7 +27,7 @@ from .test_resume import assert_same_training, make_trainer
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (ENV_OUTPUT_DIR, ENV_RESUME_FROM, ENV_ATTEMPT):
+    for name in (ENV_OUTPUT_DIR, ENV_RESUME_FROM, ENV_ATTEMPT, ENV_TERMINATION_LOG):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -146,6 +152,37 @@ def test_operator_path_to_a_marked_checkpoint_resumes_from_the_one_before(
     again.train()  # the same path again: marked, so checkpoint-5 is chosen up front
     assert start.step == 5
     assert_same_training(full, again)
+
+
+@pytest.mark.parametrize("corrupt", [True, False], ids=["fell-back", "as-asked"])
+def test_termination_message_names_the_checkpoint_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, corrupt: bool
+) -> None:
+    """The operator asked for checkpoint-6; the message says what was loaded (checkpoint-4
+    after a fallback), so the attempt's record and the lost-work count are right."""
+    out = tmp_path / "run"
+    saved_run(out)
+    if corrupt:
+        flip_byte(out / "checkpoint-6" / "model.safetensors")
+    log = tmp_path / "termination-log"
+    monkeypatch.setenv(ENV_TERMINATION_LOG, str(log))
+    monkeypatch.setenv(ENV_ATTEMPT, "2")
+    monkeypatch.setenv(ENV_RESUME_FROM, str(out / "checkpoint-6"))
+    make_trainer(out, max_steps=8, save_steps=100).train()
+    msg = read_termination_message(log.read_text())
+    assert msg is not None and msg.reason == "completed" and msg.step == 8
+    expected = 4 if corrupt else 6
+    assert msg.resumed_from == str(out / f"checkpoint-{expected}")
+    assert msg.resumed_from_step == expected
+
+
+def test_fresh_start_names_no_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = tmp_path / "termination-log"
+    monkeypatch.setenv(ENV_TERMINATION_LOG, str(log))
+    monkeypatch.setenv(ENV_ATTEMPT, "1")
+    make_trainer(tmp_path / "run", max_steps=2, save_steps=100).train()
+    msg = read_termination_message(log.read_text())
+    assert msg is not None and msg.resumed_from is None and msg.resumed_from_step is None
 
 
 def test_only_checkpoint_corrupt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
