@@ -78,6 +78,7 @@ from trainer_runtime.checkpoint.model_state import (
     rng_file_name,
 )
 from trainer_runtime.checkpoint.resharding import DataShape, reshard_position
+from trainer_runtime.checkpoint.resume_choice import parent_of, requested_resume, resolve_in_store
 from trainer_runtime.checkpoint.rng import restore_rng_state
 from trainer_runtime.checkpoint.safetensors_stream import TensorFile
 from trainer_runtime.checkpoint.shares import ShareGroup, share_entries
@@ -137,7 +138,6 @@ from trainer_runtime.metrics import TrainingMetrics, metrics_from_env
 from trainer_runtime.protocol import (
     ENV_ATTEMPT,
     ENV_OUTPUT_DIR,
-    ENV_RESUME_FROM,
     ENV_TERMINATION_DIR,
     EXIT_PEER_FAILED,
     EXIT_PREEMPTED,
@@ -166,14 +166,6 @@ def _wait_for_exit(seconds: float = 30.0) -> None:
 def under_operator() -> bool:
     """The operator's environment contract is present: exit codes and termination messages apply."""
     return bool(os.environ.get(ENV_OUTPUT_DIR) or os.environ.get(ENV_ATTEMPT))
-
-
-def _parent_of(path: str) -> str:
-    """The directory (URL) holding the checkpoint directory ``path``."""
-    head, sep, _ = path.rstrip("/").rpartition("/")
-    if not sep:
-        return "."
-    return head if head and not head.endswith("/") else head + "/"
 
 
 def _to_device(data: Any, device: torch.device) -> Any:
@@ -529,15 +521,9 @@ class Trainer(
 
     # -- resume resolution -------------------------------------------------------------------------
     def _resolve_resume(self, resume: bool | str | None) -> CheckpointInfo | None:
-        from_env = False
         self._resume_mode = None
-        if resume is None:
-            raw = os.environ.get(ENV_RESUME_FROM, "").strip()
-            if not raw:
-                return None
-            from_env = True
-            resume = True if raw.lower() == "latest" else raw
-        if resume is False:
+        resume, from_env = requested_resume(resume)
+        if resume is None or resume is False:
             return None
         output_dir = str(self.args.output_dir)
         if resume is True:
@@ -552,56 +538,7 @@ class Trainer(
                 from_env=from_env,
                 local_rank=self.accelerator.local_process_index,
             )
-        if resume is True:
-            store = CheckpointStore(output_dir)
-            for info in store.incomplete():
-                logger.warning("skipping incomplete checkpoint %s: %s", info.path, info.reason)
-            latest = store.latest_complete()
-            if latest is None:
-                if from_env:
-                    logger.info(
-                        "%s=latest but %s has no complete checkpoint: starting from scratch",
-                        ENV_RESUME_FROM,
-                        output_dir,
-                    )
-                    return None
-                raise ResumeError(
-                    f"resume_from_checkpoint=True but {output_dir} has no complete checkpoint; "
-                    "train without resume_from_checkpoint or pass a checkpoint path"
-                )
-            logger.info("resuming from the newest complete checkpoint %s", latest.path)
-            return latest
-        path = str(resume)
-        info = CheckpointStore(output_dir).inspect(path)
-        if not info.complete and from_env and info.corrupt:
-            # The operator passes the newest complete checkpoint it knew (never an older one
-            # than the runtime reported); one a resume marked corrupt since gives way to the
-            # newest complete one before it, as "latest" would.
-            older = CheckpointStore(_parent_of(info.path)).latest_complete(below=info.step)
-            if older is not None:
-                logger.error(
-                    "%s=%s is not usable (%s): resuming from %s, the newest complete checkpoint "
-                    "before it",
-                    ENV_RESUME_FROM,
-                    path,
-                    info.reason,
-                    older.path,
-                )
-                return older
-            # what "latest" does when no complete checkpoint is left (the model is untouched)
-            logger.error(
-                "%s=%s is marked corrupt (%s) and no complete checkpoint precedes it: "
-                "starting from scratch",
-                ENV_RESUME_FROM,
-                path,
-                info.reason,
-            )
-            return None
-        if not info.complete:
-            raise ResumeError(
-                f"cannot resume from {path}: {info.reason or 'checkpoint incomplete'}"
-            )
-        return info
+        return resolve_in_store(output_dir, resume, from_env=from_env)
 
     def _load_resume_checkpoint(self, info: CheckpointInfo) -> CheckpointInfo | None:
         """Load ``info``; when it turns out corrupt on any rank, mark it, fall back to the newest
@@ -670,7 +607,7 @@ class Trainer(
                 local_rank=self.accelerator.local_process_index,
                 below=failed.step,
             )
-        older = CheckpointStore(_parent_of(failed.path)).latest_complete(below=failed.step)
+        older = CheckpointStore(parent_of(failed.path)).latest_complete(below=failed.step)
         step = fallback.agree_step(older.step if older is not None else None)
         return older if step is not None else None
 

@@ -56,6 +56,7 @@ from trainer_runtime.checkpoint.layout import (
     parse_step,
 )
 from trainer_runtime.checkpoint.per_node import gather_objects
+from trainer_runtime.checkpoint.resume_choice import requested_resume, resolve_in_store
 from trainer_runtime.checkpoint.shares import plan_shares
 from trainer_runtime.checkpoint.storage import Storage
 from trainer_runtime.distributed import collectives
@@ -69,7 +70,6 @@ from trainer_runtime.metrics import TrainingMetrics, metrics_from_env
 from trainer_runtime.protocol import (
     ENV_ATTEMPT,
     ENV_OUTPUT_DIR,
-    ENV_RESUME_FROM,
     EXIT_PREEMPTED,
     writes_termination_message,
 )
@@ -144,58 +144,11 @@ def resolve_resume(resume: bool | str | None, output_dir: str) -> str | bool | N
     ``True``: the newest complete checkpoint (transformers would take the newest directory, even a
     half-written one). A path: checked complete. ``False``: no resume.
     """
-    from_env = False
-    if resume is None:
-        raw = os.environ.get(ENV_RESUME_FROM, "").strip()
-        if not raw:
-            return None
-        from_env = True
-        resume = True if raw.lower() == "latest" else raw
-    if resume is False:
-        return False
-    store = CheckpointStore(output_dir)
-    if resume is True:
-        for info in store.incomplete():
-            logger.warning("skipping incomplete checkpoint %s: %s", info.path, info.reason)
-        latest = store.latest_complete()
-        if latest is None:
-            if from_env:
-                logger.info(
-                    "%s=latest: no complete checkpoint in %s yet", ENV_RESUME_FROM, output_dir
-                )
-                return None
-            raise ResumeError(
-                f"resume_from_checkpoint=True but {output_dir} has no complete checkpoint; "
-                "train without resume_from_checkpoint or pass a checkpoint path"
-            )
-        logger.info("resuming from the newest complete checkpoint %s", latest.path)
-        return latest.path
-    info = store.inspect(str(resume))
-    if not info.complete and from_env and info.corrupt:
-        # The operator passes the newest complete checkpoint it knew; one a resume has marked
-        # corrupt since gives way to the newest complete one before it, as in our Trainer.
-        older = store.latest_complete(below=info.step)
-        if older is not None:
-            logger.error(
-                "%s=%s is not usable (%s): resuming from %s, the newest complete checkpoint "
-                "before it",
-                ENV_RESUME_FROM,
-                resume,
-                info.reason,
-                older.path,
-            )
-            return older.path
-        logger.error(
-            "%s=%s is marked corrupt (%s) and no complete checkpoint precedes it: "
-            "starting from scratch",
-            ENV_RESUME_FROM,
-            resume,
-            info.reason,
-        )
-        return None
-    if not info.complete:
-        raise ResumeError(f"cannot resume from {resume}: {info.reason or 'checkpoint incomplete'}")
-    return info.path
+    resume, from_env = requested_resume(resume)
+    if resume is None or resume is False:
+        return resume
+    info = resolve_in_store(output_dir, resume, from_env=from_env)
+    return info.path if info is not None else None
 
 
 def _may_fall_back(resume: bool | str | None) -> bool:
