@@ -32,7 +32,7 @@ from preemptible_operator import conditions as cond
 from preemptible_operator import metrics, models, render
 from preemptible_operator.attempts import fallback_message, resumed_from
 from preemptible_operator.budget import spread_interval
-from preemptible_operator.checkpoint_store import CheckpointView, PathMap
+from preemptible_operator.checkpoint_store import CheckpointView, PathMap, StorageReads
 from preemptible_operator.classify import (
     ContainerEnd,
     Interruption,
@@ -196,6 +196,9 @@ class Reconciler:
         # attempt's Job is not created behind them; (namespace, name) -> that work in flight.
         self._cleanup_pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="cleanup")
         self._cleanups: dict[tuple[str, str], concurrent.futures.Future[None]] = {}
+        # Looks at checkpoint roots, under a deadline; recording attempt N and creating N+1
+        # share one (key (uid, N)).
+        self._storage = StorageReads()
 
     # ------------------------------------------------------------------------------ reading
     @staticmethod
@@ -689,12 +692,12 @@ class Reconciler:
             self.config.max_grace_seconds,
         )
         view = CheckpointView(spec.checkpoint.uri, self.config.path_map)
-        snapshot = view.snapshot()
+        # The look the pass recording the previous attempt took, when it was just now.
+        snapshot = self._storage.snapshot(view, (meta["uid"], attempt - 1))
         reported = status.last_complete_checkpoint
         if snapshot is not None:
             _apply_snapshot(status, snapshot)
         choice = resume_checkpoint(
-            attempt,
             snapshot is not None,
             _snapshot_ref(snapshot),
             reported,
@@ -819,7 +822,8 @@ class Reconciler:
         end_step = max(
             [*end_steps, *([progress_step] if progress_step is not None else [])], default=None
         )
-        snapshot = view.snapshot() if view is not None else None
+        key = (meta["uid"], record.attempt)
+        snapshot = self._storage.snapshot(view, key) if view is not None else None
         if snapshot is not None:
             _apply_snapshot(status, snapshot)
         # The runtime's own report counts even when storage is readable: a listing can miss

@@ -25,36 +25,39 @@ class ResumeChoice:
 
 
 def resume_checkpoint(
-    attempt: int,
-    storage_listed: bool,
+    storage_seen: bool,
     storage_latest: CheckpointRef | None,
     reported_latest: CheckpointRef | None,
 ) -> ResumeChoice:
-    """Decide PREEMPTIBLE_RESUME_FROM for attempt ``attempt``.
+    """Decide PREEMPTIBLE_RESUME_FROM for the next attempt (any attempt, the first included).
 
-    ``storage_listed``: the operator listed the checkpoint root just now (it is mapped and the
-    listing succeeded); ``storage_latest`` is then the newest complete checkpoint it verified.
-    ``reported_latest``: the newest complete checkpoint the runtime reported (termination
-    message, /metrics) or any earlier pass saw.
+    ``storage_seen``: the operator looked at the checkpoint root just now and saw it (mapped,
+    present, listed in time); ``storage_latest`` is then the newest complete checkpoint it
+    verified, None when it saw none. ``reported_latest``: the newest complete checkpoint the
+    runtime reported (termination message, /metrics) or any earlier pass saw.
 
     Never older than what the runtime reported: an operator that cannot see the pods' volume, or
     whose listing misses the newest JIT checkpoint, must not send training back. So the newest of
-    the two wins (storage on a tie: its path is verified). Without either, a later attempt (or
-    any attempt when the operator could not list) gets "latest" and the runtime applies the
-    completeness rule itself; only a first attempt over a root the operator listed as empty
-    starts fresh.
+    the two wins (storage on a tie: its path is verified). Without either it is "latest" and the
+    runtime applies the completeness rule itself (no complete checkpoint there: it starts
+    fresh). The operator never forces a fresh start (""): a root it cannot see, or sees empty,
+    says nothing sure about the pods' volume (the path map may point at another volume, e.g.
+    the operator's own PVC for every namespace), while "latest" over an empty root costs
+    nothing.
     """
     if (
-        storage_listed
+        storage_seen
         and storage_latest is not None
         and (reported_latest is None or storage_latest.step >= reported_latest.step)
     ):
         return ResumeChoice(storage_latest.path, storage_latest.step, "storage")
     if reported_latest is not None:
         return ResumeChoice(reported_latest.path, reported_latest.step, "runtime report")
-    if storage_listed and attempt <= 1:
-        return ResumeChoice("", 0, "storage: no complete checkpoint")
-    return ResumeChoice(LATEST, None, "the runtime finds the newest complete checkpoint")
+    if storage_seen:
+        return ResumeChoice(
+            LATEST, None, "storage seen without a complete checkpoint: the runtime looks"
+        )
+    return ResumeChoice(LATEST, None, "storage not visible to the operator: the runtime looks")
 
 
 def attempt_fence(created: str | None, attempt: int) -> int:

@@ -482,10 +482,21 @@ class CheckpointStore:
     def __repr__(self) -> str:
         return f"CheckpointStore({self.output_dir!r})"
 
-    def names(self) -> list[str]:
-        """Checkpoint directory names, ascending by step."""
+    def names(self, *, missing_ok: bool = True) -> list[str]:
+        """Checkpoint directory names, ascending by step.
+
+        A missing output dir has none (``missing_ok``, what a writer or a resume wants: nothing
+        was saved yet). With ``missing_ok=False`` it raises a not-found :class:`StorageError`
+        instead: a reader that may see another volume than the writers (the operator) must
+        not take "not there" for "empty"."""
         if not self.storage.exists(""):
-            return []
+            if missing_ok:
+                return []
+            raise StorageError(
+                self.storage.url,
+                "list checkpoints",
+                FileNotFoundError(f"{self.storage.url} does not exist"),
+            )
         found = [n for n in self.storage.subdirs("") if parse_step(n) is not None]
         return sorted(found, key=lambda n: (parse_step(n), n))
 
@@ -516,6 +527,24 @@ class CheckpointStore:
             if info.complete:
                 return info
         return None
+
+    def newest(self, limit: int, *, missing_ok: bool = True) -> list[CheckpointInfo]:
+        """The newest checkpoints, newest first, down to and including the newest complete one,
+        at most ``limit`` of them.
+
+        One listing of the names, then one inspection (manifest read) per checkpoint returned:
+        the cost does not grow with the checkpoints kept (``save_total_limit`` unset keeps them
+        all). The last one is the newest complete checkpoint when it is complete; when none of
+        the ``limit`` newest is, an older complete one may exist."""
+        if limit < 1:
+            raise ConfigurationError(f"limit={limit!r} is invalid: use an integer >= 1")
+        out: list[CheckpointInfo] = []
+        for name in reversed(self.names(missing_ok=missing_ok)):
+            info = inspect_checkpoint(self.storage, name)
+            out.append(info)
+            if info.complete or len(out) >= limit:
+                break
+        return out
 
     def list_from_listing(self) -> list[CheckpointInfo]:
         """Every checkpoint from one recursive listing, no manifest read

@@ -13,32 +13,32 @@ C9 = CheckpointRef(step=9, path="/c/checkpoint-9")
 
 
 @pytest.mark.parametrize(
-    ("attempt", "listed", "storage", "reported", "resume_from", "step"),
+    ("seen", "storage", "reported", "resume_from", "step"),
     [
-        (1, True, None, None, "", 0),  # a fresh job over an empty root
-        (2, True, C9, C7, "/c/checkpoint-9", 9),  # storage is newer than the last report
-        (2, True, C9, C9, "/c/checkpoint-9", 9),  # a tie: storage's verified path
+        (True, C9, C7, "/c/checkpoint-9", 9),  # storage is newer than the last report
+        (True, C9, None, "/c/checkpoint-9", 9),  # a re-created job over its old checkpoints
+        (True, C9, C9, "/c/checkpoint-9", 9),  # a tie: storage's verified path
         # The listing missed the newest JIT checkpoint: never resume older than reported.
-        (2, True, C7, C9, "/c/checkpoint-9", 9),
-        # The operator's mount shows nothing (a PVC it does not mount): the runtime's report.
-        (2, True, None, C9, "/c/checkpoint-9", 9),
-        # Listed empty, nothing reported, a later attempt: the runtime looks for itself.
-        (2, True, None, None, LATEST, None),
-        (1, False, None, None, LATEST, None),  # cannot list: never assume an empty root
-        (2, False, None, C9, "/c/checkpoint-9", 9),
-        (3, False, None, None, LATEST, None),
-        (1, False, None, C7, "/c/checkpoint-7", 7),
+        (True, C7, C9, "/c/checkpoint-9", 9),
+        # Seen without a complete checkpoint (another volume than the pods'?): the report.
+        (True, None, C9, "/c/checkpoint-9", 9),
+        # Seen empty, nothing reported: the runtime looks (it starts fresh over an empty
+        # root); the operator never forces a fresh start, not even for a first attempt.
+        (True, None, None, LATEST, None),
+        # Not visible (unmapped, missing, unreadable, timed out): the runtime decides.
+        (False, None, None, LATEST, None),
+        (False, None, C9, "/c/checkpoint-9", 9),
+        (False, None, C7, "/c/checkpoint-7", 7),
     ],
 )
 def test_resume_checkpoint(
-    attempt: int,
-    listed: bool,
+    seen: bool,
     storage: CheckpointRef | None,
     reported: CheckpointRef | None,
     resume_from: str,
     step: int | None,
 ) -> None:
-    choice = resume_checkpoint(attempt, listed, storage, reported)
+    choice = resume_checkpoint(seen, storage, reported)
     assert (choice.resume_from, choice.step) == (resume_from, step), choice.source
 
 
