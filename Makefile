@@ -39,7 +39,9 @@ bench: setup
 	$(PY) -P benchmarks/checkpoint_io.py
 	$(PY) -P benchmarks/cpu_malloc_tuning.py
 
-# Regenerate the CRD from the operator's models and the plain install YAML from the chart.
+# Regenerate the CRD from the operator's models, the chart's admission policy and user roles from
+# operator/rbac.py, and the plain install YAML from the chart.
 manifests: setup cluster-binaries
 	$(PY) -m preemptible_operator.crd --write
+	$(PY) -m preemptible_operator.rbac --write
 	$(PY) scripts/render_manifests.py

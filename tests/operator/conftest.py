@@ -11,12 +11,14 @@ import pytest
 
 from preemptible_operator import rbac
 from tests.cluster.controlplane import ControlPlane
+from tests.cluster.kubeconfig import api_client_from
 from tests.operator.harness import (
     OperatorProcess,
     TJClient,
     delete_training_jobs,
     free_port,
     install_crd,
+    wait_for_policy,
 )
 
 
@@ -70,18 +72,15 @@ def operator(
 
 
 @pytest.fixture
-def least_privilege_operator(
-    control_plane: ControlPlane,
-    tj_crd: None,
-    namespace: str,
-    checkpoint_root: Path,
-    tmp_path: Path,
-) -> Iterator[OperatorProcess]:
-    """The operator as a ServiceAccount bound to exactly preemptible_operator.rbac's rules."""
+def operator_identity(control_plane: ControlPlane, tj_crd: None, namespace: str) -> Iterator[Path]:
+    """A kubeconfig of ServiceAccount ``<namespace>/operator`` bound to exactly
+    preemptible_operator.rbac's rules and held to its admission policy (the chart's defaults);
+    the policy is in force when this yields."""
     role_name = f"preemptible-operator-{uuid.uuid4().hex[:6]}"
     with control_plane.api_client() as client:
         core = kubernetes.client.CoreV1Api(client)
         authz = kubernetes.client.RbacAuthorizationV1Api(client)
+        admission = kubernetes.client.AdmissionregistrationV1Api(client)
         core.create_namespaced_service_account(namespace, {"metadata": {"name": "operator"}})
         authz.create_cluster_role(rbac.cluster_role(role_name))
         authz.create_cluster_role_binding(
@@ -97,8 +96,39 @@ def least_privilege_operator(
                 ],
             }
         )
+        admission.create_validating_admission_policy(
+            rbac.admission_policy(role_name, namespace, "operator")
+        )
+        admission.create_validating_admission_policy_binding(
+            rbac.admission_policy_binding(role_name)
+        )
     kubeconfig = control_plane.service_account_kubeconfig(namespace, "operator")
-    op = OperatorProcess(kubeconfig, namespace, checkpoint_root, tmp_path / "operator.log")
+    try:
+        with api_client_from(kubeconfig) as client:
+            wait_for_policy(client, namespace)
+        yield kubeconfig
+    finally:
+        with control_plane.api_client() as client:
+            authz = kubernetes.client.RbacAuthorizationV1Api(client)
+            admission = kubernetes.client.AdmissionregistrationV1Api(client)
+            admission.delete_validating_admission_policy_binding(role_name)
+            admission.delete_validating_admission_policy(role_name)
+            authz.delete_cluster_role_binding(role_name)
+            authz.delete_cluster_role(role_name)
+
+
+@pytest.fixture
+def least_privilege_operator(
+    control_plane: ControlPlane,
+    tj_crd: None,
+    namespace: str,
+    checkpoint_root: Path,
+    tmp_path: Path,
+    operator_identity: Path,
+) -> Iterator[OperatorProcess]:
+    """The operator as a ServiceAccount bound to exactly preemptible_operator.rbac's rules and
+    held to its admission policy."""
+    op = OperatorProcess(operator_identity, namespace, checkpoint_root, tmp_path / "operator.log")
     op.start()
     try:
         yield op
@@ -106,7 +136,3 @@ def least_privilege_operator(
         with control_plane.api_client() as client:
             delete_training_jobs(client, namespace, op)
         op.kill()
-        with control_plane.api_client() as client:
-            authz = kubernetes.client.RbacAuthorizationV1Api(client)
-            authz.delete_cluster_role_binding(role_name)
-            authz.delete_cluster_role(role_name)

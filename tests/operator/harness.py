@@ -29,6 +29,7 @@ __all__ = [
     "read_metrics",
     "toy_training_job",
     "wait_for",
+    "wait_for_policy",
 ]
 
 # Generous: 2 shared cores, torch imports take seconds per pod start.
@@ -51,6 +52,33 @@ def wait_for(
             extra = f"\n{on_timeout()}" if on_timeout else ""
             raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}{extra}")
         time.sleep(interval)
+
+
+def wait_for_policy(client: kubernetes.client.ApiClient, namespace: str) -> None:
+    """Wait until the operator's admission policy refuses ``client`` (the operator's identity) a
+    Job of no TrainingJob: the apiserver loads new policies asynchronously. Dry run: nothing is
+    created either way."""
+    batch = kubernetes.client.BatchV1Api(client)
+    body = {
+        "metadata": {"generateName": "policy-probe-"},
+        "spec": {
+            "suspend": True,
+            "template": {
+                "spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "none"}]}
+            },
+        },
+    }
+
+    def refused() -> bool:
+        try:
+            batch.create_namespaced_job(namespace, body, dry_run="All")
+        except ApiException as exc:
+            if exc.status == 403 and "preemptible operator" in str(exc.body):
+                return True
+            raise
+        return False
+
+    wait_for("the operator's admission policy in force", refused, timeout=60)
 
 
 def install_crd(

@@ -10,7 +10,7 @@ import yaml
 
 from tests.packaging.tools import REPO_ROOT, run_tool
 
-__all__ = ["CHART_DIR", "find_objects", "render", "render_raw", "rules_of"]
+__all__ = ["CHART_DIR", "find_objects", "is_user_role", "render", "render_raw", "rules_of"]
 
 CHART_DIR = REPO_ROOT / "charts" / "preemptible"
 
@@ -47,6 +47,19 @@ def find_objects(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any
     return [o for o in objects if o.get("kind") == kind]
 
 
+def is_user_role(obj: dict[str, Any]) -> bool:
+    """A ClusterRole aggregated into the built-in admin/edit/view roles: users' access to
+    TrainingJobs, granted to no ServiceAccount of the chart."""
+    labels = obj.get("metadata", {}).get("labels") or {}
+    return any(k.startswith("rbac.authorization.k8s.io/aggregate-to-") for k in labels)
+
+
 def rules_of(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    """All rules of every object of ``kind`` (Role or ClusterRole)."""
-    return [rule for obj in find_objects(objects, kind) for rule in obj.get("rules", [])]
+    """All rules of every object of ``kind`` (Role or ClusterRole) the operator is bound to
+    (the aggregated user roles left out)."""
+    return [
+        rule
+        for obj in find_objects(objects, kind)
+        if not is_user_role(obj)
+        for rule in obj.get("rules", [])
+    ]

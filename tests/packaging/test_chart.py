@@ -11,7 +11,14 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.packaging.chart import CHART_DIR, find_objects, render, render_raw, rules_of
+from tests.packaging.chart import (
+    CHART_DIR,
+    find_objects,
+    is_user_role,
+    render,
+    render_raw,
+    rules_of,
+)
 from tests.packaging.tools import REPO_ROOT, require_tool, run_tool
 
 READ = {"get", "list", "watch"}
@@ -70,6 +77,11 @@ def test_cluster_wide_mode(helm: str) -> None:
             "ClusterRoleBinding",
             "Service",
             "Deployment",
+            # preemptible-edit and preemptible-view, aggregated into edit/admin and view
+            "ClusterRole",
+            "ClusterRole",
+            "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding",
         ]
     )
     assert not find_objects(objects, "Role")
@@ -104,7 +116,7 @@ def test_namespaced_mode(helm: str, tmp_path: Path) -> None:
     assert _init_env(objects)["PEERING_NAMESPACES"] == "team-a team-b"
     # Nothing namespaced is granted cluster-wide: the only ClusterRole reads CRDs, Nodes and
     # Namespaces.
-    (cluster_role,) = find_objects(objects, "ClusterRole")
+    (cluster_role,) = [o for o in find_objects(objects, "ClusterRole") if not is_user_role(o)]
     assert cluster_role["rules"] == [
         {
             "apiGroups": ["apiextensions.k8s.io"],
@@ -146,6 +158,51 @@ def test_rbac_is_least_privilege(helm: str, kind: str, tmp_path: Path) -> None:
     assert granted.get("/nodes", set()) <= READ
     assert granted.get("apiextensions.k8s.io/customresourcedefinitions", set()) <= READ
     assert granted.get("/namespaces", set()) <= READ
+
+
+@pytest.mark.parametrize("mode", ["cluster-wide", "namespaced"])
+def test_admission_policy_is_the_generated_one(helm: str, mode: str, tmp_path: Path) -> None:
+    """The chart's ValidatingAdmissionPolicy is operator/rbac.py's for the chart's own
+    ServiceAccount, bound with Deny, in both modes (the match condition picks the operator)."""
+    from preemptible_operator import rbac
+
+    values = {"watchNamespaces": ["team-a"]} if mode == "namespaced" else None
+    objects = render(helm, values, tmp_path=tmp_path)
+    (sa,) = find_objects(objects, "ServiceAccount")
+    (policy,) = find_objects(objects, "ValidatingAdmissionPolicy")
+    (binding,) = find_objects(objects, "ValidatingAdmissionPolicyBinding")
+    expected = rbac.admission_policy(
+        "preemptible-operator", "preemptible-system", sa["metadata"]["name"]
+    )
+    assert policy["metadata"]["name"] == expected["metadata"]["name"]
+    assert policy["spec"] == expected["spec"]
+    assert binding["spec"] == rbac.admission_policy_binding("preemptible-operator")["spec"]
+
+
+def test_user_roles_are_the_generated_ones(helm: str) -> None:
+    from preemptible_operator import rbac
+
+    rendered = {
+        o["metadata"]["name"]: o
+        for o in find_objects(render(helm), "ClusterRole")
+        if is_user_role(o)
+    }
+    expected = {r["metadata"]["name"]: r for r in rbac.user_roles("preemptible")}
+    assert rendered.keys() == expected.keys()
+    for name, role in expected.items():
+        assert rendered[name]["rules"] == role["rules"]
+        labels = rendered[name]["metadata"]["labels"]
+        assert {k: v for k, v in labels.items() if k.startswith("rbac.")} == role["metadata"][
+            "labels"
+        ]
+
+
+def test_admission_policy_and_user_roles_can_be_turned_off(helm: str, tmp_path: Path) -> None:
+    values = {"rbac": {"admissionPolicy": False, "aggregateToDefaultRoles": False}}
+    objects = render(helm, values, tmp_path=tmp_path)
+    assert not find_objects(objects, "ValidatingAdmissionPolicy")
+    assert not find_objects(objects, "ValidatingAdmissionPolicyBinding")
+    assert not [o for o in find_objects(objects, "ClusterRole") if is_user_role(o)]
 
 
 def _docs_rbac_table() -> set[tuple[str, str, frozenset[str]]]:
