@@ -1096,14 +1096,19 @@ class Reconciler:
         """Set the TrainingJob's spec.suspend: its Workload was deactivated by someone else,
         and only the user's spec.suspend: false may start a new one."""
         meta = obj["metadata"]
-        self.custom.patch_namespaced_custom_object(
-            models.GROUP,
-            models.VERSION,
-            meta["namespace"],
-            models.PLURAL,
-            meta["name"],
-            {"spec": {"suspend": True}},
-        )
+        try:
+            self.custom.patch_namespaced_custom_object(
+                models.GROUP,
+                models.VERSION,
+                meta["namespace"],
+                models.PLURAL,
+                meta["name"],
+                {"spec": {"suspend": True}},
+            )
+        except ApiException as exc:
+            if exc.status == 404:  # deleted meanwhile: nothing left to suspend
+                return
+            raise
         self._event(obj, "Warning", Reason.WORKLOAD_DEACTIVATED, message)
 
     def _deactivate_workload(
