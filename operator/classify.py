@@ -16,19 +16,24 @@ from preemptible_operator.timestamps import parse_rfc3339
 from trainer_runtime import protocol
 
 __all__ = [
+    "DEACTIVATED_BY_OPERATOR_ANNOTATION",
     "ContainerEnd",
     "Interruption",
     "Outcome",
+    "attempt_started",
     "classify_interruption",
     "container_end",
     "deadline_too_short",
+    "grace_deadline",
     "is_kueue_admitted",
     "job_condition",
     "killed_at_grace",
+    "kubelet_eviction",
     "pending_detail",
     "pod_finished",
     "pod_sigterm_to_exit",
     "workload_condition",
+    "workload_deactivated",
 ]
 
 Outcome = Literal["Active", "Succeeded", "Preempted", "Failed", "Suspended"]
@@ -36,8 +41,30 @@ Outcome = Literal["Active", "Succeeded", "Preempted", "Failed", "Suspended"]
 SIGKILL_EXIT = 128 + 9
 
 START_FAILURE_EVICTIONS = frozenset({"PodsReadyTimeout", "AdmissionCheck"})
-"""Kueue Workload eviction reasons that, for an attempt whose pods never ran, mean it could not
-start (rather than that it was preempted)."""
+"""Kueue Workload eviction reasons that, for an attempt whose pods never all ran together, mean
+it could not start (rather than that it was preempted)."""
+
+DEACTIVATION_EVICTIONS = frozenset({"InactiveWorkload", "Deactivated"})
+"""Kueue Workload eviction reasons for a Workload whose ``spec.active`` was set false (by an
+administrator, or by Kueue itself at its requeuing limit)."""
+
+DEACTIVATED_BY_OPERATOR_ANNOTATION = "preemptible.dev/deactivated-by-operator"
+"""Set on a Workload in the same patch as the operator's own ``spec.active: false`` (after
+Kueue evicted the attempt), so that deactivation is never mistaken for an administrator's."""
+
+GRACE_DEADLINE_SLACK_SECONDS = 2.0
+"""How much earlier than its grace deadline a container may seem to end and still count as
+killed at it: both stamps have one second's resolution, and the node's clock (finishedAt) and
+the API server's (deletionTimestamp) may differ a little."""
+
+CONTAINER_STATUS_UNKNOWN = "ContainerStatusUnknown"
+"""The kubelet's terminated reason (exit 137) for a container it can no longer find, e.g.
+after its node rebooted: nobody killed it, the node lost it."""
+
+# Words of the kubelet's eviction messages (node pressure, a pod's or container's
+# ephemeral-storage limit, an emptyDir over its sizeLimit); a graceful node shutdown says
+# "node shutdown" instead.
+_EVICTION_WORDS = ("low on resource", "ephemeral", "exceeds the limit", "node had condition")
 
 # Waiting reasons of a container that will not start without a change (kubelet's names).
 _STUCK_WAITING = frozenset(
@@ -89,11 +116,22 @@ class ContainerEnd:
     extra: dict[str, Any] = field(default_factory=dict)
     observed_sigterm_to_exit: float | None = None
     """SIGTERM-to-exit read from the pod object (pod_sigterm_to_exit), whole seconds."""
+    at_grace_deadline: bool = False
+    """Someone asked the pod to stop (it was deleted, or has a DisruptionTarget condition) and
+    its container ended at or after that termination's grace deadline (grace_deadline)."""
+    kubelet_evicted: str | None = None
+    """The kubelet's eviction message when it evicted the pod (kubelet_eviction)."""
 
     @property
     def oom(self) -> bool:
         """Killed by the OOM killer (the kubelet reports reason OOMKilled)."""
         return self.reason == "OOMKilled"
+
+    @property
+    def status_unknown(self) -> bool:
+        """The kubelet lost the container (ContainerStatusUnknown, exit 137: e.g. its node
+        rebooted): neither a crash nor a kill at the grace deadline."""
+        return self.reason == CONTAINER_STATUS_UNKNOWN
 
     @property
     def failed_on_its_own(self) -> bool:
@@ -105,8 +143,20 @@ class ContainerEnd:
 
     @property
     def killed(self) -> bool:
-        """SIGKILLed by someone other than the OOM killer (e.g. at the grace deadline)."""
-        return self.exit_code == SIGKILL_EXIT and not self.oom and not self.failed_on_its_own
+        """SIGKILLed at the grace deadline of a termination someone asked for: exit 137, not
+        by the OOM killer, not a worker's own kill (failed_on_its_own), not a container the
+        kubelet lost (ContainerStatusUnknown), not a kubelet eviction (its grace is 0 or the
+        kubelet's own maximum, never the pod's), and the pod was deleted or marked
+        DisruptionTarget and ended at or after that deadline. Only this says the grace was
+        too short."""
+        return (
+            self.exit_code == SIGKILL_EXIT
+            and not self.oom
+            and not self.failed_on_its_own
+            and not self.status_unknown
+            and self.kubelet_evicted is None
+            and self.at_grace_deadline
+        )
 
     @property
     def stopped_for_preemption(self) -> bool:
@@ -163,6 +213,8 @@ class ContainerEnd:
         if self.oom:
             return True
         if self.exit_code == SIGKILL_EXIT:
+            # Killed by someone (at a grace deadline, by the kubelet, lost with its node)
+            # unless its own message says one of its workers was killed on its own.
             return self.failed_on_its_own
         if self.exit_code in (0, None, protocol.EXIT_PREEMPTED):
             return False
@@ -226,6 +278,8 @@ def container_end(pod: Mapping[str, Any]) -> ContainerEnd | None:
         if not terminated:
             return None
         raw = terminated.get("message")
+        deadline = grace_deadline(pod)
+        finished = parse_rfc3339(terminated.get("finishedAt"))
         return ContainerEnd(
             pod=(pod.get("metadata") or {}).get("name", ""),
             index=_index(pod),
@@ -235,7 +289,92 @@ def container_end(pod: Mapping[str, Any]) -> ContainerEnd | None:
             raw_message=raw,
             grace_seconds=(pod.get("spec") or {}).get("terminationGracePeriodSeconds"),
             observed_sigterm_to_exit=pod_sigterm_to_exit(pod, terminated),
+            at_grace_deadline=deadline is not None
+            and finished is not None
+            and finished >= deadline - GRACE_DEADLINE_SLACK_SECONDS,
+            kubelet_evicted=kubelet_eviction(pod),
         )
+    return None
+
+
+def grace_deadline(pod: Mapping[str, Any]) -> float | None:
+    """When a termination someone asked for gives way to SIGKILL: the pod's
+    ``deletionTimestamp`` (the delete request's time plus its grace), else the time of its
+    DisruptionTarget condition plus its ``terminationGracePeriodSeconds`` (a termination by
+    the kubelet itself, e.g. a graceful node shutdown). None when nobody asked the pod to stop:
+    then a SIGKILL says nothing about the grace period."""
+    deleted = parse_rfc3339((pod.get("metadata") or {}).get("deletionTimestamp"))
+    if deleted is not None:
+        return deleted
+    disruption = _pod_condition(pod, "DisruptionTarget")
+    since = parse_rfc3339((disruption or {}).get("lastTransitionTime"))
+    grace = (pod.get("spec") or {}).get("terminationGracePeriodSeconds")
+    if since is None or grace is None:
+        return None
+    return since + float(grace)
+
+
+def kubelet_eviction(pod: Mapping[str, Any]) -> str | None:
+    """The kubelet's message when it evicted the pod for node pressure (memory, disk, inodes,
+    PIDs) or for a limit of the pod's own (ephemeral-storage, an emptyDir over its
+    ``sizeLimit``): pod status reason ``Evicted``, or a DisruptionTarget condition
+    ``TerminationByKubelet`` whose message says so. None for anything else, a graceful node
+    shutdown included (the same condition reason, status reason ``Terminated``, a message about
+    the node's shutdown)."""
+    status = pod.get("status") or {}
+    disruption = _pod_condition(pod, "DisruptionTarget") or {}
+    text = status.get("message") or disruption.get("message") or ""
+    if status.get("reason") == "Evicted":
+        return text or "evicted by the kubelet"
+    if disruption.get("reason") != "TerminationByKubelet":
+        return None
+    lowered = " ".join(filter(None, (status.get("message"), disruption.get("message")))).lower()
+    if "shutdown" in lowered or "shutting down" in lowered:
+        return None
+    if any(word in lowered for word in _EVICTION_WORDS):
+        return text
+    return None
+
+
+def attempt_started(pods: Iterable[Mapping[str, Any]], expected: int) -> bool:
+    """Whether all ``expected`` pods of an attempt run at once (phase Running, not being
+    deleted, Ready where the kubelet reports it): only then has the attempt started. An
+    attempt some of whose pods ran while another stayed unschedulable never started: Kueue's
+    PodsReadyTimeout eviction of it is a start failure (backoff, maxRestarts), not a
+    preemption to requeue at once forever."""
+    ready: set[Any] = set()
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        if (pod.get("status") or {}).get("phase") != "Running" or meta.get("deletionTimestamp"):
+            continue
+        condition = next(
+            (c for c in _conditions(pod) if c.get("type") == "Ready"),
+            None,
+        )
+        if condition is not None and condition.get("status") != "True":
+            continue
+        index = _index(pod)
+        ready.add(index if index is not None else meta.get("name"))
+    return expected > 0 and len(ready) >= expected
+
+
+def workload_deactivated(workload: Mapping[str, Any] | None) -> str | None:
+    """Why the attempt's Kueue Workload is inactive when someone other than the operator made
+    it so (an administrator's ``spec.active: false``, or Kueue at its requeuing limit), else
+    None. The operator's own deactivation after an eviction carries
+    DEACTIVATED_BY_OPERATOR_ANNOTATION and is not one."""
+    if workload is None:
+        return None
+    meta = workload.get("metadata") or {}
+    if DEACTIVATED_BY_OPERATOR_ANNOTATION in (meta.get("annotations") or {}):
+        return None
+    name = meta.get("name", "")
+    evicted = workload_condition(workload, "Evicted")
+    if evicted is not None and evicted.get("reason") in DEACTIVATION_EVICTIONS:
+        detail = f": {evicted['message']}" if evicted.get("message") else ""
+        return f"Kueue Workload {name} was deactivated ({evicted['reason']}){detail}"
+    if (workload.get("spec") or {}).get("active") is False:
+        return f"Kueue Workload {name} was deactivated (spec.active: false)"
     return None
 
 
@@ -336,18 +475,22 @@ def _node_lost(
 
 
 def _kueue_eviction(
-    job: Mapping[str, Any] | None, workload: Mapping[str, Any] | None, was_admitted: bool
+    job: Mapping[str, Any] | None,
+    workload: Mapping[str, Any] | None,
+    was_admitted: bool,
+    was_started: bool,
 ) -> tuple[str, str] | None:
     for ctype in ("Preempted", "Evicted"):
         cond = workload_condition(workload, ctype)
         if cond is not None:
             reason = cond.get("reason") or ctype
-            if ctype == "Evicted" and reason in START_FAILURE_EVICTIONS and not was_admitted:
-                # Not a preemption: the pods never ran (a bad image under waitForPodsReady, a
-                # rejected admission check). Counted as a failure, so maxRestarts and the
-                # restart backoff apply instead of an immediate requeue forever.
+            if ctype == "Evicted" and reason in START_FAILURE_EVICTIONS and not was_started:
+                # Not a preemption: the pods never all ran together (a bad image or one
+                # unschedulable pod under waitForPodsReady, a rejected admission check).
+                # Counted as a failure, so maxRestarts and the restart backoff apply instead
+                # of an immediate requeue forever.
                 return Reason.PODS_NEVER_READY, (
-                    f"Kueue evicted the attempt ({reason}) before any pod ran: "
+                    f"Kueue evicted the attempt ({reason}) before all its pods ran: "
                     f"{cond.get('message') or ''}"
                 ).rstrip(": ")
             kind = (
@@ -360,6 +503,58 @@ def _kueue_eviction(
     if was_admitted and job is not None and (job.get("spec") or {}).get("suspend"):
         return Reason.KUEUE_EVICTED, "the Job was suspended after admission"
     return None
+
+
+def _kubelet_evicted(pods: Iterable[Mapping[str, Any]]) -> Interruption | None:
+    """A pod the kubelet evicted (node pressure, its ephemeral-storage or emptyDir limit): a
+    failure, since an attempt that fills its emptyDir would otherwise be evicted and requeued
+    forever. Its SIGKILL (grace 0) never raises the grace."""
+    for pod in pods:
+        message = kubelet_eviction(pod)
+        if message is not None:
+            name = (pod.get("metadata") or {}).get("name")
+            return Interruption(
+                "Failed",
+                Reason.KUBELET_EVICTED,
+                f"pod {name} was evicted by the kubelet: {message.strip()}",
+            )
+    return None
+
+
+def _failure(ends: list[ContainerEnd]) -> Interruption | None:
+    """The failure that ``ends`` show, naming its root cause first: an OOM kill, then a rank
+    that failed on its own, then the ranks killed while they waited for it, last those that
+    exited because another rank was gone."""
+    failed = [e for e in ends if e.exit_code not in (0, None)]
+    failed.sort(key=lambda e: (not e.oom, not e.real_failure, e.peer_failed))
+    if not failed:
+        return None
+    first = failed[0]
+    if first.oom:
+        return Interruption(
+            "Failed",
+            Reason.OOM_KILLED,
+            f"pod {first.pod} was OOMKilled (exit {first.exit_code}): raise "
+            "resourcesPerNode.limits.memory or lower the batch size",
+        )
+    detail = (
+        first.message.message
+        if first.message is not None and first.message.message
+        else (first.raw_message or first.reason or "").strip()[-300:]
+    )
+    return Interruption(
+        "Failed",
+        Reason.TRAINING_FAILED,
+        f"pod {first.pod} exited {first.exit_code}" + (f": {detail}" if detail else ""),
+    )
+
+
+def _real_crash(ends: list[ContainerEnd]) -> Interruption | None:
+    """The failure when a rank failed on its own (an OOM kill, a non-zero exit that is not a
+    preemption, a kill or a peer's end), else None."""
+    if not any(e.real_failure for e in ends):
+        return None
+    return _failure(ends)
 
 
 def deadline_too_short(ends: Iterable[ContainerEnd]) -> Interruption | None:
@@ -380,16 +575,21 @@ def classify_interruption(
     *,
     node_ready: Mapping[str, bool] | None = None,
     was_admitted: bool = False,
+    was_started: bool = False,
     user_suspended: bool = False,
 ) -> Interruption:
     """Tell apart success, the kinds of preemption and a real failure.
 
-    ``was_admitted``: the attempt had been admitted/started before (from the TrainingJob status),
-    so a suspended Job means Kueue took it back. ``user_suspended``: the user asked to suspend.
-    Precedence: success; the user's suspension; Kueue eviction; the runtime's deadline_too_short
-    exit; a pod disruption condition;
-    node loss; the runtime's preemption exit code; otherwise a non-zero exit or a failed Job is a
-    real failure.
+    ``was_admitted``: Kueue had admitted the attempt (it had pods), so a suspended Job means
+    Kueue took it back. ``was_started``: all its pods had run together (attempt_started), so a
+    PodsReadyTimeout eviction is a preemption, not a start failure. ``user_suspended``: the
+    user asked to suspend.
+    Precedence: success; a Workload deactivated by someone else (suspends the TrainingJob);
+    the user's suspension; Kueue eviction; the runtime's deadline_too_short exit; a
+    kubelet eviction (a failure); a pod disruption condition; node loss, unless a pod's exit
+    shows a real crash; the runtime's preemption exit code; otherwise a real crash, a
+    container its node lost (ContainerStatusUnknown: node loss), a non-zero exit or a failed
+    Job is a failure.
     """
     ends = [e for e in (container_end(p) for p in pods) if e is not None]
     if job_condition(job, "Complete") is not None or (
@@ -399,9 +599,21 @@ def classify_interruption(
         and all(e.exit_code == 0 for e in ends)
     ):
         return Interruption("Succeeded", Reason.COMPLETED, "all ranks finished training")
+    deactivated = workload_deactivated(workload)
+    if deactivated is not None:
+        # Respected, never undone: a fresh Workload would re-admit what an administrator (or
+        # Kueue's requeuing limit) stopped, and reset Kueue's requeue count. Before the user's
+        # suspension: the operator answers this by setting spec.suspend, and the attempt is
+        # recorded with this reason all the same.
+        return Interruption(
+            "Suspended",
+            Reason.WORKLOAD_DEACTIVATED,
+            f"{deactivated}; the TrainingJob is suspended (spec.suspend: true): set "
+            "spec.suspend to false to resume with a new Workload",
+        )
     if user_suspended:
         return Interruption("Suspended", Reason.SUSPENDED, "suspended by the user (spec.suspend)")
-    kueue = _kueue_eviction(job, workload, was_admitted)
+    kueue = _kueue_eviction(job, workload, was_admitted, was_started)
     if kueue is not None:
         outcome: Outcome = "Failed" if kueue[0] == Reason.PODS_NEVER_READY else "Preempted"
         return Interruption(outcome, *kueue)
@@ -410,11 +622,17 @@ def classify_interruption(
     too_short = deadline_too_short(ends)
     if too_short is not None:
         return too_short
+    evicted = _kubelet_evicted(pods)
+    if evicted is not None:
+        return evicted
     disruption = _disruption(pods)
     if disruption is not None:
         return Interruption("Preempted", *disruption)
+    crash = _real_crash(ends)
     lost = _node_lost(pods, node_ready)
-    if lost is not None:
+    if lost is not None and crash is None:
+        # A real crash reported by a kubelet wins over a NotReady node: a node's heartbeat may
+        # lapse for a while around the crash, and the crash must count against maxRestarts.
         return Interruption("Preempted", *lost)
     preempted_exit = [e for e in ends if e.exit_code == protocol.EXIT_PREEMPTED]
     if preempted_exit:
@@ -437,30 +655,24 @@ def classify_interruption(
             f"(step {first.message.step if first.message else '?'}; the exit code is its "
             "launcher's, the termination message its runtime's)",
         )
-    failed = [e for e in ends if e.exit_code not in (0, None)]
-    # The root cause first: an OOM kill, then a rank that failed on its own, then the ranks
-    # killed while they waited for it, last those that exited because another rank was gone.
-    failed.sort(key=lambda e: (not e.oom, not e.real_failure, e.peer_failed))
-    if failed and failed[0].oom:
-        first = failed[0]
+    if crash is not None:
+        return crash
+    unknown = [e for e in ends if e.status_unknown]
+    if unknown:
+        # After a node reboot the kubelet reports the container it no longer finds as
+        # ContainerStatusUnknown with exit 137: the node lost the attempt (a preemption, never
+        # a grace to double).
+        first = unknown[0]
         return Interruption(
-            "Failed",
-            Reason.OOM_KILLED,
-            f"pod {first.pod} was OOMKilled (exit {first.exit_code}): raise "
-            "resourcesPerNode.limits.memory or lower the batch size",
+            "Preempted",
+            Reason.NODE_LOST,
+            f"pod {first.pod}: its node lost the container ({CONTAINER_STATUS_UNKNOWN}, exit "
+            f"{first.exit_code}; e.g. the node rebooted)"
+            + (f": {first.raw_message.strip()[-200:]}" if first.raw_message else ""),
         )
-    if failed:
-        first = failed[0]
-        detail = (
-            first.message.message
-            if first.message is not None and first.message.message
-            else (first.raw_message or first.reason or "").strip()[-300:]
-        )
-        return Interruption(
-            "Failed",
-            Reason.TRAINING_FAILED,
-            f"pod {first.pod} exited {first.exit_code}" + (f": {detail}" if detail else ""),
-        )
+    failure = _failure(ends)
+    if failure is not None:
+        return failure
     failed_cond = job_condition(job, "Failed")
     if failed_cond is not None:
         return Interruption(

@@ -85,6 +85,13 @@ class Reason:
     PODS_NEVER_READY = "PodsNeverReady"
     SPEC_CHANGE_REJECTED = "SpecChangeRejected"
     CHECKPOINT_INTERVAL = "CheckpointIntervalRecommended"
+    # interruption classification (issue 30)
+    KUBELET_EVICTED = "KubeletEvicted"
+    """The kubelet evicted a pod for node pressure or its own ephemeral-storage/emptyDir limit:
+    a failure (counts against maxRestarts), never a reason to raise the grace."""
+    WORKLOAD_DEACTIVATED = "WorkloadDeactivated"
+    """Someone other than the operator (an administrator, or Kueue at its requeuing limit)
+    deactivated the attempt's Kueue Workload: the TrainingJob is suspended, not requeued."""
 
 
 PREEMPTION_REASONS = frozenset(

@@ -430,7 +430,7 @@ class AttemptRecord(_Model):
     start_time: str | None = None
     """When the attempt's Job was created."""
     running_time: str | None = None
-    """When the operator first saw the attempt's pods running (admitted and started)."""
+    """When the operator first saw all the attempt's pods running together (it started)."""
     end_time: str | None = None
     """When the attempt was recorded as over."""
     reason: str | None = None

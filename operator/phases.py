@@ -48,6 +48,8 @@ class PhaseInputs:
     """Current attempt number (0: none yet)."""
     recorded_outcome: str | None = None
     """Outcome recorded for the current attempt (None while it is not over)."""
+    recorded_reason: str | None = None
+    """Reason recorded for the current attempt (None while it is not over)."""
     job_exists: bool = False
     job_suspended: bool = False
     interruption: Interruption = field(
@@ -159,6 +161,14 @@ def _next_phase(obs: PhaseInputs) -> Decision:
                 )
             return Decision("Requeueing", "create_attempt", Reason.REQUEUED)
         if obs.suspend:
+            if obs.recorded_reason == Reason.WORKLOAD_DEACTIVATED:
+                return Decision(
+                    "Suspended",
+                    "cleanup",
+                    Reason.WORKLOAD_DEACTIVATED,
+                    "suspended because someone else deactivated the attempt's Kueue Workload; "
+                    "set spec.suspend to false to resume with a new Workload",
+                )
             return Decision("Suspended", "cleanup", Reason.SUSPENDED)
         reason = Reason.RESUMED if outcome == "Suspended" else Reason.REQUEUED
         return Decision("Requeueing", "create_attempt", reason)
@@ -178,7 +188,7 @@ def _next_phase(obs: PhaseInputs) -> Decision:
         if intr.outcome == "Succeeded":
             return Decision("Running", "none", Reason.STARTED, "ranks are finishing")
         if intr.outcome == "Suspended":
-            return Decision("Checkpointing", "stop_attempt", Reason.SUSPENDED, intr.message)
+            return Decision("Checkpointing", "stop_attempt", intr.reason, intr.message)
         if intr.reason in (Reason.KUEUE_PREEMPTED, Reason.KUEUE_EVICTED, Reason.PODS_NEVER_READY):
             return Decision("Checkpointing", "deactivate_workload", intr.reason, intr.message)
         if intr.outcome == "Preempted":

@@ -34,8 +34,10 @@ from preemptible_operator.attempts import fallback_message, resumed_from
 from preemptible_operator.budget import spread_interval
 from preemptible_operator.checkpoint_store import CheckpointView, PathMap, StorageReads
 from preemptible_operator.classify import (
+    DEACTIVATED_BY_OPERATOR_ANNOTATION,
     ContainerEnd,
     Interruption,
+    attempt_started,
     classify_interruption,
     container_end,
     killed_at_grace,
@@ -416,7 +418,11 @@ class Reconciler:
         interruption = Interruption("Active", Reason.STARTED)
         running = [p for p in obs.pods if (p.get("status") or {}).get("phase") == "Running"]
         if spec is not None and obs.attempt and not recorded:
-            if running and record is not None and record.running_time is None:
+            # Started only once all its pods ran together: 15 of 16 running and one
+            # unschedulable is an attempt that could not start (classify_interruption).
+            expected = int(((obs.job or {}).get("spec") or {}).get("completions") or 0)
+            started = attempt_started(obs.pods, expected or spec.num_nodes)
+            if started and record is not None and record.running_time is None:
                 record.running_time = now
                 created_at = parse_rfc3339(record.start_time)
                 if created_at is not None:
@@ -428,9 +434,18 @@ class Reconciler:
                 obs.pods,
                 obs.workload,
                 node_ready=obs.node_ready,
-                was_admitted=record is not None and record.running_time is not None,
+                # Its pods exist only once Kueue admitted (unsuspended) its Job.
+                was_admitted=bool(obs.pods)
+                or (record is not None and record.running_time is not None),
+                was_started=record is not None and record.running_time is not None,
                 user_suspended=spec.suspend,
             )
+            if interruption.reason == Reason.WORKLOAD_DEACTIVATED and not spec.suspend:
+                # Someone else deactivated the Workload: suspend the TrainingJob (as Kueue
+                # suspends a Job) rather than create a fresh, active Workload. The next pass
+                # reads the new spec and records the attempt.
+                self._suspend_for_deactivation(obs.obj, interruption.message)
+                return PassResult(phase=status.phase, requeue_after=0.0)
             if obs.job is None and obs.pods and not interruption.over:
                 interruption = Interruption(
                     "Preempted",
@@ -448,6 +463,7 @@ class Reconciler:
             suspend=bool(spec and spec.suspend),
             attempt=obs.attempt,
             recorded_outcome=record.outcome if recorded and record else None,
+            recorded_reason=record.reason if recorded and record else None,
             job_exists=obs.job is not None,
             job_suspended=bool(obs.job and (obs.job.get("spec") or {}).get("suspend")),
             interruption=interruption,
@@ -1090,6 +1106,25 @@ class Reconciler:
                 raise
         self._deleted.add(uid)
 
+    def _suspend_for_deactivation(self, obj: dict[str, Any], message: str) -> None:
+        """Set the TrainingJob's spec.suspend: its Workload was deactivated by someone else,
+        and only the user's spec.suspend: false may start a new one."""
+        meta = obj["metadata"]
+        try:
+            self.custom.patch_namespaced_custom_object(
+                models.GROUP,
+                models.VERSION,
+                meta["namespace"],
+                models.PLURAL,
+                meta["name"],
+                {"spec": {"suspend": True}},
+            )
+        except ApiException as exc:
+            if exc.status == 404:  # deleted meanwhile: nothing left to suspend
+                return
+            raise
+        self._event(obj, "Warning", Reason.WORKLOAD_DEACTIVATED, message)
+
     def _deactivate_workload(
         self, namespace: str, workload: dict[str, Any] | None, version: str | None
     ) -> None:
@@ -1104,7 +1139,12 @@ class Reconciler:
                 namespace,
                 "workloads",
                 workload["metadata"]["name"],
-                {"spec": {"active": False}},
+                # Marked as ours: an inactive Workload without the mark is an administrator's
+                # (or Kueue's) and suspends the TrainingJob (classify.workload_deactivated).
+                {
+                    "metadata": {"annotations": {DEACTIVATED_BY_OPERATOR_ANNOTATION: "true"}},
+                    "spec": {"active": False},
+                },
             )
         except ApiException as exc:
             if exc.status != 404:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import kubernetes
@@ -14,7 +15,7 @@ import torch
 
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.helpers import job_manifest, python_container
-from tests.cluster.kueue import Kueue
+from tests.cluster.kueue import KUEUE_GROUP, KUEUE_VERSION, Kueue
 from tests.cluster.node_agent import NodeAgent
 from tests.operator.harness import OperatorProcess, TJClient, toy_training_job, wait_for
 
@@ -90,6 +91,81 @@ def test_kueue_preemption_requeues_and_resumes(
     assert any(c.type == "Complete" and c.status == "True" for c in high_job.status.conditions)
     assert [j.metadata.name for j in tj.jobs("kq")] == ["kq-a2"]
     assert "KueuePreempted" in [r for r, _ in tj.events("kq")]
+    log = operator.log.read_text(errors="replace")
+    assert "Forbidden" not in log and " 403" not in log, operator.tail(200)
+
+
+def test_a_workload_deactivated_by_an_administrator_suspends_the_training_job(
+    control_plane: ControlPlane,
+    node_agent: NodeAgent,
+    kueue: Kueue,
+    kueue_namespace: str,
+    tj: TJClient,
+    least_privilege_operator: OperatorProcess,
+    checkpoint_root: Path,
+) -> None:
+    """An administrator deactivates the running attempt's Workload (issue 30): Kueue stops the
+    attempt, the operator suspends the TrainingJob (spec.suspend) instead of creating a fresh,
+    active Workload, and only the owner's spec.suspend: false resumes it."""
+    operator = least_privilege_operator
+    body = toy_training_job(
+        "kd",
+        checkpoint_root,
+        max_steps=30,
+        step_sleep=0.3,
+        cpu=kueue.quota["cpu"],
+        queueName=kueue.local_queue,
+        priorityClass=kueue.low_priority,
+    )
+    tj.create(body)
+    (job,) = wait_for("attempt 1 Job", lambda: tj.jobs("kd"))
+    wait_for(
+        "running at step >= 4",
+        lambda: (tj.status("kd").get("progress") or {}).get("step", 0) >= 4,
+        on_timeout=lambda: tj.describe("kd") + operator.tail(),
+    )
+    workload = wait_for("its Workload", lambda: kueue.workload_for_job(tj.ns, job.metadata.uid))
+    custom = kubernetes.client.CustomObjectsApi(control_plane.api_client())
+    custom.patch_namespaced_custom_object(
+        KUEUE_GROUP,
+        KUEUE_VERSION,
+        tj.ns,
+        "workloads",
+        workload["metadata"]["name"],
+        {"spec": {"active": False}},
+    )
+
+    status = wait_for(
+        "Suspended",
+        lambda: tj.phase_is("kd", "Suspended", "Failed", "Succeeded"),
+        on_timeout=lambda: tj.describe("kd") + operator.tail(),
+    )
+    assert status["phase"] == "Suspended", tj.describe("kd")
+    assert tj.get("kd")["spec"]["suspend"] is True
+    (first,) = status["attempts"]
+    assert (first["outcome"], first["reason"]) == ("Suspended", "WorkloadDeactivated"), first
+    assert first["exitCodes"] == [75] and first["lostSteps"] == 0, first
+    running = {c["type"]: c for c in status["conditions"]}["Running"]
+    assert running["reason"] == "WorkloadDeactivated", running
+    # Nothing undoes the administrator's decision: no new attempt, no active Workload.
+    time.sleep(5)
+    assert tj.status("kd")["attempt"] == 1
+    assert [j.metadata.name for j in tj.jobs("kd")] in ([], ["kd-a1"])
+    for wl in kueue.workloads(tj.ns):
+        if wl["metadata"]["name"] == workload["metadata"]["name"]:
+            assert wl["spec"].get("active") is False, wl
+
+    tj.patch_spec("kd", {"suspend": False})
+    status = wait_for(
+        "Succeeded",
+        lambda: tj.phase_is("kd", "Succeeded", "Failed"),
+        on_timeout=lambda: tj.describe("kd") + operator.tail(),
+    )
+    assert status["phase"] == "Succeeded", tj.describe("kd")
+    first, second = status["attempts"]
+    assert second["resumeFrom"] == first["checkpoint"]
+    assert second["startStep"] == first["endStep"] >= 4
+    assert "WorkloadDeactivated" in [r for r, _ in tj.events("kd")]
     log = operator.log.read_text(errors="replace")
     assert "Forbidden" not in log and " 403" not in log, operator.tail(200)
 

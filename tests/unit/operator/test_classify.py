@@ -7,9 +7,12 @@ from typing import Any
 import pytest
 
 from preemptible_operator.classify import (
+    DEACTIVATED_BY_OPERATOR_ANNOTATION,
+    attempt_started,
     classify_interruption,
     container_end,
     killed_at_grace,
+    kubelet_eviction,
     pending_detail,
     pod_finished,
     pod_sigterm_to_exit,
@@ -27,8 +30,49 @@ PREEMPTED_MSG = protocol.TerminationMessage(
 ).model_dump_json()
 
 
-def _wl(*conds: dict[str, Any]) -> dict[str, Any]:
-    return {"metadata": {"name": "wl"}, "status": {"conditions": list(conds)}}
+def _wl(*conds: dict[str, Any], active: bool | None = None, ours: bool = False) -> dict[str, Any]:
+    wl: dict[str, Any] = {"metadata": {"name": "wl"}, "status": {"conditions": list(conds)}}
+    if active is not None:
+        wl["spec"] = {"active": active}
+    if ours:
+        wl["metadata"]["annotations"] = {DEACTIVATED_BY_OPERATOR_ANNOTATION: "true"}
+    return wl
+
+
+# Kubelet messages (facts from the kubelet's eviction manager and node shutdown manager).
+EMPTYDIR_MSG = 'Usage of EmptyDir volume "scratch" exceeds the limit "1Gi". '
+PRESSURE_MSG = "The node was low on resource: memory. Threshold quantity: 100Mi, available: 80Mi. "
+SHUTDOWN_MSG = "Pod was terminated in response to imminent node shutdown."
+
+
+def _status(pod: dict[str, Any], reason: str, message: str) -> dict[str, Any]:
+    pod["status"]["reason"] = reason
+    pod["status"]["message"] = message
+    return pod
+
+
+def _oom(pod: dict[str, Any]) -> dict[str, Any]:
+    pod["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] = "OOMKilled"
+    return pod
+
+
+def _stopped(
+    pod: dict[str, Any], finished: str = "2026-01-01T10:00:30Z", grace: int = 30
+) -> dict[str, Any]:
+    """Deleted at 10:00:00 with ``grace`` seconds (deletionTimestamp 10:00:30), its container
+    ended at ``finished`` (by default at the deadline)."""
+    pod["metadata"]["deletionTimestamp"] = "2026-01-01T10:00:30Z"
+    pod["metadata"]["deletionGracePeriodSeconds"] = grace
+    pod["status"]["containerStatuses"][0]["state"]["terminated"]["finishedAt"] = finished
+    return pod
+
+
+def _unknown(pod: dict[str, Any]) -> dict[str, Any]:
+    """The kubelet after a node reboot: the container it no longer finds."""
+    terminated = pod["status"]["containerStatuses"][0]["state"]["terminated"]
+    terminated["reason"] = "ContainerStatusUnknown"
+    terminated["message"] = "The container could not be located when the pod was terminated"
+    return pod
 
 
 CASES = [
@@ -107,9 +151,72 @@ CASES = [
         make_job(suspend=True),
         [],
         _wl(cond("Evicted", "PodsReadyTimeout")),
-        {"was_admitted": True},
+        {"was_admitted": True, "was_started": True},
         "Preempted",
         Reason.KUEUE_EVICTED,
+    ),
+    (
+        # 15 of 16 pods ran, one stayed unschedulable: admitted, never started. A start
+        # failure (backoff, maxRestarts), not a preemption requeued at once forever.
+        "kueue-podsreadytimeout-after-some-pods-ran",
+        make_job(suspend=True, completions=16),
+        [make_pod(f"p{i}", index=i, phase="Failed", exit_code=75) for i in range(15)]
+        + [make_pod("p15", index=15, phase="Pending", node=None)],
+        _wl(cond("Evicted", "PodsReadyTimeout")),
+        {"was_admitted": True, "was_started": False},
+        "Failed",
+        Reason.PODS_NEVER_READY,
+    ),
+    (
+        # An administrator's deactivation: respected (TrainingJob suspended), never undone by
+        # a fresh Workload.
+        "workload-deactivated-by-admin",
+        make_job(suspend=True),
+        [make_pod(phase="Failed", exit_code=75, message=PREEMPTED_MSG)],
+        _wl(cond("Evicted", "InactiveWorkload", "The workload is deactivated"), active=False),
+        {"was_admitted": True, "was_started": True},
+        "Suspended",
+        Reason.WORKLOAD_DEACTIVATED,
+    ),
+    (
+        # Kueue's own deactivation at its requeuing limit (newer Kueue: reason Deactivated).
+        "workload-deactivated-by-kueue-requeuing-limit",
+        make_job(suspend=True),
+        [],
+        _wl(cond("Evicted", "Deactivated", "exceeding the maximum number of re-queuing retries")),
+        {"was_admitted": True},
+        "Suspended",
+        Reason.WORKLOAD_DEACTIVATED,
+    ),
+    (
+        # Deactivated by an administrator after Kueue had preempted it (Kueue keeps the
+        # Preempted eviction reason).
+        "workload-deactivated-after-preemption",
+        make_job(suspend=True),
+        [],
+        _wl(cond("Evicted", "Preempted"), active=False),
+        {"was_admitted": True, "was_started": True},
+        "Suspended",
+        Reason.WORKLOAD_DEACTIVATED,
+    ),
+    (
+        "workload-deactivated-beats-user-suspend",
+        make_job(suspend=True),
+        [],
+        _wl(cond("Evicted", "InactiveWorkload"), active=False),
+        {"user_suspended": True},
+        "Suspended",
+        Reason.WORKLOAD_DEACTIVATED,
+    ),
+    (
+        # The operator's own deactivation after Kueue's preemption is no administrator's.
+        "workload-deactivated-by-the-operator",
+        make_job(suspend=True),
+        [],
+        _wl(cond("Evicted", "Preempted"), active=False, ours=True),
+        {"was_admitted": True, "was_started": True},
+        "Preempted",
+        Reason.KUEUE_PREEMPTED,
     ),
     (
         "suspended-after-admission-no-workload",
@@ -173,6 +280,56 @@ CASES = [
         Reason.NODE_SHUTDOWN,
     ),
     (
+        "kubelet-graceful-node-shutdown",
+        make_job(),
+        [
+            _status(
+                make_pod(
+                    phase="Failed",
+                    exit_code=75,
+                    message=PREEMPTED_MSG,
+                    conditions=[cond("DisruptionTarget", "TerminationByKubelet", SHUTDOWN_MSG)],
+                ),
+                "Terminated",
+                SHUTDOWN_MSG,
+            )
+        ],
+        None,
+        {},
+        "Preempted",
+        Reason.NODE_SHUTDOWN,
+    ),
+    (
+        # An emptyDir over its sizeLimit: evicted at once (grace 0), and again in every
+        # attempt. A failure (maxRestarts), never a preemption requeued forever.
+        "kubelet-emptydir-sizelimit-eviction",
+        make_job(),
+        [
+            _status(
+                make_pod(
+                    phase="Failed",
+                    exit_code=137,
+                    conditions=[cond("DisruptionTarget", "TerminationByKubelet", EMPTYDIR_MSG)],
+                ),
+                "Evicted",
+                EMPTYDIR_MSG,
+            )
+        ],
+        None,
+        {},
+        "Failed",
+        Reason.KUBELET_EVICTED,
+    ),
+    (
+        "kubelet-memory-pressure-eviction-condition-only",
+        make_job(),
+        [make_pod(conditions=[cond("DisruptionTarget", "TerminationByKubelet", PRESSURE_MSG)])],
+        None,
+        {},
+        "Failed",
+        Reason.KUBELET_EVICTED,
+    ),
+    (
         "node-not-ready",
         make_job(),
         [make_pod(node="n1")],
@@ -189,6 +346,73 @@ CASES = [
         {"node_ready": {}},
         "Preempted",
         Reason.NODE_LOST,
+    ),
+    (
+        # A real crash reported while its node's heartbeat lapsed: the crash counts.
+        "crash-beats-not-ready-node",
+        make_job(),
+        [make_pod(node="n1", exit_code=1, message="Traceback ... ValueError: boom")],
+        None,
+        {"node_ready": {"n1": False}},
+        "Failed",
+        Reason.TRAINING_FAILED,
+    ),
+    (
+        "crash-of-one-rank-beats-not-ready-node-of-another",
+        make_job(completions=2),
+        [
+            make_pod("a", index=0, node="n1"),
+            make_pod("b", index=1, node="n2", phase="Failed", exit_code=1, message="boom"),
+        ],
+        None,
+        {"node_ready": {"n1": False, "n2": True}},
+        "Failed",
+        Reason.TRAINING_FAILED,
+    ),
+    (
+        "oom-beats-not-ready-node",
+        make_job(),
+        [_oom(make_pod(node="n1", phase="Failed", exit_code=137))],
+        None,
+        {"node_ready": {"n1": False}},
+        "Failed",
+        Reason.OOM_KILLED,
+    ),
+    (
+        # A rank that stopped because its peer's node went away is no crash of its own.
+        "peer-gone-on-not-ready-node-stays-node-lost",
+        make_job(completions=2),
+        [
+            make_pod("a", index=0, node="n1"),
+            make_pod("b", index=1, node="n2", phase="Failed", exit_code=69),
+        ],
+        None,
+        {"node_ready": {"n1": False, "n2": True}},
+        "Preempted",
+        Reason.NODE_LOST,
+    ),
+    (
+        # After a node reboot: ContainerStatusUnknown, exit 137, no deletion. The node lost
+        # the attempt: a preemption, not a failure (and no grace to double).
+        "container-status-unknown-after-node-reboot",
+        make_job(),
+        [_unknown(make_pod(phase="Failed", exit_code=137))],
+        None,
+        {"node_ready": {"node-1": True}},
+        "Preempted",
+        Reason.NODE_LOST,
+    ),
+    (
+        "crash-beats-container-status-unknown",
+        make_job(completions=2),
+        [
+            _unknown(make_pod("a", index=0, phase="Failed", exit_code=137)),
+            make_pod("b", index=1, phase="Failed", exit_code=1, message="boom"),
+        ],
+        None,
+        {},
+        "Failed",
+        Reason.TRAINING_FAILED,
     ),
     (
         "pod-unknown",
@@ -327,7 +551,9 @@ def test_container_end_parses_the_termination_message() -> None:
     assert end is not None and end.message is not None
     assert (end.exit_code, end.message.step, end.message.sigterm_to_exit_seconds) == (75, 12, 4.5)
     assert end.grace_seconds == 9 and not end.killed
-    killed = container_end(make_pod(phase="Failed", exit_code=137, message="some log tail"))
+    killed = container_end(
+        _stopped(make_pod(phase="Failed", exit_code=137, message="some log tail"))
+    )
     assert killed is not None and killed.killed and killed.message is None
     assert container_end(make_pod()) is None
 
@@ -364,11 +590,6 @@ def test_pod_finished(
 def _waiting(pod: dict[str, Any], reason: str, message: str) -> dict[str, Any]:
     waiting = {"reason": reason, "message": message} if message else {"reason": reason}
     pod["status"]["containerStatuses"] = [{"name": "trainer", "state": {"waiting": waiting}}]
-    return pod
-
-
-def _oom(pod: dict[str, Any]) -> dict[str, Any]:
-    pod["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] = "OOMKilled"
     return pod
 
 
@@ -440,7 +661,10 @@ def test_oom_and_the_failing_rank_are_named(
     ],
 )
 def test_killed_at_grace(exits: list[int], oom: bool, killed: bool) -> None:
-    pods = [make_pod(f"r{i}", index=i, phase="Failed", exit_code=c) for i, c in enumerate(exits)]
+    pods = [
+        _stopped(make_pod(f"r{i}", index=i, phase="Failed", exit_code=c))
+        for i, c in enumerate(exits)
+    ]
     if oom:
         _oom(pods[0])
     ends = [e for e in (container_end(p) for p in pods) if e is not None]
@@ -553,7 +777,7 @@ def test_launcher_exit_codes(
 )  # fmt: skip
 def test_killed_at_grace_with_launchers(exits: list[tuple[int, str | None]], killed: bool) -> None:
     pods = [
-        make_pod(f"r{i}", index=i, phase="Failed", exit_code=c, message=m)
+        _stopped(make_pod(f"r{i}", index=i, phase="Failed", exit_code=c, message=m))
         for i, (c, m) in enumerate(exits)
     ]
     ends = [e for e in (container_end(p) for p in pods) if e is not None]
@@ -603,3 +827,134 @@ def test_sigterm_to_exit_is_the_longer_of_message_and_pod(
         _deleted(pod, "2026-01-01T10:00:30Z", 30, observed)
     end = container_end(pod)
     assert end is not None and end.sigterm_to_exit == expected
+
+
+# --------------------------------------------------------- a SIGKILL that says the grace was short
+
+
+def _disrupted(pod: dict[str, Any], reason: str, since: str, finished: str) -> dict[str, Any]:
+    condition = cond("DisruptionTarget", reason)
+    condition["lastTransitionTime"] = since
+    pod["status"]["conditions"] = [condition]
+    pod["status"]["containerStatuses"][0]["state"]["terminated"]["finishedAt"] = finished
+    return pod
+
+
+@pytest.mark.parametrize(
+    ("pod", "killed"),
+    [
+        # Deleted (Kueue, the Eviction API, the user's suspend) and killed at its deadline.
+        (_stopped(make_pod(phase="Failed", exit_code=137)), True),
+        (_stopped(make_pod(phase="Failed", exit_code=137), finished="2026-01-01T10:00:29Z"), True),
+        # Killed well before the deadline of its deletion: someone else's SIGKILL.
+        (_stopped(make_pod(phase="Failed", exit_code=137), finished="2026-01-01T10:00:10Z"), False),
+        # Nobody asked it to stop (no deletion, no DisruptionTarget): not the grace's fault.
+        (make_pod(phase="Failed", exit_code=137), False),
+        # After a node reboot: ContainerStatusUnknown/137, no deletion.
+        (_unknown(make_pod(phase="Failed", exit_code=137)), False),
+        (_unknown(_stopped(make_pod(phase="Failed", exit_code=137))), False),
+        # The kubelet's own termination (no deletion): its condition's time plus the grace.
+        (
+            _disrupted(
+                make_pod(phase="Failed", exit_code=137),
+                "TerminationByKubelet",
+                "2026-01-01T10:00:00Z",
+                "2026-01-01T10:00:30Z",
+            ),
+            True,
+        ),
+        (
+            _disrupted(
+                make_pod(phase="Failed", exit_code=137),
+                "TerminationByKubelet",
+                "2026-01-01T10:00:00Z",
+                "2026-01-01T10:00:05Z",
+            ),
+            False,
+        ),
+        # A kubelet eviction (grace 0 or the kubelet's maximum): never the pod's grace.
+        (
+            _status(
+                _disrupted(
+                    make_pod(phase="Failed", exit_code=137),
+                    "TerminationByKubelet",
+                    "2026-01-01T10:00:00Z",
+                    "2026-01-01T10:00:30Z",
+                ),
+                "Evicted",
+                EMPTYDIR_MSG,
+            ),
+            False,
+        ),
+    ],
+)
+def test_sigkill_is_a_grace_kill_only_at_the_deadline_of_a_requested_stop(
+    pod: dict[str, Any], killed: bool
+) -> None:
+    end = container_end(pod)
+    assert end is not None and end.killed is killed
+    assert killed_at_grace([end]) is killed
+
+
+@pytest.mark.parametrize(
+    ("status_reason", "status_message", "condition", "evicted"),
+    [
+        ("Evicted", EMPTYDIR_MSG, None, True),
+        ("Evicted", PRESSURE_MSG, ("TerminationByKubelet", PRESSURE_MSG), True),
+        (
+            "Evicted",
+            "Pod ephemeral local storage usage exceeds the total limit of containers 2Gi. ",
+            None,
+            True,
+        ),
+        (None, None, ("TerminationByKubelet", EMPTYDIR_MSG), True),
+        ("Terminated", SHUTDOWN_MSG, ("TerminationByKubelet", SHUTDOWN_MSG), False),
+        (None, None, ("TerminationByKubelet", ""), False),
+        (None, None, ("EvictionByEvictionAPI", "Eviction API: evicting"), False),
+        (None, None, None, False),
+    ],
+)
+def test_kubelet_eviction(
+    status_reason: str | None,
+    status_message: str | None,
+    condition: tuple[str, str] | None,
+    evicted: bool,
+) -> None:
+    conditions = [cond("DisruptionTarget", *condition)] if condition else []
+    pod = make_pod(phase="Failed", exit_code=137, conditions=conditions)
+    if status_reason:
+        _status(pod, status_reason, status_message or "")
+    message = kubelet_eviction(pod)
+    assert (message is not None) is evicted
+    if evicted:
+        assert message == (status_message or condition[1])  # type: ignore[index]
+
+
+def _ready(pod: dict[str, Any], status: str = "True") -> dict[str, Any]:
+    pod["status"]["conditions"] = [cond("Ready", status=status)]
+    return pod
+
+
+@pytest.mark.parametrize(
+    ("pods", "expected", "started"),
+    [
+        ([_ready(make_pod("a", index=0)), _ready(make_pod("b", index=1))], 2, True),
+        # 15 of 16 running, one unschedulable: not started.
+        (
+            [_ready(make_pod(f"p{i}", index=i)) for i in range(15)]
+            + [make_pod("p15", index=15, phase="Pending", node=None)],
+            16,
+            False,
+        ),
+        ([_ready(make_pod("a", index=0)), _ready(make_pod("b", index=1), "False")], 2, False),
+        ([_ready(make_pod("a", index=0)), _ready(make_pod("b", index=1, deleting=True))], 2, False),
+        # Two pods of the same index (a replacement) are one rank.
+        ([_ready(make_pod("a", index=0)), _ready(make_pod("a2", index=0))], 2, False),
+        ([make_pod("a", index=0)], 1, True),  # no Ready condition reported yet: Running counts
+        ([], 1, False),
+    ],
+)
+def test_attempt_started_needs_all_pods_running_together(
+    pods: list[dict[str, Any]], expected: int, started: bool
+) -> None:
+    assert attempt_started(pods, expected) is started

@@ -97,6 +97,30 @@ CASES = [
         "create_attempt",
     ),
     (
+        # Someone else deactivated the Kueue Workload: the operator set spec.suspend; no new
+        # attempt (and no fresh Workload) until the user sets it back to false.
+        "workload-deactivated-recorded-stays-suspended",
+        PhaseInputs(
+            attempt=1,
+            recorded_outcome="Suspended",
+            recorded_reason=Reason.WORKLOAD_DEACTIVATED,
+            suspend=True,
+        ),
+        "Suspended",
+        "cleanup",
+    ),
+    (
+        "workload-deactivated-resumed-by-the-user",
+        PhaseInputs(
+            attempt=1,
+            recorded_outcome="Suspended",
+            recorded_reason=Reason.WORKLOAD_DEACTIVATED,
+            suspend=False,
+        ),
+        "Requeueing",
+        "create_attempt",
+    ),
+    (
         "preempted-recorded-requeue",
         PhaseInputs(attempt=2, recorded_outcome="Preempted"),
         "Requeueing",
@@ -197,3 +221,16 @@ def test_pending_shows_why_pods_do_not_run_and_a_rejected_edit_holds() -> None:
         PhaseInputs(attempt=2, recorded_outcome="Preempted", spec_rejected=True, pods=0)
     )
     assert (held.phase, held.action, held.reason) == ("Requeueing", "none", "SpecChangeRejected")
+
+
+def test_workload_deactivated_reason_is_shown() -> None:
+    decision = next_phase(
+        PhaseInputs(
+            attempt=1,
+            recorded_outcome="Suspended",
+            recorded_reason=Reason.WORKLOAD_DEACTIVATED,
+            suspend=True,
+        )
+    )
+    assert decision.reason == Reason.WORKLOAD_DEACTIVATED
+    assert "spec.suspend to false" in decision.message
