@@ -27,3 +27,9 @@ def test_the_watch_caches_and_ownership_checks_are_allowed() -> None:
         assert ("kueue.x-k8s.io", "workloads", verb) in grants
         assert ("batch", "jobs", verb) in grants and ("", "pods", verb) in grants
     assert ("", "services", "get") in grants  # AlreadyExists: is it ours?
+
+
+def test_the_job_controllers_failed_create_events_can_be_read() -> None:
+    """Pods refused by a ResourceQuota or Pod Security Admission show only as FailedCreate
+    Events on the attempt's Job (issue 30)."""
+    assert ("", "events", "list") in _grants()
