@@ -10,6 +10,7 @@ __all__ = [
     "ADMITTED",
     "ALL_TYPES",
     "CHECKPOINTING",
+    "CREATE_REFUSED",
     "FAILED",
     "GRACE_PERIOD_SUFFICIENT",
     "PREEMPTED",
@@ -28,6 +29,8 @@ PREEMPTED = "Preempted"
 SUCCEEDED = "Succeeded"
 FAILED = "Failed"
 GRACE_PERIOD_SUFFICIENT = "GracePeriodSufficient"
+# True while the apiserver refuses the attempt's Service, Job or pods (issue 30).
+CREATE_REFUSED = "CreateRefused"
 ALL_TYPES = (
     ADMITTED,
     RUNNING,
@@ -36,6 +39,7 @@ ALL_TYPES = (
     SUCCEEDED,
     FAILED,
     GRACE_PERIOD_SUFFICIENT,
+    CREATE_REFUSED,
 )
 
 
@@ -92,6 +96,12 @@ class Reason:
     WORKLOAD_DEACTIVATED = "WorkloadDeactivated"
     """Someone other than the operator (an administrator, or Kueue at its requeuing limit)
     deactivated the attempt's Kueue Workload: the TrainingJob is suspended, not requeued."""
+    # refused children (issue 30): condition CreateRefused, Warning Events
+    NAME_TAKEN = "ChildNameTaken"
+    CHILD_INVALID = "ChildInvalid"
+    CHILD_FORBIDDEN = "ChildForbidden"
+    PODS_REFUSED = "PodsRefused"
+    CREATED = "Created"
 
 
 PREEMPTION_REASONS = frozenset(

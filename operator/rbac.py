@@ -71,8 +71,9 @@ NAMESPACED_RULES: list[dict[str, Any]] = [
     # The headless rendezvous Service: created once; on AlreadyExists read to check it is
     # ours (one left by a deleted TrainingJob of the same name is left to garbage collection).
     {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "create"]},
-    # Events on TrainingJobs (ours and kopf's warnings).
-    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    # Events on TrainingJobs (ours and kopf's warnings); list: the Job controller's FailedCreate
+    # Events on an attempt's Job tell why its pods are refused (quota, Pod Security Admission).
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "list"]},
     # Kueue Workloads: watched (a cache by job-uid label) to tell eviction from failure,
     # patched to deactivate (spec.active=false) an interrupted attempt.
     {

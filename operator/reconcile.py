@@ -33,6 +33,16 @@ from preemptible_operator import metrics, models, render
 from preemptible_operator.attempts import fallback_message, resumed_from
 from preemptible_operator.budget import spread_interval
 from preemptible_operator.checkpoint_store import CheckpointView, PathMap, StorageReads
+from preemptible_operator.children import (
+    Refusal,
+    api_message,
+    attempt_pods_finished,
+    create_refusal,
+    jobs_to_delete,
+    pods_refused,
+    pods_to_end,
+    refusal_retry_seconds,
+)
 from preemptible_operator.classify import (
     DEACTIVATED_BY_OPERATOR_ANNOTATION,
     ContainerEnd,
@@ -467,7 +477,7 @@ class Reconciler:
             job_exists=obs.job is not None,
             job_suspended=bool(obs.job and (obs.job.get("spec") or {}).get("suspend")),
             interruption=interruption,
-            pods_finished=all(pod_finished(p, obs.node_ready, self.clock()) for p in obs.pods),
+            pods_finished=attempt_pods_finished(obs.job, obs.pods, obs.node_ready),
             pods=len(obs.pods),
             running_pods=len(running),
             failures=status.failures or 0,
@@ -497,6 +507,13 @@ class Reconciler:
         )
 
         # ------------------------------------------------------------------ act
+        refusal: Refusal | None = None
+        # The attempt is over by its trainer containers, but a regular sidecar keeps a pod
+        # running: end those pods (their trainer's state stays readable, the finalizer holds
+        # them), or the attempt never ends.
+        ending = pods_to_end(obs.pods, interruption.over and not recorded)
+        if ending:
+            self._stop_pods([dict(p) for p in ending])
         if decision.action == "fail_invalid":
             status.message = obs.invalid
             status.conditions = cond.set_condition(
@@ -513,7 +530,9 @@ class Reconciler:
             if obs.job is not None and not recorded:
                 self._stop_pods(obs.pods)
         elif decision.action == "create_attempt" and spec is not None:
-            self._create_attempt(obs, spec, status, record, recorded, decision.reason, now, result)
+            refusal = self._create_attempt(
+                obs, spec, status, record, recorded, decision.reason, now, result
+            )
         elif decision.action == "stop_attempt":
             self._stop_pods(obs.pods)
         elif decision.action == "deactivate_workload":
@@ -527,7 +546,9 @@ class Reconciler:
                 self._deactivate_workload(namespace, obs.workload, obs.workload_version)
             self._record_attempt(obs, spec, status, record, interruption, storage_view, now, result)
             pods = list(obs.pods)
-            jobs = [obs.job] if obs.job is not None and interruption.outcome != "Succeeded" else []
+            # The newest failed attempt's Job stays (its pods' logs) until the TrainingJob is
+            # deleted; preempted attempts' Jobs and older failed ones go.
+            jobs = [dict(j) for j in jobs_to_delete(obs.jobs, _outcomes(status), obs.attempt)]
             after_status.append(lambda: self._clean_up_later(namespace, name, pods, jobs))
             result.requeue_after = 0.0  # the next attempt at once
         elif decision.action in ("finish", "cleanup"):
@@ -555,6 +576,68 @@ class Reconciler:
                     result.events.append(("Warning", Reason.RESTARTS_EXHAUSTED, decision.message))
         elif decision.action == "wait_backoff":
             result.requeue_after = max(0.5, backoff_remaining)
+
+        # ------------------------------------------------------------------ refusals
+        if decision.action == "create_attempt" and refusal is None:
+            status.conditions = _clear_refused(status.conditions, now, generation)
+        elif (
+            refusal is None
+            and decision.action == "none"
+            and decision.phase == "Pending"
+            and spec is not None
+            and obs.job is not None
+            and not recorded
+            and not (obs.job.get("spec") or {}).get("suspend")
+        ):
+            if obs.pods:
+                status.conditions = _clear_refused(status.conditions, now, generation)
+            else:
+                # The Job exists and runs but has no pods: the Job controller may be refused
+                # them (a ResourceQuota, Pod Security Admission). It retries by itself; this
+                # shows why, and looks again later (no watch event comes for it).
+                why = pods_refused(obs.job, self._job_events(obs.job))
+                if why is not None:
+                    refusal = Refusal(
+                        Reason.PODS_REFUSED,
+                        f"the Job controller cannot create the pods of Job "
+                        f"{obs.job['metadata']['name']}: {why}",
+                        fatal=False,
+                    )
+                else:
+                    created = parse_rfc3339(obs.job["metadata"].get("creationTimestamp"))
+                    age = self.clock() - created if created is not None else 0.0
+                    result.requeue_after = refusal_retry_seconds(age)
+        if refusal is not None:
+            before = cond.find_condition(status.conditions, cond.CREATE_REFUSED)
+            status.conditions = cond.set_condition(
+                status.conditions,
+                cond.CREATE_REFUSED,
+                "True",
+                refusal.reason,
+                refusal.message,
+                now,
+                generation,
+            )
+            if (
+                before is None
+                or before.status != "True"
+                or (before.reason, before.message) != (refusal.reason, refusal.message)
+            ):
+                result.events.append(("Warning", refusal.reason, refusal.message))
+            decision = Decision(
+                "Failed" if refusal.fatal else decision.phase,
+                "none",
+                refusal.reason,
+                refusal.message,
+            )
+            result.phase = decision.phase
+            if refusal.fatal:
+                status.completion_time = status.completion_time or now
+            else:
+                now_refused = cond.find_condition(status.conditions, cond.CREATE_REFUSED)
+                since = parse_rfc3339(now_refused.last_transition_time if now_refused else None)
+                refused_for = self.clock() - since if since is not None else 0.0
+                result.requeue_after = refusal_retry_seconds(refused_for)
 
         # ------------------------------------------------------------------ status
         shown = decision
@@ -684,7 +767,9 @@ class Reconciler:
         reason: str,
         now: str,
         result: PassResult,
-    ) -> None:
+    ) -> Refusal | None:
+        """Create the attempt's Service and Job; a permanent refusal of either is returned
+        (nothing in ``status`` changed then), a temporary error raised."""
         meta = obs.obj["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         attempt = obs.attempt + 1 if (recorded or obs.attempt == 0) else obs.attempt
@@ -692,13 +777,8 @@ class Reconciler:
         # background, like an ended attempt's, which usually did it already). Their pods have
         # all finished (the decision waits for that; the Jobs fail on exit and never replace a
         # pod), so nothing of theirs can write checkpoints any more.
-        old_jobs = [
-            job
-            for n, job in obs.jobs.items()
-            if n < attempt
-            and job["metadata"].get("deletionTimestamp") is None
-            and getattr(_find_record(status, n), "outcome", None) != "Succeeded"
-        ]
+        # The newest failed attempt's Job is kept for its logs (jobs_to_delete).
+        old_jobs = [dict(j) for j in jobs_to_delete(obs.jobs, _outcomes(status), attempt - 1)]
         old_pods = [p for n, ps in obs.pods_by_attempt.items() if n < attempt for p in ps]
 
         last = (status.attempts or [])[-1] if status.attempts else None
@@ -730,14 +810,24 @@ class Reconciler:
         )
         if spec.num_nodes > 1:
             # Rendezvous (MASTER_ADDR) only: one pod needs no DNS name.
-            self._ensure_service(meta, spec)
+            refused = self._ensure_service(meta, spec)
+            if refused is not None:
+                return refused
         job_body = render.render_job(meta, spec, params)
         try:
             self.batch.create_namespaced_job(namespace, job_body)
             created = True
         except ApiException as exc:
             if exc.status != 409:
-                raise
+                refused = create_refusal(
+                    "Job",
+                    job_body["metadata"]["name"],
+                    exc.status,
+                    api_message(exc.body, str(exc.reason or exc)),
+                )
+                if refused is None:
+                    raise
+                return refused
             created = False
             existing = self._json(
                 self.batch.read_namespaced_job(
@@ -745,7 +835,7 @@ class Reconciler:
                 )
             )
             if not owned_by(existing, meta["uid"]):
-                self._replace_foreign(existing, "Job", meta)
+                return self._replace_foreign(existing, "Job", meta)
             ann = existing["metadata"].get("annotations") or {}
             params = render.AttemptParams(
                 attempt=attempt,
@@ -789,6 +879,7 @@ class Reconciler:
                 f"{params.grace_seconds} s ({decision.reason}), resume from "
                 f"{params.resume_from or 'scratch'!r}",
             )
+        return None
 
     def _record_attempt(
         self,
@@ -942,31 +1033,45 @@ class Reconciler:
             )
         )
 
-    def _ensure_service(self, meta: dict[str, Any], spec: models.TrainingJobSpec) -> None:
+    def _ensure_service(self, meta: dict[str, Any], spec: models.TrainingJobSpec) -> Refusal | None:
         """Create the rendezvous Service. AlreadyExists is success only when it is ours; one of
-        an earlier incarnation (same name, being garbage collected) is deleted and the pass
-        retried; anyone else's is a conflict the user must resolve."""
+        an earlier incarnation (same name, being garbage collected) is waited for (the pass is
+        retried); anyone else's, or a create the apiserver refuses (invalid, forbidden), is
+        returned as a refusal the status shows."""
         key = (meta["namespace"], meta["name"], meta["uid"])
         if key in self._services:
-            return
+            return None
         body = render.render_service(meta, spec)
         try:
             self.core.create_namespaced_service(meta["namespace"], body)
         except ApiException as exc:
             if exc.status != 409:
-                raise
+                refused = create_refusal(
+                    "Service",
+                    body["metadata"]["name"],
+                    exc.status,
+                    api_message(exc.body, str(exc.reason or exc)),
+                )
+                if refused is None:
+                    raise
+                return refused
             existing = self._json(
                 self.core.read_namespaced_service(
                     body["metadata"]["name"], meta["namespace"], _preload_content=False
                 )
             )
             if not owned_by(existing, meta["uid"]):
-                self._replace_foreign(existing, "Service", meta)
+                return self._replace_foreign(existing, "Service", meta)
         with self._lock:
             self._services.add(key)
+        return None
 
-    def _replace_foreign(self, existing: dict[str, Any], kind: str, meta: dict[str, Any]) -> None:
-        """``existing`` holds the name a child of ``meta`` needs but is not ours."""
+    def _replace_foreign(
+        self, existing: dict[str, Any], kind: str, meta: dict[str, Any]
+    ) -> Refusal | None:
+        """``existing`` holds the name a child of ``meta`` needs but is not ours: a refusal when
+        someone else's (the user must delete or rename it); ChildConflict (a temporary error,
+        retried) when a deleted TrainingJob of the same name left it."""
         refs = existing["metadata"].get("ownerReferences") or []
         name = existing["metadata"]["name"]
         if any(r.get("kind") == models.KIND and r.get("name") == meta["name"] for r in refs):
@@ -979,10 +1084,32 @@ class Reconciler:
                         name, meta["namespace"], propagation_policy="Background"
                     )
             raise ChildConflict(f"{kind} {name} belongs to an earlier {meta['name']}; replacing it")
-        raise ChildConflict(
-            f"{kind} {meta['namespace']}/{name} exists and is not owned by TrainingJob "
-            f"{meta['name']}: delete or rename it"
+        return create_refusal(
+            kind,
+            f"{meta['namespace']}/{name}",
+            409,
+            f"the name is taken by an object not owned by TrainingJob {meta['name']}: delete "
+            "or rename it",
+            foreign=True,
         )
+
+    def _job_events(self, job: dict[str, Any]) -> list[dict[str, Any]]:
+        """The Job controller's Events on ``job`` (FailedCreate: its pods refused); none when
+        they cannot be read (no permission: the status then just says pods are pending)."""
+        meta = job["metadata"]
+        try:
+            data = self._json(
+                self.core.list_namespaced_event(
+                    meta["namespace"],
+                    field_selector=f"involvedObject.uid={meta.get('uid', '')}",
+                    _preload_content=False,
+                )
+            )
+        except ApiException as exc:
+            if exc.status in (403, 404):
+                return []
+            raise
+        return list(data.get("items", []))
 
     def _stop_pods(self, pods: list[dict[str, Any]]) -> None:
         """Graceful delete: SIGTERM, the pod's grace period, then SIGKILL (JIT checkpoint)."""
@@ -1455,6 +1582,21 @@ def _rfc3339(ts: float) -> str:
 def _max(*values: float | None) -> float | None:
     present = [v for v in values if v is not None]
     return max(present) if present else None
+
+
+def _outcomes(status: models.TrainingJobStatus) -> dict[int, str | None]:
+    """Each recorded attempt's outcome (None while it runs)."""
+    return {rec.attempt: rec.outcome for rec in status.attempts or []}
+
+
+def _clear_refused(conditions: list[Any] | None, now: str, generation: int | None) -> Any:
+    """CreateRefused set False (the children exist now), where it was True."""
+    before = cond.find_condition(conditions, cond.CREATE_REFUSED)
+    if before is None or before.status != "True":
+        return conditions
+    return cond.set_condition(
+        conditions, cond.CREATE_REFUSED, "False", Reason.CREATED, "", now, generation
+    )
 
 
 def _find_record(status: models.TrainingJobStatus, attempt: int) -> models.AttemptRecord | None:

@@ -116,3 +116,9 @@ def test_user_roles_aggregate_into_the_builtin_roles(
             granted.setdefault(resource, set()).update(rule["verbs"])
     # Users manage TrainingJobs and read their status; the status is the operator's to write.
     assert granted == {models.PLURAL: verbs, f"{models.PLURAL}/status": {"get", "list", "watch"}}
+
+
+def test_the_job_controllers_failed_create_events_can_be_read() -> None:
+    """Pods refused by a ResourceQuota or Pod Security Admission show only as FailedCreate
+    Events on the attempt's Job (issue 30)."""
+    assert ("", "events", "list") in _grants()

@@ -1,0 +1,247 @@
+"""Decisions about an attempt's children (issue 30, second review): refused creates, when the
+attempt's pods are all over, pods held running by a sidecar, and which ended Jobs are kept."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from preemptible_operator.children import (
+    REFUSAL_RETRY_MAX,
+    REFUSAL_RETRY_MIN,
+    api_message,
+    attempt_pods_finished,
+    create_refusal,
+    jobs_to_delete,
+    kept_failed_attempt,
+    pods_refused,
+    pods_to_end,
+    refusal_retry_seconds,
+)
+from preemptible_operator.conditions import Reason
+from tests.unit.operator.builders import cond, make_job, make_pod
+
+
+def _job(
+    *, active: int | None = None, terminating: int | None = None, ready: int | None = None
+) -> dict[str, Any]:
+    job = make_job()
+    for key, value in (("active", active), ("terminating", terminating), ("ready", ready)):
+        if value is not None:
+            job["status"][key] = value
+    return job
+
+
+FAILED = make_pod(phase="Failed", exit_code=1)
+SUCCEEDED = make_pod(phase="Succeeded", exit_code=0)
+RUNNING = make_pod(phase="Running")
+# Deleted before it was bound: finished, though its phase is still Pending (the Job counts it
+# as terminating while our finalizer holds it).
+UNBOUND_DELETED = make_pod(phase="Pending", node=None, deleting=True)
+
+
+# --------------------------------------------------------------------------- defect 7
+@pytest.mark.parametrize(
+    ("job", "pods", "finished"),
+    [
+        pytest.param(_job(), [], True, id="no-pods-job-idle"),
+        pytest.param(None, [], True, id="no-job-no-pods"),
+        pytest.param(None, [FAILED], True, id="job-gone-pods-terminal"),
+        # The watch cache shows no pod yet, the Job controller counts one: it may run.
+        pytest.param(_job(active=1), [], False, id="cache-lags-job-active"),
+        pytest.param(_job(active=1, ready=1), [], False, id="cache-lags-job-ready"),
+        pytest.param(_job(ready=1), [], False, id="ready-only"),
+        pytest.param(_job(terminating=1), [], False, id="cache-lags-job-terminating"),
+        # An eviction right after admission: one pod seen terminal, a second one not seen.
+        pytest.param(_job(active=1), [FAILED], False, id="one-seen-one-unseen"),
+        pytest.param(_job(active=0, terminating=0), [FAILED, SUCCEEDED], True, id="all-terminal"),
+        pytest.param(_job(active=0), [RUNNING], False, id="seen-pod-running"),
+        # Pods finished by the operator's rule but not terminal: the Job may still count them.
+        pytest.param(_job(terminating=1), [UNBOUND_DELETED], True, id="held-unbound-deleted"),
+        pytest.param(
+            _job(terminating=2), [UNBOUND_DELETED], False, id="more-terminating-than-seen"
+        ),
+    ],
+)
+def test_attempt_pods_finished(job: dict[str, Any] | None, pods: list[Any], finished: bool) -> None:
+    assert attempt_pods_finished(job, pods, {"node-1": True}) is finished
+
+
+# --------------------------------------------------------------------------- defect 8
+def _with_sidecar(trainer: dict[str, Any], phase: str = "Running", **kw: Any) -> dict[str, Any]:
+    pod = make_pod(phase=phase, **kw)
+    pod["status"]["containerStatuses"] = [
+        {"name": "trainer", "state": trainer},
+        {"name": "log-shipper", "state": {"running": {}}},
+    ]
+    return pod
+
+
+TRAINER_DONE = _with_sidecar({"terminated": {"exitCode": 0}})
+TRAINER_FAILED = _with_sidecar({"terminated": {"exitCode": 1}})
+TRAINER_RUNS = _with_sidecar({"running": {}})
+TRAINER_DONE_DELETING = _with_sidecar({"terminated": {"exitCode": 0}}, deleting=True)
+
+
+@pytest.mark.parametrize(
+    ("pods", "over", "ended"),
+    [
+        pytest.param([TRAINER_DONE], True, [0], id="sidecar-keeps-finished-pod"),
+        pytest.param([TRAINER_FAILED, TRAINER_RUNS], True, [0], id="failed-rank-with-sidecar"),
+        # Rank 0 finished first: its peers may still be saving; nothing ends it yet.
+        pytest.param([TRAINER_DONE, TRAINER_RUNS], False, [], id="attempt-not-over"),
+        pytest.param([TRAINER_RUNS], True, [], id="trainer-still-runs"),
+        pytest.param([TRAINER_DONE_DELETING], True, [], id="already-deleting"),
+        pytest.param([SUCCEEDED, FAILED], True, [], id="terminal-pods"),
+        pytest.param([make_pod(phase="Running", exit_code=0)], True, [], id="no-sidecar"),
+    ],
+)
+def test_pods_to_end(pods: list[Any], over: bool, ended: list[int]) -> None:
+    assert pods_to_end(pods, over) == [pods[i] for i in ended]
+
+
+# --------------------------------------------------------------------------- defect 2
+@pytest.mark.parametrize(
+    ("status", "foreign", "reason", "fatal"),
+    [
+        (409, True, Reason.NAME_TAKEN, False),
+        (422, False, Reason.CHILD_INVALID, True),
+        (403, False, Reason.CHILD_FORBIDDEN, False),
+        # Temporary: retried as any failed pass.
+        (409, False, None, None),
+        (500, False, None, None),
+        (429, False, None, None),
+        (None, False, None, None),
+    ],
+)
+def test_create_refusal(status: int | None, foreign: bool, reason: str | None, fatal: bool) -> None:
+    refusal = create_refusal("Job", "tj-a1", status, "the apiserver says no", foreign=foreign)
+    if reason is None:
+        assert refusal is None
+        return
+    assert refusal is not None
+    assert (refusal.reason, refusal.fatal) == (reason, fatal)
+    assert "Job tj-a1" in refusal.message and "the apiserver says no" in refusal.message
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (
+            json.dumps({"kind": "Status", "message": 'Job.batch "x" is invalid'}),
+            'Job.batch "x" is invalid',
+        ),
+        (b'{"message": "forbidden: exceeded quota"}', "forbidden: exceeded quota"),
+        ("plain text", "plain text"),
+        (None, "fallback"),
+        ("{}", "fallback"),
+    ],
+)
+def test_api_message(body: str | bytes | None, expected: str) -> None:
+    assert api_message(body, "fallback") == expected
+
+
+@pytest.mark.parametrize(
+    ("refused_for", "wait"),
+    [(0.0, REFUSAL_RETRY_MIN), (3.0, REFUSAL_RETRY_MIN), (40.0, 40.0), (1e6, REFUSAL_RETRY_MAX)],
+)
+def test_refusal_retry_doubles_within_bounds(refused_for: float, wait: float) -> None:
+    assert refusal_retry_seconds(refused_for) == wait
+
+
+def _event(reason: str, message: str, when: str) -> dict[str, Any]:
+    return {"reason": reason, "message": message, "lastTimestamp": when}
+
+
+QUOTA = 'Error creating: pods "tj-a1-0-x" is forbidden: exceeded quota: q, requested: pods=1'
+PSA = 'Error creating: pods "tj-a1-0-x" is forbidden: violates PodSecurity "restricted:latest"'
+
+
+@pytest.mark.parametrize(
+    ("job", "events", "why"),
+    [
+        (make_job(), [], None),
+        (make_job(), [_event("SuccessfulCreate", "Created pod", "2026-01-01T00:00:01Z")], None),
+        (make_job(), [_event("FailedCreate", QUOTA, "2026-01-01T00:00:01Z")], QUOTA),
+        (
+            make_job(),
+            [
+                _event("FailedCreate", PSA, "2026-01-01T00:00:05Z"),
+                _event("FailedCreate", QUOTA, "2026-01-01T00:00:01Z"),
+            ],
+            PSA,
+        ),
+        (make_job(conditions=[cond("ReplicaFailure", "FailedCreate", QUOTA)]), [], QUOTA),
+    ],
+)
+def test_pods_refused(job: dict[str, Any], events: list[dict[str, Any]], why: str | None) -> None:
+    assert pods_refused(job, events) == why
+
+
+# --------------------------------------------------------------------------- defect 5
+def _attempt_job(n: int, *conds: str, deleting: bool = False) -> dict[str, Any]:
+    job = make_job(conditions=[cond(c) for c in conds])
+    job["metadata"]["name"] = f"tj-a{n}"
+    if deleting:
+        job["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return job
+
+
+@pytest.mark.parametrize(
+    ("jobs", "outcomes", "up_to", "deleted", "kept"),
+    [
+        # The final failure (RestartsExhausted): its Job stays for its logs.
+        pytest.param(
+            {1: _attempt_job(1, "Failed")}, {1: "Failed"}, 1, [], 1, id="last-failed-kept"
+        ),
+        pytest.param(
+            {1: _attempt_job(1, "FailureTarget")}, {1: "Failed"}, 1, [], 1, id="failure-target"
+        ),
+        # A newer failure replaces the kept one.
+        pytest.param(
+            {1: _attempt_job(1, "Failed"), 2: _attempt_job(2, "Failed")},
+            {1: "Failed", 2: "Failed"},
+            2,
+            [1],
+            2,
+            id="newer-failure-replaces",
+        ),
+        # Preempted attempts' Jobs go as before; the last failure stays.
+        pytest.param(
+            {1: _attempt_job(1, "Failed"), 2: _attempt_job(2, "Failed")},
+            {1: "Failed", 2: "Preempted"},
+            2,
+            [2],
+            1,
+            id="preempted-after-failure",
+        ),
+        pytest.param({1: _attempt_job(1)}, {1: "Preempted"}, 1, [1], None, id="preempted"),
+        # Kueue evicted it before its pods ran: a suspended Job can be admitted again.
+        pytest.param({1: _attempt_job(1)}, {1: "Failed"}, 1, [1], None, id="not-terminal"),
+        pytest.param({1: _attempt_job(1, "Complete")}, {1: "Succeeded"}, 1, [], None, id="done"),
+        pytest.param(
+            {1: _attempt_job(1, "Failed"), 2: _attempt_job(2)},
+            {1: "Failed", 2: None},
+            1,
+            [],
+            1,
+            id="current-attempt-untouched",
+        ),
+        pytest.param(
+            {1: _attempt_job(1, deleting=True)}, {1: "Preempted"}, 1, [], None, id="deleting"
+        ),
+        # Records beyond the newest 20 are dropped: no outcome, deleted.
+        pytest.param({1: _attempt_job(1, "Failed")}, {}, 1, [1], None, id="record-dropped"),
+    ],
+)
+def test_failed_attempt_job_kept(
+    jobs: dict[int, dict[str, Any]],
+    outcomes: dict[int, str | None],
+    up_to: int,
+    deleted: list[int],
+    kept: int | None,
+) -> None:
+    assert kept_failed_attempt(jobs, outcomes) == kept
+    assert jobs_to_delete(jobs, outcomes, up_to) == [jobs[n] for n in deleted]
