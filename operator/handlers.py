@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import functools
 import logging
 import os
 from typing import Any
@@ -315,13 +316,14 @@ async def _run_pass(
     its own pool: it never queues behind periodic passes stuck on slow scrapes. A periodic pass
     still waiting for a thread when a watch event wakes the daemon is dropped (None): with
     hundreds of running jobs that queue can be seconds long, and the event (a pod's exit) must
-    not wait for a scrape that its next pass makes anyway."""
+    not wait for a scrape that its next pass makes anyway. Only periodic passes scrape: an
+    urgent one keeps the last scraped values, so pods slow to answer /metrics cannot hold the
+    urgent pool's threads."""
     pool = _state["urgent"] if urgent else _state["periodic"]
+    run = functools.partial(_reconciler().reconcile, scrape_metrics=not urgent)
     if pool is None:  # not started by kopf (a test driving the daemon): the loop's pool
-        return await asyncio.get_running_loop().run_in_executor(
-            None, _reconciler().reconcile, namespace, name, cached
-        )
-    future = pool.submit(_reconciler().reconcile, namespace, name, cached)
+        return await asyncio.get_running_loop().run_in_executor(None, run, namespace, name, cached)
+    future = pool.submit(run, namespace, name, cached)
     finished = asyncio.wrap_future(future)
     if urgent:
         return await finished

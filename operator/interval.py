@@ -21,6 +21,7 @@ __all__ = [
     "IntervalRecommendation",
     "auto_save_interval",
     "interval_status",
+    "preemption_window",
     "recommend_interval",
     "running_seconds",
 ]
@@ -85,21 +86,36 @@ def recommend_interval(
     return IntervalRecommendation(seconds, save_seconds, mtbp, running, preemptions, reason)
 
 
+def preemption_window(attempts: Iterable[models.AttemptRecord], now: float) -> tuple[float, int]:
+    """(running seconds, preemptions) over the same attempts: the ended ones among the kept
+    records. Both come from one window: status.preemptions counts every attempt ever, while only
+    the newest records (phases.MAX_ATTEMPT_RECORDS) keep their running time, so dividing the one
+    by the other would shrink the mean time between preemptions with every record dropped (200
+    hourly preemptions: 20 h / 200 = 6 min instead of 1 h). A preemption counts when its attempt
+    ran (it interrupted running work; one preempted while queued lost nothing and ran 0 s).
+    Ended attempts only: the status then changes when an attempt ends, not on every pass."""
+    running = 0.0
+    preemptions = 0
+    for a in attempts:
+        if not a.end_time:
+            continue
+        start = parse_rfc3339(a.running_time)
+        running += running_seconds([(start, parse_rfc3339(a.end_time))], now)
+        if a.outcome == "Preempted" and start is not None:
+            preemptions += 1
+    return running, preemptions
+
+
 def interval_status(
     status: models.TrainingJobStatus, spec: models.TrainingJobSpec, now: float
 ) -> tuple[models.CheckpointIntervalStatus, str | None]:
-    """status.checkpointInterval from the attempts, preemptions and save timings; and an event
-    message when the recommendation is new or moved by 10 % or more (None otherwise). The rate
-    counts the running time of the attempts that ended."""
-    # Ended attempts only: the status then changes when an attempt ends, not on every pass.
-    spans = [
-        (parse_rfc3339(a.running_time), parse_rfc3339(a.end_time))
-        for a in status.attempts or []
-        if a.end_time
-    ]
+    """status.checkpointInterval from the attempts and save timings; and an event message when
+    the recommendation is new or moved by 10 % or more (None otherwise). The rate is that of the
+    ended attempts among the kept records (``preemption_window``)."""
+    running, preemptions = preemption_window(status.attempts or [], now)
     t = status.timings or models.Timings()
     save = t.save_seconds_last or t.save_seconds_max
-    rec = recommend_interval(save, running_seconds(spans, now), status.preemptions or 0)
+    rec = recommend_interval(save, running, preemptions)
     new = models.CheckpointIntervalStatus(
         recommended_seconds=rec.seconds,
         save_seconds=None if rec.save_seconds is None else round(rec.save_seconds, 3),

@@ -30,6 +30,9 @@ RECONCILE_ERRORS = Counter(
     "preemptible_operator_reconcile_errors_total",
     "Reconcile passes that raised (retried on the next pass).",
 )
+# The counters of what a pass records (PREEMPTIONS, LOST_STEPS, and QUEUE_WAIT_SECONDS below) are
+# updated by the reconciler only once the status write that records it succeeded
+# (PassResult.on_written): a pass refused with a conflict (409) is redone and must not count twice.
 PREEMPTIONS = Counter(
     "preemptible_operator_preemptions_total",
     "Attempts ended by a preemption, by reason.",

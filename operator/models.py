@@ -443,7 +443,8 @@ class AttemptRecord(_Model):
     start_step: int | None = None
     """Checkpoint step the attempt resumed from (0 for a fresh start)."""
     end_step: int | None = None
-    """Last global step reached (termination message, else last scraped)."""
+    """Last global step this attempt reported (termination message, else its last scraped step;
+    its startStep when it reported none, e.g. preempted while loading)."""
     checkpoint: str | None = None
     """Newest complete checkpoint when the attempt ended."""
     resume_from: str | None = None
@@ -461,7 +462,8 @@ class AttemptRecord(_Model):
     killed: bool | None = None
     """True when a container was SIGKILLed (grace too short)."""
     lost_steps: int | None = None
-    """Steps done in this attempt that no complete checkpoint holds."""
+    """Steps done in this attempt that no complete checkpoint holds (endStep minus the newer of
+    the newest complete checkpoint and startStep)."""
 
 
 class Progress(_Model):
@@ -473,6 +475,9 @@ class Progress(_Model):
     """Total steps."""
     epoch: float | None = None
     """Fractional epoch."""
+    attempt: int | None = None
+    """Attempt whose runtime reported `step` (an attempt's endStep and lostSteps count only its
+    own reports, never a step an earlier attempt reached)."""
 
 
 class Timings(_Model):
@@ -520,11 +525,11 @@ class CheckpointIntervalStatus(_Model):
     save_seconds: float | None = None
     """Cost of one checkpoint save used (latest save, else the longest)."""
     mean_time_between_preemptions_seconds: float | None = None
-    """Running time of all attempts divided by the number of preemptions."""
+    """runningSeconds divided by preemptions (both over the same attempts)."""
     running_seconds: float | None = None
-    """Seconds the attempts' pods ran, over all attempts so far."""
+    """Seconds the pods of the ended attempts among the kept records (status.attempts) ran."""
     preemptions: int | None = None
-    """Preemptions counted in the rate."""
+    """Preemptions among those same attempts (of attempts that ran)."""
     applied: bool | None = None
     """True when spec.checkpoint.interval is auto: new attempts get the recommended interval."""
     reason: str | None = None

@@ -30,6 +30,7 @@ from pydantic import ValidationError
 
 from preemptible_operator import conditions as cond
 from preemptible_operator import metrics, models, render
+from preemptible_operator.accounting import attempt_end_step, attempt_lost_steps
 from preemptible_operator.attempts import fallback_message, resumed_from
 from preemptible_operator.budget import spread_interval
 from preemptible_operator.checkpoint_store import CheckpointView, PathMap, StorageReads
@@ -135,6 +136,9 @@ class PassResult:
     events: list[tuple[str, str, str]] = field(default_factory=list)
     done: bool = False
     """Terminal and nothing left to release: no further pass is needed for this object."""
+    on_written: list[Callable[[], None]] = field(default_factory=list)
+    """Metric updates counting what this pass records (a preemption, lost steps, a queue wait):
+    run once the status write succeeded, never by a pass that is redone."""
 
 
 @dataclass
@@ -383,17 +387,28 @@ class Reconciler:
         )
 
     # ------------------------------------------------------------------------------ the pass
-    def reconcile(self, namespace: str, name: str, cached: Cached | None = None) -> PassResult:
+    def reconcile(
+        self,
+        namespace: str,
+        name: str,
+        cached: Cached | None = None,
+        *,
+        scrape_metrics: bool = True,
+    ) -> PassResult:
+        """One pass. ``scrape_metrics`` False (a pass woken by a watch event): rank 0's /metrics
+        is not read; the periodic passes read it."""
         t0 = time.monotonic()
         try:
-            return self._reconcile(namespace, name, cached)
+            return self._reconcile(namespace, name, cached, scrape_metrics)
         except Exception:
             metrics.RECONCILE_ERRORS.inc()
             raise
         finally:
             metrics.RECONCILE_SECONDS.observe(time.monotonic() - t0)
 
-    def _reconcile(self, namespace: str, name: str, cached: Cached | None) -> PassResult:
+    def _reconcile(
+        self, namespace: str, name: str, cached: Cached | None, scrape_metrics: bool = True
+    ) -> PassResult:
         obs = self._observe(namespace, name, cached)
         if obs is None:
             return PassResult(done=True)
@@ -436,9 +451,13 @@ class Reconciler:
                 record.running_time = now
                 created_at = parse_rfc3339(record.start_time)
                 if created_at is not None:
-                    metrics.QUEUE_WAIT_SECONDS.observe(max(0.0, self.clock() - created_at))
-            if running and self.config.scrape_metrics:
-                _apply_metrics(status, self._scrape_rank0(obs.pods, spec), spec)
+                    wait = max(0.0, self.clock() - created_at)
+                    result.on_written.append(lambda: metrics.QUEUE_WAIT_SECONDS.observe(wait))
+            if running and self.config.scrape_metrics and scrape_metrics:
+                # Periodic passes only: one woken by a watch event keeps the last scraped values
+                # (in the status), so a slow pod never delays the handling of an event.
+                m = self._scrape_rank0(obs.pods, spec)
+                _apply_metrics(status, m, spec, obs.attempt)
             interruption = classify_interruption(
                 obs.job,
                 obs.pods,
@@ -690,6 +709,10 @@ class Reconciler:
                 return result  # conflict: the next pass re-reads and redoes this one
             with self._lock:
                 self._progress_written[key] = time.monotonic()
+        # Counters of what this pass recorded: only now that the status holding it is written
+        # (or needed no write), so a pass redone after a conflict counts it once.
+        for count in result.on_written:
+            count()
         for event in result.events:
             self._event(obs.obj, *event)
         for fn in after_status:
@@ -924,10 +947,24 @@ class Reconciler:
             )
         status.timings = timings
 
-        end_steps = [m.step for m in messages]
-        progress_step = status.progress.step if status.progress else None
-        end_step = max(
-            [*end_steps, *([progress_step] if progress_step is not None else [])], default=None
+        # What the runtime loaded (an earlier checkpoint after a corrupt one) is the start.
+        loaded = resumed_from(messages)
+        if loaded is not None:
+            fell_back = fallback_message(
+                record.attempt, record.resume_from, record.start_step, loaded
+            )
+            if fell_back is not None:
+                result.events.append(("Warning", Reason.RESUME_FELL_BACK, fell_back))
+            record.resumed_from = _pod_checkpoint_path(spec, loaded.path)
+            record.start_step = loaded.step
+        # Only this attempt's own reports (not the step an earlier attempt left in progress).
+        progress = status.progress or models.Progress()
+        end_step = attempt_end_step(
+            record.attempt,
+            record.start_step,
+            [m.step for m in messages],
+            progress.step,
+            progress.attempt,
         )
         key = (meta["uid"], record.attempt)
         snapshot = self._storage.snapshot(view, key) if view is not None else None
@@ -945,19 +982,13 @@ class Reconciler:
                         completed_at=now,
                         save_seconds=msg.save_seconds.last,
                     )
-        loaded = resumed_from(messages)
-        if loaded is not None:
-            fell_back = fallback_message(
-                record.attempt, record.resume_from, record.start_step, loaded
-            )
-            if fell_back is not None:
-                result.events.append(("Warning", Reason.RESUME_FELL_BACK, fell_back))
-            record.resumed_from = _pod_checkpoint_path(spec, loaded.path)
-            record.start_step = loaded.step
         ckpt = status.last_complete_checkpoint
-        lost = 0
-        if interruption.outcome != "Succeeded" and end_step is not None:
-            lost = max(0, end_step - (ckpt.step if ckpt else 0))
+        lost = attempt_lost_steps(
+            end_step,
+            record.start_step,
+            ckpt.step if ckpt else None,
+            interruption.outcome == "Succeeded",
+        )
         outcome = interruption.outcome if interruption.outcome != "Active" else "Failed"
         record.end_time = now
         record.reason = interruption.reason
@@ -978,12 +1009,14 @@ class Reconciler:
             job_labels = (meta["namespace"], meta["name"])
             metrics.ATTEMPT_GRACE_SECONDS.labels(*job_labels).set(record.grace_seconds)
         if end_step is not None:
-            progress = status.progress or models.Progress()
             progress.step = max(progress.step or 0, end_step)
             status.progress = progress
         status.lost_steps = (status.lost_steps or 0) + lost
         if lost:
-            metrics.LOST_STEPS.labels(meta["namespace"], meta["name"]).inc(lost)
+            # Counted once the status that records it is written (a pass redone after a
+            # conflict records the same attempt again).
+            tj_labels = (meta["namespace"], meta["name"])
+            result.on_written.append(lambda: metrics.LOST_STEPS.labels(*tj_labels).inc(lost))
             result.events.append(
                 (
                     "Warning",
@@ -1000,7 +1033,8 @@ class Reconciler:
         generation = obs.obj["metadata"].get("generation")
         if outcome == "Preempted":
             status.preemptions = (status.preemptions or 0) + 1
-            metrics.PREEMPTIONS.labels(interruption.reason).inc()
+            reason = interruption.reason
+            result.on_written.append(lambda: metrics.PREEMPTIONS.labels(reason).inc())
             status.conditions = cond.set_condition(
                 status.conditions,
                 cond.PREEMPTED,
@@ -1659,13 +1693,17 @@ def _apply_snapshot(status: models.TrainingJobStatus, snapshot: Any) -> None:
 
 
 def _apply_metrics(
-    status: models.TrainingJobStatus, m: RuntimeMetrics | None, spec: models.TrainingJobSpec
+    status: models.TrainingJobStatus,
+    m: RuntimeMetrics | None,
+    spec: models.TrainingJobSpec,
+    attempt: int,
 ) -> None:
     if m is None:
         return
     progress = status.progress or models.Progress()
     if m.int("step") is not None:
         progress.step = m.int("step")
+        progress.attempt = attempt  # whose step it is: see accounting.attempt_end_step
     if m.int("max_steps"):
         progress.max_steps = m.int("max_steps")
     if m.get("epoch") is not None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import http.client
+import io
+import socket
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -43,18 +46,78 @@ MAX_BODY_BYTES = 256 * 1024
 """The runtime's /metrics is a few kB; more is not ours (or is hostile): stop reading."""
 
 
+class _DeadlineReader(io.RawIOBase):
+    """The socket's reads, each given only the time left to the deadline: a pod that sends one
+    byte at a time cannot stretch the whole (status line, headers, body) past it."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock
+        # The socket's own file object: it keeps the socket open until the response is read,
+        # as http.client expects (it closes the connection before reading a closing body).
+        self._raw = sock.makefile("rb", buffering=0)
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int | None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("scrape deadline passed")
+        self._sock.settimeout(left)
+        return self._raw.readinto(buffer)
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+class _DeadlineSocket:
+    """What http.client uses of a socket (sendall, makefile, close), bounded by one deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
+
+    def sendall(self, data: bytes) -> None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("scrape deadline passed")
+        self._sock.settimeout(left)  # sendall's timeout bounds the whole call
+        self._sock.sendall(data)
+
+    def makefile(self, mode: str = "rb", *args: Any, **kwargs: Any) -> io.BufferedReader:
+        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class _DeadlineConnection(http.client.HTTPConnection):
+    """An HTTP connection whose connect, request and every read of the response share one
+    deadline (http.client's own timeout applies to each socket operation anew)."""
+
+    def __init__(self, host: str, port: int, deadline: float) -> None:
+        super().__init__(host, port)
+        self._deadline = deadline
+
+    def connect(self) -> None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("scrape deadline passed")
+        sock = socket.create_connection((self.host, self.port), timeout=left)
+        self.sock = _DeadlineSocket(sock, self._deadline)  # type: ignore[assignment]
+
+
 def scrape(
     host: str, port: int, timeout: float = 2.0, max_bytes: int = MAX_BODY_BYTES
 ) -> RuntimeMetrics | None:
-    """GET http://host:port/metrics within ``timeout`` seconds in total (connect, headers and
-    body together, however slowly the pod sends) and at most ``max_bytes`` of body; None when
-    the pod does not answer in time (not started, gone, too slow, too large)."""
-    deadline = time.monotonic() + timeout
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    """GET http://host:port/metrics within ``timeout`` seconds in total (connect, status line,
+    headers and body together, however slowly the pod sends) and at most ``max_bytes`` of body;
+    None when the pod does not answer in time (not started, gone, too slow, too large)."""
+    conn = _DeadlineConnection(host, port, time.monotonic() + timeout)
     try:
         conn.request("GET", "/metrics", headers={"Accept": "text/plain"})
-        sock = conn.sock
-        sock.settimeout(max(0.01, deadline - time.monotonic()))
         resp = conn.getresponse()
         if resp.status != 200:
             return None
@@ -63,13 +126,7 @@ def scrape(
             return None
         chunks: list[bytes] = []
         size = 0
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            if resp.isclosed():
-                break
-            sock.settimeout(left)
+        while not resp.isclosed():
             chunk = resp.read1(65536)
             if not chunk:
                 break

@@ -3,6 +3,7 @@ checkpoint interval recommendation (operator side, pure functions, as tables).""
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 import pytest
@@ -15,9 +16,11 @@ from preemptible_operator.grace import next_grace
 from preemptible_operator.interval import (
     auto_save_interval,
     interval_status,
+    preemption_window,
     recommend_interval,
     running_seconds,
 )
+from preemptible_operator.phases import bound_attempts
 from preemptible_operator.reconcile import _apply_metrics
 from preemptible_operator.render import AttemptParams, render_job
 from preemptible_operator.scrape import parse_metrics
@@ -144,6 +147,7 @@ def _status(
             job_name=f"tj-a{n}",
             running_time=f"2026-01-01T0{n}:00:00Z",
             end_time=f"2026-01-01T0{n}:30:00Z",
+            outcome="Preempted",
         )
         for n in range(1, preemptions + 1)
     ]
@@ -179,6 +183,82 @@ def test_interval_status_event_and_auto() -> None:
     # nothing to recommend before a preemption
     none, event = interval_status(_status(0, 5.0), _spec(), now=0.0)
     assert none.recommended_seconds is None and event is None
+
+
+def _history(
+    hourly_preemptions: int, *, running: bool = False, others: tuple[str | None, ...] = ()
+) -> models.TrainingJobStatus:
+    """A job preempted after every hour of running ``hourly_preemptions`` times, then attempts
+    of the ``others`` outcomes (each ran an hour; None: still running), then a running attempt
+    when ``running``; only the newest records kept, as the reconciler keeps them, and the
+    counters over every attempt."""
+    outcomes: list[str | None] = ["Preempted"] * hourly_preemptions + list(others)
+    if running:
+        outcomes.append(None)
+    attempts = []
+    for n, outcome in enumerate(outcomes, start=1):
+        start = n * 7200.0  # an hour queued, an hour running
+        attempts.append(
+            models.AttemptRecord(
+                attempt=n,
+                job_name=f"tj-a{n}",
+                start_time=_ts(start - 3600),
+                running_time=_ts(start),
+                end_time=_ts(start + 3600) if outcome else None,
+                outcome=outcome,  # type: ignore[arg-type]
+            )
+        )
+    kept, dropped = bound_attempts(attempts)
+    return models.TrainingJobStatus(
+        attempts=kept,
+        attempts_omitted=dropped or None,
+        preemptions=outcomes.count("Preempted"),
+        timings=models.Timings(save_seconds_last=120.0),
+    )
+
+
+def _ts(seconds: float) -> str:
+    return dt.datetime.fromtimestamp(1_700_000_000 + seconds, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@pytest.mark.parametrize(
+    ("status", "window", "seconds"),
+    [
+        # 120 s saves, a preemption every hour of running: sqrt(2 * 120 * 3600) = 929.5 -> 930 s,
+        # however many preemptions the records no longer hold (20 kept; the old rate divided
+        # their 20 h by all preemptions: 294 s after 200, 132 s after 1,000)
+        (_history(3), (3 * 3600.0, 3), 930),
+        (_history(20), (20 * 3600.0, 20), 930),
+        (_history(200), (20 * 3600.0, 20), 930),
+        (_history(1000), (20 * 3600.0, 20), 930),
+        # the running attempt is not in the window yet (19 ended records)
+        (_history(200, running=True), (19 * 3600.0, 19), 930),
+        # an hour that ended without a preemption (a suspension) counts as running time:
+        # 20 h / 19 preemptions in the window -> sqrt(2 * 120 * 3789.5) = 953.7 -> 954 s
+        (_history(200, others=("Suspended",)), (20 * 3600.0, 19), 954),
+        # a preemption of an attempt that never ran interrupted nothing: not counted
+        (_history(0), (0.0, 0), None),
+    ],
+)
+def test_interval_rate_counts_running_time_and_preemptions_over_the_same_attempts(
+    status: models.TrainingJobStatus, window: tuple[float, int], seconds: int | None
+) -> None:
+    """Issue 30: status.preemptions covers every attempt, the kept records only the newest 20;
+    the rate must come from one window, or the recommendation shrinks with every preemption."""
+    assert preemption_window(status.attempts or [], now=1e12) == window
+    new, _ = interval_status(status, _spec("auto"), now=1e12)
+    assert new.recommended_seconds == seconds, new.reason
+    assert (new.running_seconds, new.preemptions) == window
+
+
+def test_a_preemption_while_queued_counts_no_running_time_and_no_preemption() -> None:
+    status = _history(3)
+    queued = models.AttemptRecord(
+        attempt=4, job_name="tj-a4", start_time=_ts(0), end_time=_ts(600), outcome="Preempted"
+    )
+    status.attempts = [*(status.attempts or []), queued]
+    status.preemptions = 4
+    assert preemption_window(status.attempts, now=1e12) == (3 * 3600.0, 3)
 
 
 def _env(spec: models.TrainingJobSpec, params: AttemptParams) -> dict[str, Any]:
@@ -236,5 +316,5 @@ def test_micro_batch_timings_flow_from_metrics_to_status() -> None:
     runtime.update(micro_batch_seconds=protocol.StepTimings(max=7.5, count=3))
     scraped = parse_metrics(generate_latest(runtime.registry).decode())
     status = models.TrainingJobStatus()
-    _apply_metrics(status, scraped, _spec())
+    _apply_metrics(status, scraped, _spec(), attempt=1)
     assert status.timings is not None and status.timings.micro_batch_seconds_max == 7.5

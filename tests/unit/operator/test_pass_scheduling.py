@@ -23,14 +23,23 @@ class Recorder:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
+        self.scrapes: list[bool] = []
         self.hold = threading.Event()
         self.hold.set()
         self.entered = threading.Event()
 
-    def reconcile(self, namespace: str, name: str, cached: Cached | None = None) -> PassResult:
+    def reconcile(
+        self,
+        namespace: str,
+        name: str,
+        cached: Cached | None = None,
+        *,
+        scrape_metrics: bool = True,
+    ) -> PassResult:
         self.entered.set()
         self.hold.wait(10)
         self.calls.append((name, threading.current_thread().name))
+        self.scrapes.append(scrape_metrics)
         return PassResult(requeue_after=5.0)
 
 
@@ -117,3 +126,17 @@ def test_an_urgent_pass_does_not_queue_behind_periodic_ones(
         release.set()
     assert isinstance(result, PassResult)
     assert [thread.startswith("urgent") for _, thread in recorder.calls] == [True]
+
+
+@pytest.mark.parametrize(("urgent", "scrapes"), [(True, False), (False, True)])
+def test_only_periodic_passes_scrape(
+    pools: tuple[Recorder, concurrent.futures.ThreadPoolExecutor], urgent: bool, scrapes: bool
+) -> None:
+    """A pass woken by a watch event keeps the last scraped values: pods slow to answer
+    /metrics must not hold the threads that handle events (issue 30)."""
+    recorder, _ = pools
+    result = asyncio.run(
+        asyncio.wait_for(handlers._run_pass(urgent, asyncio.Event(), "ns", "job", _cached()), 5)
+    )
+    assert isinstance(result, PassResult)
+    assert recorder.scrapes == [scrapes]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import http.server
+import socket
 import threading
 import time
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from preemptible_operator.scrape import parse_metrics, scrape
@@ -92,3 +94,57 @@ def test_scrape_bounds_the_total_time() -> None:
         assert time.monotonic() - t0 < 2.0
     finally:
         server.shutdown()
+
+
+def _trickle_server(head: bytes, trickled: bytes, every: float, stop: threading.Event) -> int:
+    """A raw TCP server: to each request it sends ``head`` at once, then ``trickled`` one byte
+    per ``every`` seconds (each read well within any per-read timeout), until ``stop``."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+
+    def serve() -> None:
+        with listener:
+            while not stop.is_set():
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    conn.recv(4096)  # the request
+                    try:
+                        conn.sendall(head)
+                        for i in range(len(trickled)):
+                            if stop.wait(every):
+                                break
+                            conn.sendall(trickled[i : i + 1])
+                    except OSError:
+                        pass  # the client gave up
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("head", "trickled"),
+    [
+        # the status line itself, one byte at a time
+        (b"", b"HTTP/1.1 200 OK\r\n" + b"X" * 40),
+        # a header line that never ends
+        (b"HTTP/1.1 200 OK\r\n", b"X-Slow: " + b"y" * 50),
+        # header after header, each complete
+        (b"HTTP/1.1 200 OK\r\n", b"".join(b"X-%d: v\r\n" % i for i in range(8))),
+    ],
+)
+def test_scrape_bounds_the_status_line_and_headers(head: bytes, trickled: bytes) -> None:
+    """One deadline for the whole request (issue 30): a pod that trickles its status line or
+    headers (a byte every 0.2 s) must not hold a pass past the scrape timeout. A correctness
+    bound with a margin for a loaded machine, not a speed target."""
+    stop = threading.Event()
+    port = _trickle_server(head, trickled, 0.2, stop)
+    try:
+        t0 = time.monotonic()
+        assert scrape("127.0.0.1", port, timeout=1.0) is None
+        elapsed = time.monotonic() - t0
+    finally:
+        stop.set()
+    assert elapsed < 1.0 + 0.5, elapsed
