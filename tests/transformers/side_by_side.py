@@ -50,6 +50,7 @@ class Api:
     Trainer: Any
     TrainingArguments: Any
     TrainerCallback: Any
+    EarlyStoppingCallback: Any
 
     def args(self, output_dir: str | Path, **kwargs: Any) -> Any:
         """TrainingArguments with :data:`COMMON_ARGS` (overridable) and ``output_dir``."""
@@ -64,6 +65,7 @@ def transformers_api() -> Api:
         transformers.Trainer,
         transformers.TrainingArguments,
         transformers.TrainerCallback,
+        transformers.EarlyStoppingCallback,
     )
 
 
@@ -75,6 +77,7 @@ def ours_api() -> Api:
         trainer_runtime.Trainer,
         trainer_runtime.TrainingArguments,
         trainer_runtime.TrainerCallback,
+        trainer_runtime.EarlyStoppingCallback,
     )
 
 
@@ -287,6 +290,23 @@ def assert_state_dicts_match(
             atol=1e-6,
             msg=lambda m, n=name: f"{what} {n}: {m}",
         )
+
+
+def assert_runs_match(theirs: Run, ours: Run, *, rel: float = REL_TOL) -> None:
+    """Same log_history (every step's loss, grad_norm, learning_rate, epoch; eval entries; the
+    summary), same on_log payloads (what trackers get) and the same callback event order."""
+    assert_log_history_match(theirs, ours, rel=rel)
+    assert_on_log_match(theirs, ours, rel=rel)
+    assert ours.events == theirs.events, (
+        f"callback events differ:\ntransformers {theirs.events}\nours         {ours.events}"
+    )
+
+
+def load_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The ``model.safetensors`` of a checkpoint or ``save_model()`` directory."""
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "model.safetensors"))
 
 
 def keys(entries: Iterable[Mapping[str, Any]]) -> list[list[str]]:

@@ -147,3 +147,53 @@ def test_jit_checkpoint_holds_the_adapter_only(tmp_path: Path, tok, monkeypatch)
     resumed.train(resume_from_checkpoint=str(ckpt))
     want = losses(full)
     assert losses(resumed, since=step) == {s: want[s] for s in range(step + 1, 7)}
+
+
+def test_resume_side_by_side_with_transformers(tmp_path: Path, tok) -> None:
+    """The same LoRA script under both Trainers: 6 steps saving every 3, then a new Trainer
+    resumes from the run's mid-epoch checkpoint-3 (4 steps an epoch). The resumed runs log the
+    same losses, grad norms, learning rates and epochs, end with the same adapter, and keep
+    the same checkpoint directories with transformers' adapter files."""
+    from tests.compat.test_scripts import assert_files_match
+    from tests.transformers import side_by_side as sbs
+
+    resumed = {}
+    for side in (THEIRS, OURS):
+        _train(side, tok, tmp_path / side / "first")
+        trainer = make_trainer(
+            side, _lora(tok), tmp_path / side / "resumed", tok, causal_data(tok),
+            collator_for("gpt2", tok),
+        )  # fmt: skip
+        trainer.train(resume_from_checkpoint=str(tmp_path / side / "first" / "checkpoint-3"))
+        resumed[side] = trainer
+    theirs, ours = resumed[THEIRS], resumed[OURS]
+    assert [e["step"] for e in theirs.state.log_history if "loss" in e] == [1, 2, 3, 4, 5, 6]
+    sbs.assert_entries_match(theirs.state.log_history, ours.state.log_history, "log_history")
+    sbs.assert_state_dicts_match(_adapter(theirs.model), _adapter(ours.model), "adapter")
+    for run in ("first", "resumed"):
+        assert_files_match(tmp_path / THEIRS / run, tmp_path / OURS / run)
+
+
+@pytest.mark.parametrize(
+    ("kind", "causal_count", "smoothing_shift"),
+    [
+        # transformers counts labels[..., 1:] by the loss type (GPT2LMHeadModel has none), but
+        # its label smoother shifts for every class its causal-LM auto mapping names
+        ("gpt2", False, True),
+        ("llama", True, True),
+        ("bert_classifier", False, False),
+    ],
+)
+def test_loss_rules_judge_a_peft_model_by_its_base(
+    tok, kind: str, causal_count: bool, smoothing_shift: bool
+) -> None:
+    from trainer_runtime.features.losses import is_causal_lm, label_smoothing_shifts
+
+    targets = {"gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"], "bert_classifier": ["query"]}
+    base = build_model(kind, tok)
+    wrapped = peft.get_peft_model(
+        build_model(kind, tok), peft.LoraConfig(r=2, target_modules=targets[kind])
+    )
+    for model in (base, wrapped):
+        assert is_causal_lm(model) is causal_count, type(model).__name__
+        assert label_smoothing_shifts(model) is smoothing_shift, type(model).__name__

@@ -22,20 +22,8 @@ from tests.transformers import side_by_side as sbs
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 
-def _load_weights(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(directory / "model.safetensors"))
-
-
-def assert_runs_match(theirs: sbs.Run, ours: sbs.Run) -> None:
-    """Same log_history (every step's loss, grad_norm, learning_rate, epoch; eval entries; the
-    summary), same on_log payloads (what trackers get) and the same callback event order."""
-    sbs.assert_log_history_match(theirs, ours)
-    sbs.assert_on_log_match(theirs, ours)
-    assert ours.events == theirs.events, (
-        f"callback events differ:\ntransformers {theirs.events}\nours         {ours.events}"
-    )
+_load_weights = sbs.load_weights
+assert_runs_match = sbs.assert_runs_match
 
 
 # -- (a) causal LM ---------------------------------------------------------------------------------

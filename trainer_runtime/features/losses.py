@@ -17,6 +17,7 @@ The rule the reference documents state:
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trainer_runtime.data.columns import _is_peft_model, _peft_base
 from trainer_runtime.distributed import collectives
 from trainer_runtime.errors import ConfigurationError
 
@@ -33,6 +35,7 @@ __all__ = [
     "compute_loss",
     "count_items_in_batch",
     "is_causal_lm",
+    "label_smoothing_shifts",
     "loss_is_scaled",
     "model_accepts_loss_kwargs",
     "scale_loss_for_gradient_accumulation",
@@ -45,8 +48,13 @@ LossFunc = Callable[..., torch.Tensor]
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    # DDP / torch.compile wrappers keep the user's module in .module / ._orig_mod.
+    # DDP / torch.compile wrappers keep the user's module in .module / ._orig_mod; a PEFT model
+    # is judged by its base model, as transformers does (PeftModelForCausalLM around GPT-2 is
+    # not a causal LM by transformers' counting rule, GPT-2's own class name decides).
     while True:
+        if _is_peft_model(model):
+            model = _peft_base(model)
+            continue
         inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
         if not isinstance(inner, torch.nn.Module):
             return model
@@ -72,6 +80,22 @@ def is_causal_lm(model: torch.nn.Module) -> bool:
         archs = getattr(config, "architectures", None) or ()
         return any("CausalLM" in str(a) for a in archs)
     return False
+
+
+def label_smoothing_shifts(model: torch.nn.Module) -> bool:
+    """Whether the label smoother shifts the labels: a causal LM by :func:`is_causal_lm`, or a
+    model whose class transformers maps as a causal LM (``GPT2LMHeadModel`` among them), the
+    rule transformers' Trainer applies to label smoothing (it differs from its counting rule)."""
+    return is_causal_lm(model) or type(_unwrap(model)).__name__ in _transformers_causal_lm_names()
+
+
+@functools.cache
+def _transformers_causal_lm_names() -> frozenset[str]:
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:  # transformers is optional; without it only is_causal_lm decides
+        return frozenset()
+    return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
 def model_accepts_loss_kwargs(model: torch.nn.Module) -> bool:
@@ -288,7 +312,7 @@ def compute_loss(
         loss = label_smoother(
             outputs,
             labels,
-            shift_labels=is_causal_lm(model),
+            shift_labels=label_smoothing_shifts(model),
             num_items_in_batch=num_items_in_batch,
         )
     else:
