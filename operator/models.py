@@ -469,6 +469,14 @@ class Progress(_Model):
     """Total steps."""
     epoch: float | None = None
     """Fractional epoch."""
+    progress_percentage: int | None = None
+    """Percent of maxSteps done (floor(100 x step / maxSteps); 100 once Succeeded). Kubeflow's
+    convention (KEP-2779); a printer column of `kubectl get tj`."""
+    estimated_remaining_seconds: int | None = None
+    """Training seconds left at the measured step time: (maxSteps - step) x
+    timings.stepSecondsEma. Time queued, suspended, checkpointing or restarting after a
+    preemption is not in it; absent until a step time is measured, 0 once Succeeded, absent
+    once Failed."""
 
 
 class Timings(_Model):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from preemptible_operator.classify import Interruption
 from preemptible_operator.conditions import Reason
-from preemptible_operator.models import Phase
+from preemptible_operator.models import Phase, Progress, Timings
 
 __all__ = [
     "MAX_ATTEMPT_RECORDS",
@@ -17,6 +18,7 @@ __all__ = [
     "PhaseInputs",
     "backoff_seconds",
     "bound_attempts",
+    "estimate_progress",
     "next_phase",
 ]
 
@@ -97,6 +99,28 @@ def backoff_seconds(base: int, failures: int, cap: int = 3600) -> int:
     if failures < 1 or base <= 0:
         return 0
     return min(cap, base * 2 ** (failures - 1))
+
+
+def estimate_progress(
+    progress: Progress | None, timings: Timings | None, phase: str | None
+) -> Progress | None:
+    """status.progress with progressPercentage and estimatedRemainingSeconds from the runtime's
+    step / maxSteps and the measured mean step time (timings.stepSecondsEma)."""
+    out = (progress or Progress()).model_copy()
+    out.progress_percentage = None
+    out.estimated_remaining_seconds = None
+    step, total = out.step, out.max_steps
+    ema = timings.step_seconds_ema if timings else None
+    if phase == "Succeeded":
+        out.progress_percentage, out.estimated_remaining_seconds = 100, 0
+    elif step is not None and total is not None and total > 0:
+        done = min(max(step, 0), total)
+        out.progress_percentage = 100 * done // total
+        if phase != "Failed" and ema is not None and ema >= 0:
+            out.estimated_remaining_seconds = math.ceil((total - done) * ema)
+    if progress is None and out == Progress():
+        return None
+    return out
 
 
 def next_phase(obs: PhaseInputs) -> Decision:

@@ -50,6 +50,7 @@ from preemptible_operator.phases import (
     PhaseInputs,
     backoff_seconds,
     bound_attempts,
+    estimate_progress,
     next_phase,
 )
 from preemptible_operator.resume import attempt_fence, resume_checkpoint
@@ -557,6 +558,7 @@ class Reconciler:
             if not any(e[1] == decision.reason for e in result.events):
                 result.events.append((etype, decision.reason, msg))
         status.phase = new_phase
+        status.progress = estimate_progress(status.progress, status.timings, new_phase)
         if shown.message and new_phase not in ("Succeeded",):
             status.message = shown.message if decision.action != "fail_invalid" else obs.invalid
         elif new_phase == "Succeeded":
@@ -1574,4 +1576,4 @@ def _set_phase_conditions(
         existing = cond.find_condition(c, cond.FAILED)
         if existing is None or existing.status != "True":
             c = cond.set_condition(c, cond.FAILED, "True", decision.reason, msg, now, generation)
-    status.conditions = c
+    status.conditions = cond.lifecycle_conditions(c, phase, now, generation)

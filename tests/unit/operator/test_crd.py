@@ -55,6 +55,8 @@ def test_crd_shape_printer_columns_status_and_short_name() -> None:
     assert columns == [
         "Phase",
         "Step",
+        "Progress",
+        "Remaining",
         "Checkpoint",
         "Attempt",
         "Preemptions",

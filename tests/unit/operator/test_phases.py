@@ -6,7 +6,13 @@ import pytest
 
 from preemptible_operator.classify import Interruption
 from preemptible_operator.conditions import Reason
-from preemptible_operator.phases import PhaseInputs, backoff_seconds, next_phase
+from preemptible_operator.models import Progress, Timings
+from preemptible_operator.phases import (
+    PhaseInputs,
+    backoff_seconds,
+    estimate_progress,
+    next_phase,
+)
 
 ACTIVE = Interruption("Active", Reason.STARTED)
 EVICTED = Interruption("Preempted", Reason.POD_EVICTED, "pod x: evicted")
@@ -197,3 +203,40 @@ def test_pending_shows_why_pods_do_not_run_and_a_rejected_edit_holds() -> None:
         PhaseInputs(attempt=2, recorded_outcome="Preempted", spec_rejected=True, pods=0)
     )
     assert (held.phase, held.action, held.reason) == ("Requeueing", "none", "SpecChangeRejected")
+
+
+@pytest.mark.parametrize(
+    ("step", "max_steps", "ema", "phase", "percent", "remaining"),
+    [
+        (None, None, None, "Pending", None, None),
+        (0, 1000, None, "Running", 0, None),  # no step time measured yet
+        (250, 1000, 2.0, "Running", 25, 1500),
+        (999, 1000, 0.3, "Running", 99, 1),  # ceil: never 0 s left before the end
+        (250, 1000, 2.0, "Suspended", 25, 1500),  # training time left, not wall-clock
+        (1200, 1000, 2.0, "Running", 100, 0),  # a step count past maxSteps
+        (10, 0, 2.0, "Running", None, None),  # maxSteps unknown (0)
+        (250, 1000, 2.0, "Failed", 25, None),  # it will not finish
+        (None, None, None, "Succeeded", 100, 0),
+        (400, 1000, 2.0, "Succeeded", 100, 0),  # stopped early by the script: done
+    ],
+)
+def test_estimate_progress(
+    step: int | None,
+    max_steps: int | None,
+    ema: float | None,
+    phase: str,
+    percent: int | None,
+    remaining: int | None,
+) -> None:
+    progress = Progress(step=step, max_steps=max_steps) if step is not None else None
+    timings = Timings(step_seconds_ema=ema) if ema is not None else None
+    got = estimate_progress(progress, timings, phase)
+    if percent is None and remaining is None:
+        assert got is None or (got.progress_percentage, got.estimated_remaining_seconds) == (
+            None,
+            None,
+        )
+        return
+    assert got is not None
+    assert (got.progress_percentage, got.estimated_remaining_seconds) == (percent, remaining)
+    assert (got.step, got.max_steps) == (step, max_steps)
