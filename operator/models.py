@@ -355,6 +355,15 @@ class TrainingJobSpec(_Model):
     """Restarts allowed after real failures (preemptions never count)."""
     restart_backoff_seconds: int = Field(default=10, ge=0)
     """Delay before the first restart after a real failure; doubles with each further failure."""
+    active_deadline_seconds: int | None = Field(default=None, ge=1)
+    """Seconds the whole TrainingJob may take, over all its attempts, counted from the start of
+    the first (status.startTime) and including time queued, pending, suspended or requeued after
+    preemptions. When it passes the job is Failed with reason DeadlineExceeded and the running
+    attempt is stopped (its pods still write their JIT checkpoint). Unset: no limit."""
+    max_preemptions: int | None = Field(default=None, ge=0)
+    """Preemptions tolerated (status.preemptions); the one after that ends the job as Failed
+    with reason PreemptionLimitExceeded instead of requeueing it, so a job preempted in a loop
+    ends with a clear reason. 0: the first preemption fails the job. Unset: no limit."""
     queue_name: str | None = Field(default=None, max_length=_LABEL_VALUE_MAX)
     """Kueue LocalQueue; copied to label kueue.x-k8s.io/queue-name (the Job is created suspended
     and Kueue admits it)."""

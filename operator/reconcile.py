@@ -50,6 +50,7 @@ from preemptible_operator.phases import (
     PhaseInputs,
     backoff_seconds,
     bound_attempts,
+    deadline_remaining,
     estimate_progress,
     next_phase,
 )
@@ -439,6 +440,9 @@ class Reconciler:
         next_after = parse_rfc3339(status.next_attempt_after)
         if next_after is not None:
             backoff_remaining = max(0.0, next_after - self.clock())
+        deadline_left = deadline_remaining(
+            status.start_time, spec.active_deadline_seconds if spec else None, self.clock()
+        )
         inputs = PhaseInputs(
             invalid=obs.invalid is not None,
             current_phase=status.phase,
@@ -458,6 +462,10 @@ class Reconciler:
             previous_pods_active=len(obs.previous_pods),
             pending_detail=pending_detail(obs.pods) if obs.pods else None,
             spec_rejected=obs.rejected is not None and spec is None,
+            active_deadline_seconds=spec.active_deadline_seconds if spec else None,
+            deadline_remaining=deadline_left,
+            preemptions=status.preemptions or 0,
+            max_preemptions=spec.max_preemptions if spec else None,
         )
         decision = next_phase(inputs)
         result.action = decision.action
@@ -493,6 +501,15 @@ class Reconciler:
             result.events.append(("Warning", Reason.INVALID_SPEC, obs.invalid or ""))
             if obs.job is not None and not recorded:
                 self._stop_pods(obs.pods)
+        elif decision.action == "fail":
+            # The attempt's pods stop gracefully (JIT checkpoint) and its Job goes, so Kueue
+            # admits no queued one later.
+            status.completion_time = status.completion_time or now
+            if obs.job is not None and not recorded:
+                self._stop_pods(obs.pods)
+                self._delete_job(obs.job)
+            if obs.pods:
+                result.requeue_after = 1.0  # the next pass releases their attempt finalizers
         elif decision.action == "create_attempt" and spec is not None:
             self._create_attempt(obs, spec, status, record, recorded, decision.reason, now, result)
         elif decision.action == "stop_attempt":
@@ -612,6 +629,9 @@ class Reconciler:
         else:
             with self._lock:
                 self._polled.discard(key)
+        if not terminal and deadline_left is not None and result.requeue_after is not None:
+            # Wake at activeDeadlineSeconds even when nothing else happens (a job stuck Pending).
+            result.requeue_after = min(result.requeue_after, max(0.5, deadline_left + 0.5))
         return result
 
     def periodic_intervals(self) -> tuple[float, float]:

@@ -42,6 +42,8 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"numProcPerNode": 2, "command": []}, "spec.command"),
     ({"shmSize": "a lot"}, "spec.shmSize"),
     ({"env": [{"name": "PET_NPROC_PER_NODE", "value": "8"}]}, "spec.env[0].name"),
+    ({"activeDeadlineSeconds": 0}, "spec.activeDeadlineSeconds"),
+    ({"maxPreemptions": -1}, "spec.maxPreemptions"),
 ]
 VALID: list[dict[str, Any]] = [
     {},
@@ -53,6 +55,7 @@ VALID: list[dict[str, Any]] = [
     {"numProcPerNode": 1, "command": []},
     {"numProcPerNode": "auto", "resourcesPerNode": {"limits": {"nvidia.com/gpu": 8}}},
     {"numProcPerNode": "auto", "resourcesPerNode": {"requests": {"nvidia.com/gpu": "4"}}},
+    {"activeDeadlineSeconds": 86400, "maxPreemptions": 0},
 ]
 
 

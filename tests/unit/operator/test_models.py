@@ -57,6 +57,12 @@ def test_camel_case_round_trip() -> None:
             "PREEMPTIBLE_RESUME_FROM is set by the operator",
         ),
         ({"checkpoint": {"uri": ""}}, "spec.checkpoint.uri", "at least 1"),
+        (
+            {"activeDeadlineSeconds": 0},
+            "spec.activeDeadlineSeconds",
+            "greater than or equal to 1",
+        ),
+        ({"maxPreemptions": -1}, "spec.maxPreemptions", "greater than or equal to 0"),
     ],
 )
 def test_semantic_errors_name_the_field(

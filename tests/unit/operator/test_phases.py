@@ -10,6 +10,7 @@ from preemptible_operator.models import Progress, Timings
 from preemptible_operator.phases import (
     PhaseInputs,
     backoff_seconds,
+    deadline_remaining,
     estimate_progress,
     next_phase,
 )
@@ -240,3 +241,112 @@ def test_estimate_progress(
     assert got is not None
     assert (got.progress_percentage, got.estimated_remaining_seconds) == (percent, remaining)
     assert (got.step, got.max_steps) == (step, max_steps)
+
+
+_RUNNING = {"attempt": 2, "job_exists": True, "pods": 2, "running_pods": 2}
+
+
+@pytest.mark.parametrize(
+    ("inputs", "phase", "action", "reason"),
+    [
+        # activeDeadlineSeconds: whatever the job is doing, once it passed the job fails
+        (
+            PhaseInputs(**_RUNNING, active_deadline_seconds=60, deadline_remaining=0.0),
+            "Failed",
+            "fail",
+            Reason.DEADLINE_EXCEEDED,
+        ),
+        (
+            PhaseInputs(attempt=1, job_exists=True, pods=1, deadline_remaining=-5.0),
+            "Failed",
+            "fail",
+            Reason.DEADLINE_EXCEEDED,
+        ),  # stuck Pending
+        (
+            PhaseInputs(attempt=3, recorded_outcome="Preempted", deadline_remaining=-1.0),
+            "Failed",
+            "fail",
+            Reason.DEADLINE_EXCEEDED,
+        ),  # between attempts
+        (
+            PhaseInputs(
+                attempt=1, suspend=True, recorded_outcome="Suspended", deadline_remaining=-1
+            ),
+            "Failed",
+            "fail",
+            Reason.DEADLINE_EXCEEDED,
+        ),  # suspended: the clock runs on
+        (
+            PhaseInputs(**_RUNNING, deadline_remaining=30.0),
+            "Running",
+            "none",
+            Reason.STARTED,
+        ),
+        (
+            PhaseInputs(current_phase="Succeeded", deadline_remaining=-100.0),
+            "Succeeded",
+            "finish",
+            Reason.COMPLETED,
+        ),  # a finished job stays finished
+        # maxPreemptions: the preemption past the limit fails the job instead of a requeue
+        (
+            PhaseInputs(attempt=3, recorded_outcome="Preempted", preemptions=3, max_preemptions=2),
+            "Failed",
+            "finish",
+            Reason.PREEMPTION_LIMIT_EXCEEDED,
+        ),
+        (
+            PhaseInputs(attempt=1, recorded_outcome="Preempted", preemptions=1, max_preemptions=0),
+            "Failed",
+            "finish",
+            Reason.PREEMPTION_LIMIT_EXCEEDED,
+        ),
+        (
+            PhaseInputs(attempt=3, recorded_outcome="Preempted", preemptions=2, max_preemptions=2),
+            "Requeueing",
+            "create_attempt",
+            Reason.REQUEUED,
+        ),
+        (
+            PhaseInputs(attempt=9, recorded_outcome="Preempted", preemptions=8),
+            "Requeueing",
+            "create_attempt",
+            Reason.REQUEUED,
+        ),  # no limit
+        (
+            PhaseInputs(
+                attempt=3,
+                recorded_outcome="Suspended",
+                preemptions=5,
+                max_preemptions=2,
+            ),
+            "Requeueing",
+            "create_attempt",
+            Reason.RESUMED,
+        ),  # a resume is no preemption
+    ],
+)
+def test_deadline_and_preemption_limit(
+    inputs: PhaseInputs, phase: str, action: str, reason: str
+) -> None:
+    decision = next_phase(inputs)
+    assert (decision.phase, decision.action, decision.reason) == (phase, action, reason)
+    if reason == Reason.PREEMPTION_LIMIT_EXCEEDED:
+        assert f"maxPreemptions is {inputs.max_preemptions}" in decision.message
+    if reason == Reason.DEADLINE_EXCEEDED:
+        assert "activeDeadlineSeconds" in decision.message
+
+
+@pytest.mark.parametrize(
+    ("start", "deadline", "now", "left"),
+    [
+        (None, 60, 1_000.0, None),  # no attempt yet: the clock has not started
+        ("1970-01-01T00:10:00Z", None, 1_000.0, None),  # no deadline
+        ("1970-01-01T00:10:00Z", 600, 1_000.0, 200.0),
+        ("1970-01-01T00:10:00Z", 600, 1_300.0, -100.0),
+    ],
+)
+def test_deadline_remaining(
+    start: str | None, deadline: int | None, now: float, left: float | None
+) -> None:
+    assert deadline_remaining(start, deadline, now) == left
