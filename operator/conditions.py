@@ -78,6 +78,8 @@ class Reason:
     DEADLINE_EXCEEDED = "DeadlineExceeded"
     # more preemptions than spec.maxPreemptions
     PREEMPTION_LIMIT_EXCEEDED = "PreemptionLimitExceeded"
+    # spec.ttlSecondsAfterFinished passed: the operator deletes the finished TrainingJob
+    TTL_EXPIRED = "TTLExpired"
     INVALID_SPEC = "InvalidSpec"
     # bookkeeping
     CHECKPOINTING = "Checkpointing"

@@ -437,6 +437,11 @@ class TrainingJobSpec(_Model):
     """Preemptions tolerated (status.preemptions); the one after that ends the job as Failed
     with reason PreemptionLimitExceeded instead of requeueing it, so a job preempted in a loop
     ends with a clear reason. 0: the first preemption fails the job. Unset: no limit."""
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
+    """Seconds after the job finished (Succeeded or Failed, status.completionTime) when the
+    operator deletes the TrainingJob; its Jobs, pods and Service go with it (owner references).
+    Checkpoints in storage are kept. 0: deleted as soon as it finishes. Unset: kept until
+    deleted by hand (as a batch/v1 Job's ttlSecondsAfterFinished)."""
     queue_name: str | None = Field(default=None, max_length=_LABEL_VALUE_MAX)
     """Kueue LocalQueue; copied to label kueue.x-k8s.io/queue-name (the Job is created suspended
     and Kueue admits it)."""

@@ -22,6 +22,7 @@ __all__ = [
     "deadline_remaining",
     "estimate_progress",
     "next_phase",
+    "ttl_remaining",
 ]
 
 T = TypeVar("T")
@@ -112,15 +113,29 @@ def backoff_seconds(base: int, failures: int, cap: int = 3600) -> int:
     return min(cap, base * 2 ** (failures - 1))
 
 
+def _seconds_left(since: str | None, seconds: int | None, now: float) -> float | None:
+    start = parse_rfc3339(since)
+    if seconds is None or start is None:
+        return None
+    return start + seconds - now
+
+
 def deadline_remaining(
     start_time: str | None, deadline_seconds: int | None, now: float
 ) -> float | None:
     """Seconds left of spec.activeDeadlineSeconds, counted from status.startTime (the first
     attempt's creation); None without a deadline or before the first attempt."""
-    started = parse_rfc3339(start_time)
-    if deadline_seconds is None or started is None:
+    return _seconds_left(start_time, deadline_seconds, now)
+
+
+def ttl_remaining(
+    phase: str | None, completion_time: str | None, ttl_seconds: int | None, now: float
+) -> float | None:
+    """Seconds before a finished TrainingJob is deleted (spec.ttlSecondsAfterFinished, counted
+    from status.completionTime); <= 0: delete it now. None while it runs or without a TTL."""
+    if phase not in TERMINAL_PHASES:
         return None
-    return started + deadline_seconds - now
+    return _seconds_left(completion_time, ttl_seconds, now)
 
 
 def estimate_progress(

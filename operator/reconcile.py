@@ -53,6 +53,7 @@ from preemptible_operator.phases import (
     deadline_remaining,
     estimate_progress,
     next_phase,
+    ttl_remaining,
 )
 from preemptible_operator.resume import attempt_fence, resume_checkpoint
 from preemptible_operator.scrape import RuntimeMetrics, scrape
@@ -612,6 +613,17 @@ class Reconciler:
             fn()
 
         terminal = new_phase in ("Succeeded", "Failed")
+        ttl = spec.ttl_seconds_after_finished if spec else None
+        ttl_left = ttl_remaining(new_phase, status.completion_time, ttl, self.clock())
+        if ttl_left is not None and ttl_left <= 0:
+            self._delete_finished(obs.obj, ttl or 0)
+            result.done = True
+            self.forget(namespace, name, series=False)
+            return result
+        if ttl_left is not None:
+            # Wake when the TTL runs out (sooner if something else is due).
+            due = result.requeue_after
+            result.requeue_after = ttl_left if due is None else min(due, ttl_left)
         if terminal and result.requeue_after is None:
             result.done = True
             self.forget(namespace, name, series=False)
@@ -1082,6 +1094,30 @@ class Reconciler:
                     del self._cleanups[key]
 
         future.add_done_callback(done)
+
+    def _delete_finished(self, obj: dict[str, Any], ttl: int) -> None:
+        """spec.ttlSecondsAfterFinished passed: delete the TrainingJob (its Jobs, pods and
+        Service follow by owner references). The uid precondition spares a new TrainingJob of
+        the same name."""
+        meta = obj["metadata"]
+        message = f"finished more than ttlSecondsAfterFinished ({ttl} s) ago: deleting it"
+        log.info("%s/%s: %s", meta["namespace"], meta["name"], message)
+        self._event(obj, "Normal", Reason.TTL_EXPIRED, message)
+        try:
+            self.custom.delete_namespaced_custom_object(
+                models.GROUP,
+                models.VERSION,
+                meta["namespace"],
+                models.PLURAL,
+                meta["name"],
+                body=kubernetes.client.V1DeleteOptions(
+                    propagation_policy="Background",
+                    preconditions=kubernetes.client.V1Preconditions(uid=meta.get("uid")),
+                ),
+            )
+        except ApiException as exc:
+            if exc.status not in (404, 409):  # gone already, or another incarnation
+                raise
 
     def _delete_job(self, job: dict[str, Any]) -> None:
         uid = job["metadata"].get("uid", "")

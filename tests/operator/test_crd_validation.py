@@ -52,6 +52,7 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"gracePeriod": {"nodeNoticeSeconds": 9000}}, "spec.gracePeriod.nodeNoticeSeconds"),
     ({"activeDeadlineSeconds": 0}, "spec.activeDeadlineSeconds"),
     ({"maxPreemptions": -1}, "spec.maxPreemptions"),
+    ({"ttlSecondsAfterFinished": -5}, "spec.ttlSecondsAfterFinished"),
 ]
 VALID: list[dict[str, Any]] = [
     {},
@@ -63,7 +64,7 @@ VALID: list[dict[str, Any]] = [
     {"numProcPerNode": 1, "command": []},
     {"numProcPerNode": "auto", "resourcesPerNode": {"limits": {"nvidia.com/gpu": 8}}},
     {"numProcPerNode": "auto", "resourcesPerNode": {"requests": {"nvidia.com/gpu": "4"}}},
-    {"activeDeadlineSeconds": 86400, "maxPreemptions": 0},
+    {"activeDeadlineSeconds": 86400, "maxPreemptions": 0, "ttlSecondsAfterFinished": 0},
     {
         "gracePeriod": {
             "seconds": 7200,

@@ -67,6 +67,11 @@ def test_camel_case_round_trip() -> None:
             "greater than or equal to 1",
         ),
         ({"maxPreemptions": -1}, "spec.maxPreemptions", "greater than or equal to 0"),
+        (
+            {"ttlSecondsAfterFinished": -1},
+            "spec.ttlSecondsAfterFinished",
+            "greater than or equal to 0",
+        ),
     ],
 )
 def test_semantic_errors_name_the_field(

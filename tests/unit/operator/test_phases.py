@@ -13,6 +13,7 @@ from preemptible_operator.phases import (
     deadline_remaining,
     estimate_progress,
     next_phase,
+    ttl_remaining,
 )
 
 ACTIVE = Interruption("Active", Reason.STARTED)
@@ -350,3 +351,20 @@ def test_deadline_remaining(
     start: str | None, deadline: int | None, now: float, left: float | None
 ) -> None:
     assert deadline_remaining(start, deadline, now) == left
+
+
+@pytest.mark.parametrize(
+    ("phase", "completed", "ttl", "now", "left"),
+    [
+        ("Running", None, 60, 1_000.0, None),  # not finished: no TTL clock
+        ("Failed", "1970-01-01T00:10:00Z", None, 1_000.0, None),  # no TTL: kept
+        ("Succeeded", "1970-01-01T00:10:00Z", 600, 1_000.0, 200.0),
+        ("Failed", "1970-01-01T00:10:00Z", 300, 1_000.0, -100.0),  # due: delete now
+        ("Succeeded", "1970-01-01T00:10:00Z", 0, 600.0, 0.0),  # 0: at once
+        ("Succeeded", None, 60, 1_000.0, None),  # no completion time recorded
+    ],
+)
+def test_ttl_remaining(
+    phase: str, completed: str | None, ttl: int | None, now: float, left: float | None
+) -> None:
+    assert ttl_remaining(phase, completed, ttl, now) == left
