@@ -41,18 +41,6 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
     {
-        "name": "Progress",
-        "type": "integer",
-        "jsonPath": ".status.progress.progressPercentage",
-        "description": "Percent of maxSteps done",
-    },
-    {
-        "name": "Remaining",
-        "type": "integer",
-        "jsonPath": ".status.progress.estimatedRemainingSeconds",
-        "description": "Estimated training seconds left at the measured step time",
-    },
-    {
         "name": "Checkpoint",
         "type": "integer",
         "jsonPath": ".status.lastCompleteCheckpoint.step",
@@ -71,6 +59,18 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "type": "integer",
         "jsonPath": ".status.checkpointInterval.recommendedSeconds",
         "description": "Recommended seconds between checkpoints (observed preemptions and saves)",
+    },
+    {
+        "name": "Progress",
+        "type": "integer",
+        "jsonPath": ".status.progress.progressPercentage",
+        "description": "Percent of maxSteps done",
+    },
+    {
+        "name": "Remaining",
+        "type": "integer",
+        "jsonPath": ".status.progress.estimatedRemainingSeconds",
+        "description": "Estimated training seconds left at the measured step time",
     },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

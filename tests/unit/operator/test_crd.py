@@ -55,13 +55,13 @@ def test_crd_shape_printer_columns_status_and_short_name() -> None:
     assert columns == [
         "Phase",
         "Step",
-        "Progress",
-        "Remaining",
         "Checkpoint",
         "Attempt",
         "Preemptions",
         "Grace",
         "Save-Every",
+        "Progress",
+        "Remaining",
         "Age",
     ]
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
