@@ -576,6 +576,10 @@ class Reconciler:
             if not any(e[1] == decision.reason for e in result.events):
                 result.events.append((etype, decision.reason, msg))
         status.phase = new_phase
+        if new_phase in ("Succeeded", "Failed") and status.completion_time is None:
+            # Every way to the end (a success is recorded straight into Succeeded): the TTL
+            # after finishing counts from here.
+            status.completion_time = now
         status.progress = estimate_progress(status.progress, status.timings, new_phase)
         if shown.message and new_phase not in ("Succeeded",):
             status.message = shown.message if decision.action != "fail_invalid" else obs.invalid
