@@ -10,6 +10,7 @@ __all__ = [
     "ADMITTED",
     "ALL_TYPES",
     "CHECKPOINTING",
+    "COMPLETE",
     "CREATE_REFUSED",
     "FAILED",
     "GRACE_PERIOD_SUFFICIENT",
@@ -17,8 +18,10 @@ __all__ = [
     "PREEMPTION_REASONS",
     "RUNNING",
     "SUCCEEDED",
+    "SUSPENDED",
     "Reason",
     "find_condition",
+    "lifecycle_conditions",
     "set_condition",
 ]
 
@@ -31,12 +34,18 @@ FAILED = "Failed"
 GRACE_PERIOD_SUFFICIENT = "GracePeriodSufficient"
 # True while the apiserver refuses the attempt's Service, Job or pods (issue 30).
 CREATE_REFUSED = "CreateRefused"
+# What `kubectl wait --for=condition=...` users know from batch/v1 Job (and Kubeflow's jobs):
+# Complete and Failed become True when the job ends, Suspended while it is suspended.
+COMPLETE = "Complete"
+SUSPENDED = "Suspended"
 ALL_TYPES = (
     ADMITTED,
     RUNNING,
     CHECKPOINTING,
     PREEMPTED,
+    SUSPENDED,
     SUCCEEDED,
+    COMPLETE,
     FAILED,
     GRACE_PERIOD_SUFFICIENT,
     CREATE_REFUSED,
@@ -70,6 +79,12 @@ class Reason:
     TRAINING_FAILED = "TrainingFailed"
     JOB_FAILED = "JobFailed"
     RESTARTS_EXHAUSTED = "RestartsExhausted"
+    # spec.activeDeadlineSeconds passed since the first attempt started
+    DEADLINE_EXCEEDED = "DeadlineExceeded"
+    # more preemptions than spec.maxPreemptions
+    PREEMPTION_LIMIT_EXCEEDED = "PreemptionLimitExceeded"
+    # spec.ttlSecondsAfterFinished passed: the operator deletes the finished TrainingJob
+    TTL_EXPIRED = "TTLExpired"
     INVALID_SPEC = "InvalidSpec"
     # bookkeeping
     CHECKPOINTING = "Checkpointing"
@@ -168,3 +183,32 @@ def set_condition(
         )
     order = {t: i for i, t in enumerate(ALL_TYPES)}
     return sorted(result, key=lambda c: order.get(c.type, len(order)))
+
+
+def lifecycle_conditions(
+    conditions: list[Condition] | None,
+    phase: str,
+    now: str,
+    generation: int | None = None,
+) -> list[Condition] | None:
+    """Complete and Suspended for ``phase`` (Failed is set with its reason where the job fails).
+
+    Complete is True/Completed once the job succeeded and is never written before (as batch/v1
+    Job: `kubectl wait --for=condition=Complete` waits for it to appear). Suspended is
+    True/Suspended while the phase is Suspended (the pods are gone), and False/Resumed once the
+    job leaves it; a job never suspended has none."""
+    c = conditions
+    if phase == "Succeeded":
+        c = set_condition(
+            c, COMPLETE, "True", Reason.COMPLETED, "training finished", now, generation
+        )
+    suspended = find_condition(c, SUSPENDED)
+    if phase == "Suspended":
+        c = set_condition(
+            c, SUSPENDED, "True", Reason.SUSPENDED, "spec.suspend is true; no pods", now, generation
+        )
+    elif suspended is not None and suspended.status == "True":
+        c = set_condition(
+            c, SUSPENDED, "False", Reason.RESUMED, "spec.suspend is false", now, generation
+        )
+    return c

@@ -60,6 +60,18 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "jsonPath": ".status.checkpointInterval.recommendedSeconds",
         "description": "Recommended seconds between checkpoints (observed preemptions and saves)",
     },
+    {
+        "name": "Progress",
+        "type": "integer",
+        "jsonPath": ".status.progress.progressPercentage",
+        "description": "Percent of maxSteps done",
+    },
+    {
+        "name": "Remaining",
+        "type": "integer",
+        "jsonPath": ".status.progress.estimatedRemainingSeconds",
+        "description": "Estimated training seconds left at the measured step time",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -31,6 +31,7 @@ from preemptible_operator.spec_rules import (
     NotAbove,
     NotOneOf,
     Rule,
+    Within,
     WordNeedsKey,
 )
 from trainer_runtime import protocol
@@ -41,6 +42,7 @@ __all__ = [
     "GPU_RESOURCE",
     "GROUP",
     "KIND",
+    "MAX_GRACE_SECONDS",
     "PLURAL",
     "RESERVED_ENV",
     "SHORT_NAME",
@@ -133,12 +135,24 @@ MAX_ENV_NAME = 1024
 
 _FREE_FORM = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
 
+# Bounds of the grace fields (spec.gracePeriod): a grace period is how long a preempted or
+# suspended pod keeps its node (and Kueue's preemptor waits), so no field may ask for more than
+# two hours (twice the automatic rule's default max, far above any JIT save measured).
+MAX_GRACE_SECONDS = 7200
+MAX_HEADROOM = 10.0
+MAX_KILL_WAIT_SECONDS = 300.0
+MAX_EXIT_MARGIN_SECONDS = 600
+
 
 def _schema_rules(schema: dict[str, Any], model: type) -> None:
-    # The model's rules become the CRD's CEL validations of this object (crd.py keeps them).
+    # The model's rules become the CRD's CEL validations of this object (crd.py keeps them);
+    # a bound (Within) also becomes its field's minimum/maximum.
     rules: tuple[Rule, ...] = getattr(model, "rules", ())
     if rules:
         schema["x-kubernetes-validations"] = [r.to_cel() for r in rules]
+    for rule in rules:
+        if isinstance(rule, Within):
+            schema["properties"][rule.field].update(rule.schema_keywords())
 
 
 class _Model(BaseModel):
@@ -257,20 +271,20 @@ class GracePeriodSpec(_Model):
     GracePeriodSufficient when measurements say it is too short).
     """
 
-    seconds: int | None = Field(default=None, ge=1)
+    seconds: int | None = None
     """Pinned grace period in seconds (disables the automatic rule)."""
     # Defaults are trainer_runtime.grace.GracePolicy's, so both halves document one rule.
-    initial_seconds: int = Field(default=GracePolicy.initial_seconds, ge=1)
+    initial_seconds: int = GracePolicy.initial_seconds
     """Grace of the first attempt, before anything was measured."""
-    min: int = Field(default=GracePolicy.minimum, ge=1)
+    min: int = GracePolicy.minimum
     """Lower bound of the automatic grace."""
-    max: int = Field(default=GracePolicy.maximum, ge=1)
+    max: int = GracePolicy.maximum
     """Upper bound of the automatic grace."""
-    headroom: float = Field(default=GracePolicy.headroom, ge=0)
+    headroom: float = GracePolicy.headroom
     """Relative safety margin on (stepMax + saveMax)."""
-    kill_wait_seconds: float = Field(default=GracePolicy.kill_wait, ge=0)
+    kill_wait_seconds: float = GracePolicy.kill_wait
     """Seconds the runtime waits after SIGTERM before it stops (PREEMPTIBLE_KILL_WAIT_SECONDS)."""
-    exit_margin: int = Field(default=GracePolicy.exit_margin, ge=0)
+    exit_margin: int = GracePolicy.exit_margin
     """Seconds added for process exit and termination-message writing."""
     stop_policy: Literal["finish_step", "micro_batch"] = "finish_step"
     """How the runtime stops after SIGTERM (PREEMPTIBLE_STOP_POLICY; a script's own
@@ -279,7 +293,7 @@ class GracePeriodSpec(_Model):
     runtime stops as micro_batch does). micro_batch: stop at the next micro-batch boundary, drop
     the partial gradient accumulation and save the last completed step at once (the grace covers
     the longest micro-batch + saveMax, so preempted GPUs are freed nearly a step sooner)."""
-    node_notice_seconds: int | None = Field(default=None, ge=1)
+    node_notice_seconds: int | None = None
     """The notice the nodes give before they go away whatever grace a pod asked for (spot VMs:
     about 30 on GKE, up to 120 on AWS). Passed as PREEMPTIBLE_NODE_NOTICE_SECONDS: the runtime's
     deadline is SIGTERM + the shorter of grace and notice, and it does not start a save that
@@ -289,6 +303,65 @@ class GracePeriodSpec(_Model):
     rules: ClassVar[tuple[Rule, ...]] = (
         NotAbove(
             "min ({min}) must not exceed max ({max}); lower min or raise max", low="min", high="max"
+        ),
+        Within(
+            "gracePeriod.seconds ({seconds}) must be between 1 and "
+            f"{MAX_GRACE_SECONDS}: a preempted pod holds its node that long; pin a shorter "
+            "grace or unset seconds for the automatic one",
+            field="seconds",
+            minimum=1,
+            maximum=MAX_GRACE_SECONDS,
+        ),
+        Within(
+            "gracePeriod.initialSeconds ({initialSeconds}) must be between 1 and "
+            f"{MAX_GRACE_SECONDS}: it is the first attempt's grace; give one in that range",
+            field="initialSeconds",
+            minimum=1,
+            maximum=MAX_GRACE_SECONDS,
+        ),
+        Within(
+            f"gracePeriod.min ({{min}}) must be between 1 and {MAX_GRACE_SECONDS}; give one in "
+            "that range",
+            field="min",
+            minimum=1,
+            maximum=MAX_GRACE_SECONDS,
+        ),
+        Within(
+            f"gracePeriod.max ({{max}}) must be between 1 and {MAX_GRACE_SECONDS}: a preempted "
+            "pod may hold its node that long; give one in that range",
+            field="max",
+            minimum=1,
+            maximum=MAX_GRACE_SECONDS,
+        ),
+        Within(
+            f"gracePeriod.headroom must be between 0 and {MAX_HEADROOM:g} (a fraction of "
+            "stepMax + saveMax: 0.25 adds a quarter); give one in that range",
+            field="headroom",
+            minimum=0.0,
+            maximum=MAX_HEADROOM,
+        ),
+        Within(
+            f"gracePeriod.killWaitSeconds must be between 0 and {MAX_KILL_WAIT_SECONDS:g} "
+            "(the runtime's wait after SIGTERM, spent out of the grace period); give one in "
+            "that range",
+            field="killWaitSeconds",
+            minimum=0.0,
+            maximum=MAX_KILL_WAIT_SECONDS,
+        ),
+        Within(
+            "gracePeriod.exitMargin ({exitMargin}) must be between 0 and "
+            f"{MAX_EXIT_MARGIN_SECONDS}; give one in that range",
+            field="exitMargin",
+            minimum=0,
+            maximum=MAX_EXIT_MARGIN_SECONDS,
+        ),
+        Within(
+            "gracePeriod.nodeNoticeSeconds ({nodeNoticeSeconds}) must be between 1 and "
+            f"{MAX_GRACE_SECONDS}: give the notice your nodes get before they go (about 30 on "
+            "GKE spot, up to 120 on AWS) or unset it",
+            field="nodeNoticeSeconds",
+            minimum=1,
+            maximum=MAX_GRACE_SECONDS,
         ),
     )
 
@@ -355,6 +428,20 @@ class TrainingJobSpec(_Model):
     """Restarts allowed after real failures (preemptions never count)."""
     restart_backoff_seconds: int = Field(default=10, ge=0)
     """Delay before the first restart after a real failure; doubles with each further failure."""
+    active_deadline_seconds: int | None = Field(default=None, ge=1)
+    """Seconds the whole TrainingJob may take, over all its attempts, counted from the start of
+    the first (status.startTime) and including time queued, pending, suspended or requeued after
+    preemptions. When it passes the job is Failed with reason DeadlineExceeded and the running
+    attempt is stopped (its pods still write their JIT checkpoint). Unset: no limit."""
+    max_preemptions: int | None = Field(default=None, ge=0)
+    """Preemptions tolerated (status.preemptions); the one after that ends the job as Failed
+    with reason PreemptionLimitExceeded instead of requeueing it, so a job preempted in a loop
+    ends with a clear reason. 0: the first preemption fails the job. Unset: no limit."""
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
+    """Seconds after the job finished (Succeeded or Failed, status.completionTime) when the
+    operator deletes the TrainingJob; its Jobs, pods and Service go with it (owner references).
+    Checkpoints in storage are kept. 0: deleted as soon as it finishes. Unset: kept until
+    deleted by hand (as a batch/v1 Job's ttlSecondsAfterFinished)."""
     queue_name: str | None = Field(default=None, max_length=_LABEL_VALUE_MAX)
     """Kueue LocalQueue; copied to label kueue.x-k8s.io/queue-name (the Job is created suspended
     and Kueue admits it)."""
@@ -478,6 +565,14 @@ class Progress(_Model):
     attempt: int | None = None
     """Attempt whose runtime reported `step` (an attempt's endStep and lostSteps count only its
     own reports, never a step an earlier attempt reached)."""
+    progress_percentage: int | None = None
+    """Percent of maxSteps done (floor(100 x step / maxSteps); 100 once Succeeded). Kubeflow's
+    convention (KEP-2779); a printer column of `kubectl get tj`."""
+    estimated_remaining_seconds: int | None = None
+    """Training seconds left at the measured step time: (maxSteps - step) x
+    timings.stepSecondsEma. Time queued, suspended, checkpointing or restarting after a
+    preemption is not in it; absent until a step time is measured, 0 once Succeeded, absent
+    once Failed."""
 
 
 class Timings(_Model):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from preemptible_operator.classify import Interruption
 from preemptible_operator.conditions import Reason
-from preemptible_operator.models import Phase
+from preemptible_operator.models import Phase, Progress, Timings
+from preemptible_operator.timestamps import parse_rfc3339
 
 __all__ = [
     "MAX_ATTEMPT_RECORDS",
@@ -17,7 +19,10 @@ __all__ = [
     "PhaseInputs",
     "backoff_seconds",
     "bound_attempts",
+    "deadline_remaining",
+    "estimate_progress",
     "next_phase",
+    "ttl_remaining",
 ]
 
 T = TypeVar("T")
@@ -27,6 +32,7 @@ TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
 Action = Literal[
     "none",  # observe only (status still refreshed)
     "fail_invalid",  # spec is semantically invalid: Failed/InvalidSpec, stop any attempt
+    "fail",  # activeDeadlineSeconds passed: Failed, stop the attempt and drop its Job
     "create_attempt",  # create the next attempt's Job (after cleaning up the previous one)
     "stop_attempt",  # the user suspended: delete the attempt's pods gracefully (JIT checkpoint)
     "deactivate_workload",  # Kueue evicted: never let it re-admit this attempt
@@ -71,6 +77,14 @@ class PhaseInputs:
     previous_pods_active: int = 0
     """Pods of an earlier TrainingJob of the same name (another uid) that may still run and
     write to the same checkpoint storage."""
+    active_deadline_seconds: int | None = None
+    """spec.activeDeadlineSeconds (None: no deadline)."""
+    deadline_remaining: float | None = None
+    """Seconds left before it (deadline_remaining); <= 0: it passed."""
+    preemptions: int = 0
+    """status.preemptions, the attempt just recorded included."""
+    max_preemptions: int | None = None
+    """spec.maxPreemptions (None: no limit)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +113,53 @@ def backoff_seconds(base: int, failures: int, cap: int = 3600) -> int:
     if failures < 1 or base <= 0:
         return 0
     return min(cap, base * 2 ** (failures - 1))
+
+
+def _seconds_left(since: str | None, seconds: int | None, now: float) -> float | None:
+    start = parse_rfc3339(since)
+    if seconds is None or start is None:
+        return None
+    return start + seconds - now
+
+
+def deadline_remaining(
+    start_time: str | None, deadline_seconds: int | None, now: float
+) -> float | None:
+    """Seconds left of spec.activeDeadlineSeconds, counted from status.startTime (the first
+    attempt's creation); None without a deadline or before the first attempt."""
+    return _seconds_left(start_time, deadline_seconds, now)
+
+
+def ttl_remaining(
+    phase: str | None, completion_time: str | None, ttl_seconds: int | None, now: float
+) -> float | None:
+    """Seconds before a finished TrainingJob is deleted (spec.ttlSecondsAfterFinished, counted
+    from status.completionTime); <= 0: delete it now. None while it runs or without a TTL."""
+    if phase not in TERMINAL_PHASES:
+        return None
+    return _seconds_left(completion_time, ttl_seconds, now)
+
+
+def estimate_progress(
+    progress: Progress | None, timings: Timings | None, phase: str | None
+) -> Progress | None:
+    """status.progress with progressPercentage and estimatedRemainingSeconds from the runtime's
+    step / maxSteps and the measured mean step time (timings.stepSecondsEma)."""
+    out = (progress or Progress()).model_copy()
+    out.progress_percentage = None
+    out.estimated_remaining_seconds = None
+    step, total = out.step, out.max_steps
+    ema = timings.step_seconds_ema if timings else None
+    if phase == "Succeeded":
+        out.progress_percentage, out.estimated_remaining_seconds = 100, 0
+    elif step is not None and total is not None and total > 0:
+        done = min(max(step, 0), total)
+        out.progress_percentage = 100 * done // total
+        if phase != "Failed" and ema is not None and ema >= 0:
+            out.estimated_remaining_seconds = math.ceil((total - done) * ema)
+    if progress is None and out == Progress():
+        return None
+    return out
 
 
 def next_phase(obs: PhaseInputs) -> Decision:
@@ -130,6 +191,14 @@ def _next_phase(obs: PhaseInputs) -> Decision:
         return Decision(obs.current_phase, "finish", Reason.COMPLETED)  # type: ignore[arg-type]
     if obs.invalid:
         return Decision("Failed", "fail_invalid", Reason.INVALID_SPEC)
+    if obs.deadline_remaining is not None and obs.deadline_remaining <= 0:
+        return Decision(
+            "Failed",
+            "fail",
+            Reason.DEADLINE_EXCEEDED,
+            f"activeDeadlineSeconds ({obs.active_deadline_seconds}) passed since the first "
+            "attempt started; raise it to run longer",
+        )
     if obs.attempt == 0:
         if obs.suspend:
             return Decision(
@@ -160,6 +229,17 @@ def _next_phase(obs: PhaseInputs) -> Decision:
                     f"{obs.backoff_remaining:.0f} s",
                 )
             return Decision("Requeueing", "create_attempt", Reason.REQUEUED)
+        if (
+            outcome == "Preempted"
+            and obs.max_preemptions is not None
+            and obs.preemptions > obs.max_preemptions
+        ):
+            return Decision(
+                "Failed",
+                "finish",
+                Reason.PREEMPTION_LIMIT_EXCEEDED,
+                f"{obs.preemptions} preemptions, maxPreemptions is {obs.max_preemptions}",
+            )
         if obs.suspend:
             if obs.recorded_reason == Reason.WORKLOAD_DEACTIVATED:
                 return Decision(

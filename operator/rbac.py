@@ -36,11 +36,12 @@ ACCESS_FILE = REPO_ROOT / "charts" / "preemptible" / "files" / "generated-access
 
 # Rules that can be granted per namespace (a Role) when the operator watches given namespaces.
 NAMESPACED_RULES: list[dict[str, Any]] = [
-    # Watch TrainingJobs; patch for kopf's finalizer and bookkeeping annotations.
+    # Watch TrainingJobs; patch for kopf's finalizer and bookkeeping annotations; delete a
+    # finished one whose spec.ttlSecondsAfterFinished passed.
     {
         "apiGroups": [models.GROUP],
         "resources": [models.PLURAL],
-        "verbs": ["get", "list", "watch", "patch"],
+        "verbs": ["get", "list", "watch", "patch", "delete"],
     },
     # Owner references on Jobs and the Service set blockOwnerDeletion: with the
     # OwnerReferencesPermissionEnforcement admission plugin (OpenShift) that needs update on

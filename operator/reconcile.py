@@ -64,7 +64,10 @@ from preemptible_operator.phases import (
     PhaseInputs,
     backoff_seconds,
     bound_attempts,
+    deadline_remaining,
+    estimate_progress,
     next_phase,
+    ttl_remaining,
 )
 from preemptible_operator.resume import attempt_fence, resume_checkpoint
 from preemptible_operator.scrape import RuntimeMetrics, scrape
@@ -486,6 +489,9 @@ class Reconciler:
         next_after = parse_rfc3339(status.next_attempt_after)
         if next_after is not None:
             backoff_remaining = max(0.0, next_after - self.clock())
+        deadline_left = deadline_remaining(
+            status.start_time, spec.active_deadline_seconds if spec else None, self.clock()
+        )
         inputs = PhaseInputs(
             invalid=obs.invalid is not None,
             current_phase=status.phase,
@@ -506,6 +512,10 @@ class Reconciler:
             previous_pods_active=len(obs.previous_pods),
             pending_detail=pending_detail(obs.pods) if obs.pods else None,
             spec_rejected=obs.rejected is not None and spec is None,
+            active_deadline_seconds=spec.active_deadline_seconds if spec else None,
+            deadline_remaining=deadline_left,
+            preemptions=status.preemptions or 0,
+            max_preemptions=spec.max_preemptions if spec else None,
         )
         decision = next_phase(inputs)
         result.action = decision.action
@@ -548,6 +558,15 @@ class Reconciler:
             result.events.append(("Warning", Reason.INVALID_SPEC, obs.invalid or ""))
             if obs.job is not None and not recorded:
                 self._stop_pods(obs.pods)
+        elif decision.action == "fail":
+            # The attempt's pods stop gracefully (JIT checkpoint) and its Job goes, so Kueue
+            # admits no queued one later.
+            status.completion_time = status.completion_time or now
+            if obs.job is not None and not recorded:
+                self._stop_pods(obs.pods)
+                self._delete_job(obs.job)
+            if obs.pods:
+                result.requeue_after = 1.0  # the next pass releases their attempt finalizers
         elif decision.action == "create_attempt" and spec is not None:
             refusal = self._create_attempt(
                 obs, spec, status, record, recorded, decision.reason, now, result
@@ -679,6 +698,11 @@ class Reconciler:
             if not any(e[1] == decision.reason for e in result.events):
                 result.events.append((etype, decision.reason, msg))
         status.phase = new_phase
+        if new_phase in ("Succeeded", "Failed") and status.completion_time is None:
+            # Every way to the end (a success is recorded straight into Succeeded): the TTL
+            # after finishing counts from here.
+            status.completion_time = now
+        status.progress = estimate_progress(status.progress, status.timings, new_phase)
         if shown.message and new_phase not in ("Succeeded",):
             status.message = shown.message if decision.action != "fail_invalid" else obs.invalid
         elif new_phase == "Succeeded":
@@ -719,6 +743,17 @@ class Reconciler:
             fn()
 
         terminal = new_phase in ("Succeeded", "Failed")
+        ttl = spec.ttl_seconds_after_finished if spec else None
+        ttl_left = ttl_remaining(new_phase, status.completion_time, ttl, self.clock())
+        if ttl_left is not None and ttl_left <= 0:
+            self._delete_finished(obs.obj, ttl or 0)
+            result.done = True
+            self.forget(namespace, name, series=False)
+            return result
+        if ttl_left is not None:
+            # Wake when the TTL runs out (sooner if something else is due).
+            due = result.requeue_after
+            result.requeue_after = ttl_left if due is None else min(due, ttl_left)
         if terminal and result.requeue_after is None:
             result.done = True
             self.forget(namespace, name, series=False)
@@ -736,6 +771,9 @@ class Reconciler:
         else:
             with self._lock:
                 self._polled.discard(key)
+        if not terminal and deadline_left is not None and result.requeue_after is not None:
+            # Wake at activeDeadlineSeconds even when nothing else happens (a job stuck Pending).
+            result.requeue_after = min(result.requeue_after, max(0.5, deadline_left + 0.5))
         return result
 
     def periodic_intervals(self) -> tuple[float, float]:
@@ -1251,6 +1289,30 @@ class Reconciler:
                     del self._cleanups[key]
 
         future.add_done_callback(done)
+
+    def _delete_finished(self, obj: dict[str, Any], ttl: int) -> None:
+        """spec.ttlSecondsAfterFinished passed: delete the TrainingJob (its Jobs, pods and
+        Service follow by owner references). The uid precondition spares a new TrainingJob of
+        the same name."""
+        meta = obj["metadata"]
+        message = f"finished more than ttlSecondsAfterFinished ({ttl} s) ago: deleting it"
+        log.info("%s/%s: %s", meta["namespace"], meta["name"], message)
+        self._event(obj, "Normal", Reason.TTL_EXPIRED, message)
+        try:
+            self.custom.delete_namespaced_custom_object(
+                models.GROUP,
+                models.VERSION,
+                meta["namespace"],
+                models.PLURAL,
+                meta["name"],
+                body=kubernetes.client.V1DeleteOptions(
+                    propagation_policy="Background",
+                    preconditions=kubernetes.client.V1Preconditions(uid=meta.get("uid")),
+                ),
+            )
+        except ApiException as exc:
+            if exc.status not in (404, 409):  # gone already, or another incarnation
+                raise
 
     def _delete_job(self, job: dict[str, Any]) -> None:
         uid = job["metadata"].get("uid", "")
@@ -1808,4 +1870,4 @@ def _set_phase_conditions(
         existing = cond.find_condition(c, cond.FAILED)
         if existing is None or existing.status != "True":
             c = cond.set_condition(c, cond.FAILED, "True", decision.reason, msg, now, generation)
-    status.conditions = c
+    status.conditions = cond.lifecycle_conditions(c, phase, now, generation)

@@ -33,6 +33,7 @@ __all__ = [
     "job_name",
     "merge_pod_template",
     "owner_reference",
+    "propagated_metadata",
     "render_job",
     "render_service",
     "service_name",
@@ -127,6 +128,46 @@ def _labels(name: str, attempt: int | None) -> dict[str, str]:
     if attempt is not None:
         labels[LABEL_ATTEMPT] = str(attempt)
     return labels
+
+
+# What of the TrainingJob's own labels and annotations is not copied to its Jobs and pods: other
+# tools' bookkeeping about the TrainingJob object itself, which on a child would be false (kubectl's
+# last-applied spec, ArgoCD's tracking: a child carrying the Application's tracking label or
+# annotation is taken for part of the Application and shown out of sync or pruned), keys the
+# operator owns (preemptible.dev/), Kueue's (kueue.x-k8s.io/: the queue comes from
+# spec.queueName; on a pod such a label would make Kueue's pod integration adopt it) and the
+# Job controller's (batch.kubernetes.io/, job-name, controller-uid).
+_NOT_PROPAGATED_PREFIXES = (
+    "kubectl.kubernetes.io/",
+    "argocd.argoproj.io/",
+    "meta.helm.sh/",
+    "preemptible.dev/",
+    "kueue.x-k8s.io/",
+    "batch.kubernetes.io/",
+)
+_NOT_PROPAGATED_KEYS = frozenset(
+    {
+        "app.kubernetes.io/instance",  # ArgoCD's default tracking label
+        "job-name",
+        "controller-uid",
+    }
+)
+
+
+def _propagated(values: dict[str, str] | None) -> dict[str, str]:
+    return {
+        k: v
+        for k, v in (values or {}).items()
+        if k not in _NOT_PROPAGATED_KEYS and not k.startswith(_NOT_PROPAGATED_PREFIXES)
+    }
+
+
+def propagated_metadata(meta: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+    """The TrainingJob's labels and annotations its Jobs and pods carry (team, cost center,
+    monitoring selectors...), less other tools' bookkeeping and keys the operator, Kueue or the
+    Job controller own. On the children the operator's own keys win, and on the pods
+    podTemplate.metadata wins too."""
+    return _propagated(meta.get("labels")), _propagated(meta.get("annotations"))
 
 
 def _kueue_labels(spec: models.TrainingJobSpec) -> dict[str, str]:
@@ -382,6 +423,7 @@ def render_pod_template(
             {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm}},
             *pod_spec.get("volumes", []),
         ]
+    labels, annotations = propagated_metadata(meta)
     template = {
         "metadata": {
             # No Kueue labels on pods: Kueue manages the Job, and labelled pods could be taken
@@ -396,7 +438,13 @@ def render_pod_template(
         },
         "spec": pod_spec,
     }
-    return merge_pod_template(template, spec.pod_template)
+    merged = merge_pod_template(template, spec.pod_template)
+    # The TrainingJob's own keys go under both ours and podTemplate.metadata's.
+    pod_meta = merged["metadata"]
+    for key, inherited in zip(("labels", "annotations"), (labels, annotations), strict=True):
+        if inherited:
+            pod_meta[key] = {**inherited, **(pod_meta.get(key) or {})}
+    return merged
 
 
 def render_job(
@@ -404,7 +452,8 @@ def render_job(
 ) -> dict[str, Any]:
     """The attempt's Indexed Job (``<name>-a<N>``)."""
     name = meta["name"]
-    labels = {**_labels(name, params.attempt), **_kueue_labels(spec)}
+    user_labels, user_annotations = propagated_metadata(meta)
+    labels = {**user_labels, **_labels(name, params.attempt), **_kueue_labels(spec)}
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -413,6 +462,7 @@ def render_job(
             "namespace": meta["namespace"],
             "labels": labels,
             "annotations": {
+                **user_annotations,
                 ANNOTATION_GRACE: str(params.grace_seconds),
                 ANNOTATION_RESUME_FROM: params.resume_from,
                 ANNOTATION_SPEC: json.dumps(spec.to_k8s(), sort_keys=True, separators=(",", ":")),

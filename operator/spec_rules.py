@@ -25,6 +25,7 @@ __all__ = [
     "NotAbove",
     "NotOneOf",
     "Rule",
+    "Within",
     "WordNeedsKey",
     "cel_message",
     "cel_string",
@@ -173,6 +174,35 @@ class Matches(FieldRule):
 
     def cel_condition(self) -> str:
         return f"self.{self.field}.matches({cel_string('^' + self.pattern + '$')})"
+
+
+def _cel_number(value: float) -> str:
+    # A `number` field is a CEL double, an `integer` one an int: the literal must match (CEL
+    # compares across the two only in newer versions than the apiserver may run).
+    return repr(float(value)) if isinstance(value, float) else str(int(value))
+
+
+@dataclass(frozen=True)
+class Within(FieldRule):
+    """A number field lies in ``[minimum, maximum]`` (both ints for an integer field, both
+    floats for a number field). The model's schema gets ``minimum``/``maximum`` too
+    (``schema_keywords``), so the apiserver refuses it twice: with its own words and with this
+    message, which names the field, the bounds and the fix."""
+
+    minimum: float = 0
+    maximum: float = 0
+
+    def holds(self, values: Mapping[str, Any]) -> bool:
+        return bool(self.minimum <= values[self.field] <= self.maximum)
+
+    def cel_condition(self) -> str:
+        f = self.field
+        low, high = _cel_number(self.minimum), _cel_number(self.maximum)
+        return f"self.{f} >= {low} && self.{f} <= {high}"
+
+    def schema_keywords(self) -> dict[str, Any]:
+        """Keywords for the field's own schema."""
+        return {"minimum": self.minimum, "maximum": self.maximum}
 
 
 def _wire(value: Any) -> Any:

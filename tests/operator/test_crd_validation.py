@@ -42,6 +42,17 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"numProcPerNode": 2, "command": []}, "spec.command"),
     ({"shmSize": "a lot"}, "spec.shmSize"),
     ({"env": [{"name": "PET_NPROC_PER_NODE", "value": "8"}]}, "spec.env[0].name"),
+    # the grace fields' bounds: the schema's minimum/maximum and a CEL message naming the fix
+    ({"gracePeriod": {"seconds": 7201}}, "spec.gracePeriod.seconds"),
+    ({"gracePeriod": {"initialSeconds": 100000}}, "spec.gracePeriod.initialSeconds"),
+    ({"gracePeriod": {"max": 1000000000}}, "spec.gracePeriod.max"),
+    ({"gracePeriod": {"headroom": 11}}, "spec.gracePeriod.headroom"),
+    ({"gracePeriod": {"killWaitSeconds": 300.5}}, "spec.gracePeriod.killWaitSeconds"),
+    ({"gracePeriod": {"exitMargin": -1}}, "spec.gracePeriod.exitMargin"),
+    ({"gracePeriod": {"nodeNoticeSeconds": 9000}}, "spec.gracePeriod.nodeNoticeSeconds"),
+    ({"activeDeadlineSeconds": 0}, "spec.activeDeadlineSeconds"),
+    ({"maxPreemptions": -1}, "spec.maxPreemptions"),
+    ({"ttlSecondsAfterFinished": -5}, "spec.ttlSecondsAfterFinished"),
 ]
 VALID: list[dict[str, Any]] = [
     {},
@@ -53,6 +64,20 @@ VALID: list[dict[str, Any]] = [
     {"numProcPerNode": 1, "command": []},
     {"numProcPerNode": "auto", "resourcesPerNode": {"limits": {"nvidia.com/gpu": 8}}},
     {"numProcPerNode": "auto", "resourcesPerNode": {"requests": {"nvidia.com/gpu": "4"}}},
+    {"activeDeadlineSeconds": 86400, "maxPreemptions": 0, "ttlSecondsAfterFinished": 0},
+    {
+        "gracePeriod": {
+            "seconds": 7200,
+            "initialSeconds": 1,
+            "min": 1,
+            "max": 7200,
+            "headroom": 10,
+            "killWaitSeconds": 300,
+            "exitMargin": 600,
+            "nodeNoticeSeconds": 7200,
+        }
+    },
+    {"gracePeriod": {"headroom": 0, "killWaitSeconds": 0.5, "exitMargin": 0}},
 ]
 
 

@@ -51,6 +51,8 @@ def test_runs_to_success(
         "PREEMPTIONS",
         "GRACE",
         "SAVE-EVERY",
+        "PROGRESS",
+        "REMAINING",
         "AGE",
     ], out
     assert out.splitlines()[1].split()[:5] == ["ok", "Succeeded", "6", "6", "1"], out

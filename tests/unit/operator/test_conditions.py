@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
 from preemptible_operator import conditions as c
 
 
@@ -27,3 +31,35 @@ def test_conditions_are_kept_in_a_stable_order() -> None:
 def test_preemption_reasons_are_disjoint_from_failures() -> None:
     assert c.Reason.TRAINING_FAILED not in c.PREEMPTION_REASONS
     assert c.Reason.KUEUE_PREEMPTED in c.PREEMPTION_REASONS
+
+
+def _types(conds: list[Any] | None) -> dict[str, tuple[str, str | None]]:
+    return {x.type: (x.status, x.reason) for x in conds or []}
+
+
+@pytest.mark.parametrize(
+    ("before", "phase", "after"),
+    [
+        # `kubectl wait --for=condition=Complete`: True only once the job succeeded
+        ({}, "Running", {}),
+        ({}, "Succeeded", {"Complete": ("True", "Completed")}),
+        # `kubectl wait --for=condition=Suspended`: True while suspended, False once resumed
+        ({}, "Suspended", {"Suspended": ("True", "Suspended")}),
+        ({"Suspended": "True"}, "Requeueing", {"Suspended": ("False", "Resumed")}),
+        ({"Suspended": "False"}, "Running", {"Suspended": ("False", "R")}),
+        # Failed is the failing pass's (with its reason); Complete never comes with it
+        ({"Failed": "True"}, "Failed", {"Failed": ("True", "R")}),
+    ],
+)
+def test_lifecycle_conditions(
+    before: dict[str, str], phase: str, after: dict[str, tuple[str, str]]
+) -> None:
+    conds = None
+    for ctype, status in before.items():
+        conds = c.set_condition(conds, ctype, status, "R", "", "t0")  # type: ignore[arg-type]
+    got = c.lifecycle_conditions(conds, phase, "t1", 3)
+    assert _types(got) == after
+
+
+def test_condition_type_names_are_what_kubectl_wait_users_type() -> None:
+    assert (c.COMPLETE, c.FAILED, c.SUSPENDED) == ("Complete", "Failed", "Suspended")

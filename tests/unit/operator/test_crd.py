@@ -60,6 +60,8 @@ def test_crd_shape_printer_columns_status_and_short_name() -> None:
         "Preemptions",
         "Grace",
         "Save-Every",
+        "Progress",
+        "Remaining",
         "Age",
     ]
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]

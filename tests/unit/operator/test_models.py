@@ -45,8 +45,12 @@ def test_camel_case_round_trip() -> None:
             "spec.gracePeriod.min",
             "min (100) must not exceed",
         ),
-        ({"gracePeriod": {"min": 0}}, "spec.gracePeriod.min", "greater than or equal to 1"),
-        ({"gracePeriod": {"headroom": -0.5}}, "spec.gracePeriod.headroom", "(got -0.5)"),
+        ({"gracePeriod": {"min": 0}}, "spec.gracePeriod.min", "min (0) must be between 1 and"),
+        (
+            {"gracePeriod": {"headroom": -0.5}},
+            "spec.gracePeriod.headroom",
+            "headroom must be between 0 and 10",
+        ),
         ({"queueName": "Team A!"}, "spec.queueName", '"Team A!" is not a valid Kubernetes label'),
         ({"priorityClass": "x" * 64}, "spec.priorityClass", "at most 63"),
         ({"maxRestarts": -1}, "spec.maxRestarts", "greater than or equal to 0"),
@@ -57,6 +61,17 @@ def test_camel_case_round_trip() -> None:
             "PREEMPTIBLE_RESUME_FROM is set by the operator",
         ),
         ({"checkpoint": {"uri": ""}}, "spec.checkpoint.uri", "at least 1"),
+        (
+            {"activeDeadlineSeconds": 0},
+            "spec.activeDeadlineSeconds",
+            "greater than or equal to 1",
+        ),
+        ({"maxPreemptions": -1}, "spec.maxPreemptions", "greater than or equal to 0"),
+        (
+            {"ttlSecondsAfterFinished": -1},
+            "spec.ttlSecondsAfterFinished",
+            "greater than or equal to 0",
+        ),
     ],
 )
 def test_semantic_errors_name_the_field(
@@ -90,3 +105,70 @@ def test_status_ignores_unknown_fields_and_dumps_camel_case() -> None:
         "phase": "Running",
         "lastCompleteCheckpoint": {"step": 5, "path": "/c/checkpoint-5"},
     }
+
+
+_GRACE = models.MAX_GRACE_SECONDS
+
+
+@pytest.mark.parametrize(
+    ("grace", "field", "words"),
+    [
+        ({"seconds": 0}, "seconds", "gracePeriod.seconds (0) must be between 1 and 7200"),
+        ({"seconds": _GRACE + 1}, "seconds", "(7201) must be between 1 and 7200"),
+        ({"initialSeconds": 10**6}, "initialSeconds", "initialSeconds (1000000) must be between"),
+        ({"min": 7300, "max": 7300}, "min", "gracePeriod.min (7300) must be between 1 and 7200"),
+        ({"max": 10**9}, "max", "gracePeriod.max (1000000000) must be between 1 and 7200"),
+        ({"headroom": 11.0}, "headroom", "gracePeriod.headroom must be between 0 and 10"),
+        ({"killWaitSeconds": -1}, "killWaitSeconds", "killWaitSeconds must be between 0 and 300"),
+        ({"killWaitSeconds": 300.5}, "killWaitSeconds", "between 0 and 300"),
+        ({"exitMargin": -1}, "exitMargin", "gracePeriod.exitMargin (-1) must be between 0 and 600"),
+        ({"nodeNoticeSeconds": 0}, "nodeNoticeSeconds", "(0) must be between 1 and 7200"),
+        ({"nodeNoticeSeconds": 9000}, "nodeNoticeSeconds", "unset it"),
+        ({"seconds": 1, "initialSeconds": 1, "min": 1, "max": _GRACE}, None, None),
+        ({"seconds": _GRACE, "headroom": 0, "killWaitSeconds": 300, "exitMargin": 600}, None, None),
+        (
+            {"headroom": 10, "killWaitSeconds": 0, "exitMargin": 0, "nodeNoticeSeconds": 7200},
+            None,
+            None,
+        ),
+    ],
+)
+def test_grace_fields_are_bounded(
+    grace: dict[str, Any], field: str | None, words: str | None
+) -> None:
+    raw: dict[str, Any] = {"image": "img", "checkpoint": {"uri": "/c"}, "gracePeriod": grace}
+    if field is None:
+        models.parse_spec(raw)
+        return
+    with pytest.raises(ValidationError) as info:
+        models.parse_spec(raw)
+    message = models.format_validation_error(info.value)
+    assert message.startswith(f"spec.gracePeriod.{field}: "), message
+    assert words is not None and words in message, message
+
+
+def test_every_grace_field_has_bounds_in_the_crd_schema() -> None:
+    from preemptible_operator import crd
+
+    grace = crd.openapi_schema()["properties"]["spec"]["properties"]["gracePeriod"]
+    numeric = {
+        name: prop
+        for name, prop in grace["properties"].items()
+        if prop.get("type") in ("integer", "number")
+    }
+    assert set(numeric) == {
+        "seconds",
+        "initialSeconds",
+        "min",
+        "max",
+        "headroom",
+        "killWaitSeconds",
+        "exitMargin",
+        "nodeNoticeSeconds",
+    }
+    for name, prop in numeric.items():
+        assert "minimum" in prop and "maximum" in prop, name
+        assert prop["maximum"] <= max(_GRACE, 600), name
+    rules = " ".join(v["rule"] for v in grace["x-kubernetes-validations"])
+    for name in numeric:
+        assert f"self.{name} <=" in rules, name

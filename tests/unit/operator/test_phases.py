@@ -6,7 +6,15 @@ import pytest
 
 from preemptible_operator.classify import Interruption
 from preemptible_operator.conditions import Reason
-from preemptible_operator.phases import PhaseInputs, backoff_seconds, next_phase
+from preemptible_operator.models import Progress, Timings
+from preemptible_operator.phases import (
+    PhaseInputs,
+    backoff_seconds,
+    deadline_remaining,
+    estimate_progress,
+    next_phase,
+    ttl_remaining,
+)
 
 ACTIVE = Interruption("Active", Reason.STARTED)
 EVICTED = Interruption("Preempted", Reason.POD_EVICTED, "pod x: evicted")
@@ -234,3 +242,166 @@ def test_workload_deactivated_reason_is_shown() -> None:
     )
     assert decision.reason == Reason.WORKLOAD_DEACTIVATED
     assert "spec.suspend to false" in decision.message
+
+
+@pytest.mark.parametrize(
+    ("step", "max_steps", "ema", "phase", "percent", "remaining"),
+    [
+        (None, None, None, "Pending", None, None),
+        (0, 1000, None, "Running", 0, None),  # no step time measured yet
+        (250, 1000, 2.0, "Running", 25, 1500),
+        (999, 1000, 0.3, "Running", 99, 1),  # ceil: never 0 s left before the end
+        (250, 1000, 2.0, "Suspended", 25, 1500),  # training time left, not wall-clock
+        (1200, 1000, 2.0, "Running", 100, 0),  # a step count past maxSteps
+        (10, 0, 2.0, "Running", None, None),  # maxSteps unknown (0)
+        (250, 1000, 2.0, "Failed", 25, None),  # it will not finish
+        (None, None, None, "Succeeded", 100, 0),
+        (400, 1000, 2.0, "Succeeded", 100, 0),  # stopped early by the script: done
+    ],
+)
+def test_estimate_progress(
+    step: int | None,
+    max_steps: int | None,
+    ema: float | None,
+    phase: str,
+    percent: int | None,
+    remaining: int | None,
+) -> None:
+    progress = Progress(step=step, max_steps=max_steps) if step is not None else None
+    timings = Timings(step_seconds_ema=ema) if ema is not None else None
+    got = estimate_progress(progress, timings, phase)
+    if percent is None and remaining is None:
+        assert got is None or (got.progress_percentage, got.estimated_remaining_seconds) == (
+            None,
+            None,
+        )
+        return
+    assert got is not None
+    assert (got.progress_percentage, got.estimated_remaining_seconds) == (percent, remaining)
+    assert (got.step, got.max_steps) == (step, max_steps)
+
+
+_RUNNING = {"attempt": 2, "job_exists": True, "pods": 2, "running_pods": 2}
+
+
+@pytest.mark.parametrize(
+    ("inputs", "phase", "action", "reason"),
+    [
+        # activeDeadlineSeconds: whatever the job is doing, once it passed the job fails
+        (
+            PhaseInputs(**_RUNNING, active_deadline_seconds=60, deadline_remaining=0.0),
+            "Failed",
+            "fail",
+            Reason.DEADLINE_EXCEEDED,
+        ),
+        (
+            PhaseInputs(attempt=1, job_exists=True, pods=1, deadline_remaining=-5.0),
+            "Failed",
+            "fail",
+            Reason.DEADLINE_EXCEEDED,
+        ),  # stuck Pending
+        (
+            PhaseInputs(attempt=3, recorded_outcome="Preempted", deadline_remaining=-1.0),
+            "Failed",
+            "fail",
+            Reason.DEADLINE_EXCEEDED,
+        ),  # between attempts
+        (
+            PhaseInputs(
+                attempt=1, suspend=True, recorded_outcome="Suspended", deadline_remaining=-1
+            ),
+            "Failed",
+            "fail",
+            Reason.DEADLINE_EXCEEDED,
+        ),  # suspended: the clock runs on
+        (
+            PhaseInputs(**_RUNNING, deadline_remaining=30.0),
+            "Running",
+            "none",
+            Reason.STARTED,
+        ),
+        (
+            PhaseInputs(current_phase="Succeeded", deadline_remaining=-100.0),
+            "Succeeded",
+            "finish",
+            Reason.COMPLETED,
+        ),  # a finished job stays finished
+        # maxPreemptions: the preemption past the limit fails the job instead of a requeue
+        (
+            PhaseInputs(attempt=3, recorded_outcome="Preempted", preemptions=3, max_preemptions=2),
+            "Failed",
+            "finish",
+            Reason.PREEMPTION_LIMIT_EXCEEDED,
+        ),
+        (
+            PhaseInputs(attempt=1, recorded_outcome="Preempted", preemptions=1, max_preemptions=0),
+            "Failed",
+            "finish",
+            Reason.PREEMPTION_LIMIT_EXCEEDED,
+        ),
+        (
+            PhaseInputs(attempt=3, recorded_outcome="Preempted", preemptions=2, max_preemptions=2),
+            "Requeueing",
+            "create_attempt",
+            Reason.REQUEUED,
+        ),
+        (
+            PhaseInputs(attempt=9, recorded_outcome="Preempted", preemptions=8),
+            "Requeueing",
+            "create_attempt",
+            Reason.REQUEUED,
+        ),  # no limit
+        (
+            PhaseInputs(
+                attempt=3,
+                recorded_outcome="Suspended",
+                preemptions=5,
+                max_preemptions=2,
+            ),
+            "Requeueing",
+            "create_attempt",
+            Reason.RESUMED,
+        ),  # a resume is no preemption
+    ],
+)
+def test_deadline_and_preemption_limit(
+    inputs: PhaseInputs, phase: str, action: str, reason: str
+) -> None:
+    decision = next_phase(inputs)
+    assert (decision.phase, decision.action, decision.reason) == (phase, action, reason)
+    if reason == Reason.PREEMPTION_LIMIT_EXCEEDED:
+        assert f"maxPreemptions is {inputs.max_preemptions}" in decision.message
+    if reason == Reason.DEADLINE_EXCEEDED:
+        assert "activeDeadlineSeconds" in decision.message
+
+
+@pytest.mark.parametrize(
+    ("start", "deadline", "now", "left"),
+    [
+        (None, 60, 1_000.0, None),  # no attempt yet: the clock has not started
+        ("1970-01-01T00:10:00Z", None, 1_000.0, None),  # no deadline
+        ("1970-01-01T00:10:00Z", 600, 1_000.0, 200.0),
+        ("1970-01-01T00:10:00Z", 600, 1_300.0, -100.0),
+    ],
+)
+def test_deadline_remaining(
+    start: str | None, deadline: int | None, now: float, left: float | None
+) -> None:
+    assert deadline_remaining(start, deadline, now) == left
+
+
+@pytest.mark.parametrize(
+    ("phase", "completed", "ttl", "now", "left"),
+    [
+        ("Running", None, 60, 1_000.0, None),  # not finished: no TTL clock
+        ("Failed", "1970-01-01T00:10:00Z", None, 1_000.0, None),  # no TTL: kept
+        ("Succeeded", "1970-01-01T00:10:00Z", 600, 1_000.0, 200.0),
+        ("Failed", "1970-01-01T00:10:00Z", 300, 1_000.0, -100.0),  # due: delete now
+        ("Succeeded", "1970-01-01T00:10:00Z", 0, 600.0, 0.0),  # 0: at once
+        ("Succeeded", None, 60, 1_000.0, None),  # no completion time recorded
+    ],
+)
+def test_ttl_remaining(
+    phase: str, completed: str | None, ttl: int | None, now: float, left: float | None
+) -> None:
+    assert ttl_remaining(phase, completed, ttl, now) == left

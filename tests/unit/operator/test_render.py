@@ -355,3 +355,72 @@ def test_validate_name(name: str, ok: bool) -> None:
     assert (problem is None) is ok
     if problem:
         assert problem.startswith("metadata.name")
+
+
+_OURS = {render.LABEL_TRAINING_JOB: "tj", render.LABEL_ATTEMPT: "3"}
+
+
+@pytest.mark.parametrize(
+    ("tj_labels", "tj_annotations", "job_labels", "job_annotations"),
+    [
+        # a team's labels and annotations reach the Job and the pods
+        (
+            {"team": "nlp", "app.kubernetes.io/name": "llm"},
+            {"cost-center": "42"},
+            {"team": "nlp", "app.kubernetes.io/name": "llm"},
+            {"cost-center": "42"},
+        ),
+        # other tools' bookkeeping of the TrainingJob object itself stays on it
+        (
+            {"app.kubernetes.io/instance": "argo-app", "argocd.argoproj.io/x": "y"},
+            {
+                "kubectl.kubernetes.io/last-applied-configuration": "{...}",
+                "argocd.argoproj.io/tracking-id": "app:preemptible.dev/TrainingJob:ns/tj",
+                "meta.helm.sh/release-name": "r",
+            },
+            {},
+            {},
+        ),
+        # keys the operator, Kueue and the Job controller own are never taken from the user
+        (
+            {
+                render.LABEL_TRAINING_JOB: "other",
+                render.LABEL_ATTEMPT: "99",
+                render.KUEUE_QUEUE_LABEL: "sneaky",
+                "batch.kubernetes.io/job-name": "x",
+                "job-name": "x",
+                "controller-uid": "u",
+            },
+            {render.ANNOTATION_GRACE: "1", render.ANNOTATION_TJ_UID: "forged"},
+            {},
+            {},
+        ),
+    ],
+)
+def test_training_job_labels_and_annotations_propagate_to_jobs_and_pods(
+    tj_labels: dict[str, str],
+    tj_annotations: dict[str, str],
+    job_labels: dict[str, str],
+    job_annotations: dict[str, str],
+) -> None:
+    meta = {**META, "labels": tj_labels, "annotations": tj_annotations}
+    job = render.render_job(meta, make_spec(), _params())
+    plain = render.render_job(META, make_spec(), _params())
+    for got, base in ((job, plain), (job["spec"]["template"], plain["spec"]["template"])):
+        labels, annotations = got["metadata"]["labels"], got["metadata"]["annotations"]
+        assert labels == {**base["metadata"]["labels"], **job_labels}
+        assert annotations == {**base["metadata"]["annotations"], **job_annotations}
+        assert _OURS.items() <= labels.items()
+    assert job["metadata"]["labels"].get(render.KUEUE_QUEUE_LABEL) is None
+
+
+def test_pod_template_metadata_wins_over_the_training_job_labels() -> None:
+    meta = {**META, "labels": {"team": "nlp", "tier": "a"}, "annotations": {"note": "tj"}}
+    spec = make_spec(
+        podTemplate={"metadata": {"labels": {"tier": "b"}, "annotations": {"note": "pod"}}}
+    )
+    pod = render.render_job(meta, spec, _params())["spec"]["template"]["metadata"]
+    assert pod["labels"]["team"] == "nlp"
+    assert pod["labels"]["tier"] == "b"
+    assert pod["annotations"]["note"] == "pod"
+    assert pod["labels"][render.LABEL_TRAINING_JOB] == "tj"

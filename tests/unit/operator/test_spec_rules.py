@@ -14,6 +14,7 @@ from preemptible_operator.spec_rules import (
     NotAbove,
     NotOneOf,
     Rule,
+    Within,
     WordNeedsKey,
     cel_message,
     cel_string,
@@ -225,3 +226,43 @@ def test_violation_of_shape_rules(rule: Rule, values: dict[str, Any], message: s
 def test_shape_rules_to_cel(rule: Rule, cel: str, path: str) -> None:
     out = rule.to_cel()
     assert (out["rule"], out["fieldPath"]) == (cel, path)
+
+
+@pytest.mark.parametrize(
+    ("rule", "value", "cel", "broken"),
+    [
+        (
+            Within("n ({n}) out of range", field="n", minimum=1, maximum=10),
+            0,
+            "self.n >= 1 && self.n <= 10",
+            True,
+        ),
+        (
+            Within("n ({n}) out of range", field="n", minimum=1, maximum=10),
+            10,
+            "self.n >= 1 && self.n <= 10",
+            False,
+        ),
+        (
+            Within("h out of range", field="h", minimum=0.0, maximum=2.5),
+            2.6,
+            "self.h >= 0.0 && self.h <= 2.5",
+            True,
+        ),
+        (
+            Within("h out of range", field="h", minimum=0.0, maximum=2.5),
+            0,
+            "self.h >= 0.0 && self.h <= 2.5",
+            False,
+        ),
+    ],
+)
+def test_within_checks_and_emits_both_bounds(
+    rule: Within, value: float, cel: str, broken: bool
+) -> None:
+    field = rule.field
+    assert rule.to_cel()["rule"] == f"!(has(self.{field})) || ({cel})"
+    assert rule.to_cel()["fieldPath"] == f".{field}"
+    assert (rule.violation({field: value}) is not None) is broken
+    assert rule.violation({field: None}) is None  # an absent optional field breaks nothing
+    assert rule.schema_keywords() == {"minimum": rule.minimum, "maximum": rule.maximum}
