@@ -880,12 +880,7 @@ class Reconciler:
             created = True
         except ApiException as exc:
             if exc.status != 409:
-                refused = create_refusal(
-                    "Job",
-                    job_body["metadata"]["name"],
-                    exc.status,
-                    api_message(exc.body, str(exc.reason or exc)),
-                )
+                refused = _refusal("Job", job_body["metadata"]["name"], exc)
                 if refused is None:
                     raise
                 return refused
@@ -1118,12 +1113,7 @@ class Reconciler:
             self.core.create_namespaced_service(meta["namespace"], body)
         except ApiException as exc:
             if exc.status != 409:
-                refused = create_refusal(
-                    "Service",
-                    body["metadata"]["name"],
-                    exc.status,
-                    api_message(exc.body, str(exc.reason or exc)),
-                )
+                refused = _refusal("Service", body["metadata"]["name"], exc)
                 if refused is None:
                     raise
                 return refused
@@ -1712,6 +1702,11 @@ def _record_from_job(job: dict[str, Any], attempt: int) -> models.AttemptRecord:
         start_step=_int_or_none(ann.get(render.ANNOTATION_START_STEP)),
         grace_seconds=_int_or_none(ann.get(render.ANNOTATION_GRACE)),
     )
+
+
+def _refusal(kind: str, name: str, exc: ApiException) -> Refusal | None:
+    """The apiserver's refusal to create a child, when it is one that a retry cannot fix soon."""
+    return create_refusal(kind, name, exc.status, api_message(exc.body, str(exc.reason or exc)))
 
 
 def _int_or_none(value: str | None) -> int | None:
