@@ -1138,6 +1138,8 @@ class Reconciler:
         workload, version = obs.workload, obs.workload_version
         if workload is None or version is None or not is_kueue_admitted(workload):
             return
+        if (workload.get("spec") or {}).get("active") is False:
+            return  # a victim being stopped: its boost was dropped with the deactivation
         inputs = victim_inputs(status, spec, record, self.clock())
         if inputs is None:
             return

@@ -333,8 +333,10 @@ def test_the_reconciler_writes_the_boost_only_when_it_changes() -> None:
     r._update_priority_boost(_observed(_workload("100")), spec, status, record)
     # JIT fits the 50 s grace: 3 s kill wait + 4 s step + 12 s save = 19 s -> 26.
     assert rec.patches[-1][1]["metadata"]["annotations"][BOOST_ANNOTATION] == "26"
-    # Not admitted (evicted, queued) or no Workload: never boosted.
-    for obs in (_observed(_workload(admitted=False)), _observed(None)):
+    # Not admitted (evicted, queued), deactivated, or no Workload: never boosted.
+    inactive = _workload(admitted=True)
+    inactive["spec"]["active"] = False
+    for obs in (_observed(_workload(admitted=False)), _observed(inactive), _observed(None)):
         r._update_priority_boost(obs, spec, status, record)
     assert len(rec.patches) == 2
     r.forget("ns", "tj")
