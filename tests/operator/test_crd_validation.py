@@ -42,6 +42,7 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"numProcPerNode": 2, "command": []}, "spec.command"),
     ({"shmSize": "a lot"}, "spec.shmSize"),
     ({"env": [{"name": "PET_NPROC_PER_NODE", "value": "8"}]}, "spec.env[0].name"),
+    ({"preemption": {"minRunSeconds": -1}}, "spec.preemption.minRunSeconds"),
 ]
 VALID: list[dict[str, Any]] = [
     {},
@@ -53,6 +54,7 @@ VALID: list[dict[str, Any]] = [
     {"numProcPerNode": 1, "command": []},
     {"numProcPerNode": "auto", "resourcesPerNode": {"limits": {"nvidia.com/gpu": 8}}},
     {"numProcPerNode": "auto", "resourcesPerNode": {"requests": {"nvidia.com/gpu": "4"}}},
+    {"preemption": {"minRunSeconds": 0}},
 ]
 
 
