@@ -1153,6 +1153,7 @@ class Reconciler:
         current = (meta.get("annotations") or {}).get(BOOST_ANNOTATION)
         if not should_write_boost(boost, current, last_write, now, self.periodic_intervals()[1]):
             return
+        written = True
         try:
             self.custom.patch_namespaced_custom_object(
                 KUEUE_GROUP,
@@ -1163,11 +1164,15 @@ class Reconciler:
                 {"metadata": {"annotations": {BOOST_ANNOTATION: str(boost)}}},
             )
         except ApiException as exc:
-            if exc.status != 404:  # gone with its Job: nothing to order
-                raise
-            return
-        with self._lock:
+            # Best effort: a boost not written (the Workload gone with its Job, a webhook or
+            # RBAC refusal) leaves Kueue's own order, never the pass's work.
+            if exc.status != 404:
+                log.warning("%s/%s: priority boost not written: %s", *key, exc.reason)
+            written = False
+        with self._lock:  # written or tried: the next write waits for the budget interval
             self._boosted[key] = (meta.get("uid", ""), now)
+        if not written:
+            return
         log.info(
             "%s: priority boost %s -> %d (%.0f s; %s)",
             key[0] + "/" + key[1],

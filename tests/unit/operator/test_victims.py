@@ -361,3 +361,18 @@ def test_a_deactivated_victim_drops_its_boost(boost: str | None, patch: dict[str
     r.custom = rec  # type: ignore[assignment]
     r._deactivate_workload("ns", _workload(boost), "v1beta2")
     assert rec.patches == [("job-tj-a2-x", patch)]
+
+
+class _Refusing(_Recorder):
+    def patch_namespaced_custom_object(self, *args: Any) -> dict[str, Any]:
+        raise kubernetes.client.exceptions.ApiException(status=403, reason="Forbidden")
+
+
+def test_a_refused_boost_write_does_not_fail_the_pass(caplog: pytest.LogCaptureFixture) -> None:
+    r = Reconciler(kubernetes.client.ApiClient(), OperatorConfig(priority_boost=True))
+    r.custom = _Refusing()  # type: ignore[assignment]
+    r._update_priority_boost(_observed(_workload()), make_spec(), _status(), _record())
+    assert "priority boost not written: Forbidden" in caplog.text
+    # Tried again only after the budget interval, as after a write.
+    r._update_priority_boost(_observed(_workload()), make_spec(), _status(), _record())
+    assert caplog.text.count("not written") == 1
