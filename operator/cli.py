@@ -129,6 +129,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not watch Kueue Workloads (Kueue not installed, or no RBAC for it)",
     )
+    run.add_argument(
+        "--priority-boost",
+        action="store_true",
+        help="keep annotation kueue.x-k8s.io/priority-boost on each running attempt's Workload "
+        "so that, within one priority class, Kueue preempts the job that loses least now "
+        "(needs Kueue's PriorityBoost feature gate; docs/operator.md, Checkpoint-aware victims)",
+    )
+    run.add_argument(
+        "--priority-boost-max",
+        type=int,
+        default=100,
+        metavar="N",
+        help="top of the boost band [0, N] (N: protected by spec.preemption.minRunSeconds); "
+        "keep it below the smallest gap between the queue's WorkloadPriorityClass values",
+    )
     run.add_argument("--log-format", choices=("json", "text"), default="json")
     run.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     sub.add_parser("rbac", help="print the ClusterRole with exactly the access the operator uses")
@@ -175,6 +190,8 @@ def _run(args: argparse.Namespace) -> int:
                 raise ValueError(
                     f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 0 (0: no budget)"
                 )
+        if args.priority_boost_max < 1:
+            raise ValueError(f"--priority-boost-max {args.priority_boost_max}: must be >= 1")
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return 2
@@ -190,6 +207,8 @@ def _run(args: argparse.Namespace) -> int:
             max_progress_writes_per_second=args.max_progress_writes_per_second,
             workers=args.workers,
             kueue=not args.no_kueue,
+            priority_boost=args.priority_boost,
+            priority_boost_max=args.priority_boost_max,
         ),
         kubeconfig=os.path.abspath(args.kubeconfig) if args.kubeconfig else None,
     )

@@ -59,6 +59,7 @@ __all__ = [
     "IncompleteCheckpoint",
     "Phase",
     "PodTemplateOverride",
+    "PreemptionSpec",
     "Progress",
     "ResourcesPerNode",
     "Timings",
@@ -378,6 +379,22 @@ class PodTemplateOverride(_Model):
     """A partial Kubernetes PodSpec."""
 
 
+class PreemptionSpec(_Model):
+    """How this job is chosen as a Kueue preemption victim (issue 32). Takes effect only where the
+    operator runs with --priority-boost (Helm operator.priorityBoost.enabled) and Kueue with its
+    PriorityBoost feature gate: the operator then keeps annotation kueue.x-k8s.io/priority-boost
+    on the running attempt's Workload, so that within one priority class Kueue preempts the job
+    whose preemption costs least now (docs/operator.md, "Checkpoint-aware victims")."""
+
+    min_run_seconds: int | None = Field(default=None, ge=0, le=604_800)
+    """Protect each attempt from preemption by jobs of its own priority class until it has run
+    this many seconds and written a checkpoint of its own (0: only until that checkpoint): its
+    Workload gets the highest boost of the band. A higher priority class still preempts it.
+    Unset: no protection, the boost follows the cost alone. Unlike Kueue's own options (the
+    ClusterQueue's withinClusterQueue policy, waitForPodsReady), which know neither run time nor
+    checkpoints, this stops a job from being preempted again before it saved once."""
+
+
 class TrainingJobSpec(_Model):
     """Desired state of a TrainingJob."""
 
@@ -455,6 +472,8 @@ class TrainingJobSpec(_Model):
     """torch.distributed rendezvous port (MASTER_PORT)."""
     pod_template: PodTemplateOverride | None = None
     """Pod template overrides merged into the operator's template."""
+    preemption: PreemptionSpec | None = None
+    """How Kueue picks this job as a preemption victim (spec.preemption.minRunSeconds)."""
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Matches('"{queueName}"' + _LABEL_VALUE_RULE, field="queueName", pattern=_LABEL_VALUE),

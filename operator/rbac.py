@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from preemptible_operator import models, render
+from preemptible_operator.classify import DEACTIVATED_BY_OPERATOR_ANNOTATION
+from preemptible_operator.victims import BOOST_ANNOTATION
 
 __all__ = [
     "ACCESS_FILE",
@@ -172,6 +174,24 @@ def _unchanged(*fields: str) -> str:
     )
 
 
+def _unchanged_except(field: str, keys: tuple[str, ...]) -> str:
+    """CEL: the map ``field`` of metadata equals the stored one except for ``keys``."""
+    new, old = (
+        f"object.metadata.?{field}.orValue({{}})",
+        f"oldObject.metadata.?{field}.orValue({{}})",
+    )
+    allowed = "[" + ", ".join(f"'{k}'" for k in keys) + "]"
+    return (
+        f"{new}.all(k, k in {allowed} || (k in {old} && {new}[k] == {old}[k])) && "
+        f"{old}.all(k, k in {allowed} || k in {new})"
+    )
+
+
+# What the operator writes on a Workload besides spec.active: its deactivation mark and the
+# checkpoint-aware priority boost (victims.py).
+_WORKLOAD_ANNOTATIONS = (DEACTIVATED_BY_OPERATOR_ANNOTATION, BOOST_ANNOTATION)
+
+
 POLICY_MATCH_CONSTRAINTS: dict[str, Any] = {
     "resourceRules": [
         {
@@ -261,23 +281,27 @@ POLICY_VALIDATIONS: list[dict[str, str]] = [
         ),
         "reason": "Forbidden",
     },
-    # Kueue Workloads: only deactivation (spec.active=false) of a batch Job's Workload, which
-    # Kueue created for an attempt Job; never a delete, never any other change.
+    # Kueue Workloads of batch Jobs (Kueue created them for attempt Jobs): only deactivation
+    # (spec.active may go to false, nothing else in spec changes) and the operator's two
+    # annotations (its deactivation mark, the priority boost); never a delete.
     {
         "expression": (
             "request.resource.resource != 'workloads' || (request.operation == 'UPDATE' && "
             "oldObject.metadata.?ownerReferences.orValue([]).exists(r, "
             "r.kind == 'Job' && r.apiVersion == 'batch/v1') && "
-            "object.spec.?active.orValue(true) == false && "
+            "(object.spec.?active.orValue(true) == false || "
+            "object.spec.?active.orValue(true) == oldObject.spec.?active.orValue(true)) && "
             "object.spec.all(k, k == 'active' || (k in oldObject.spec && "
             "object.spec[k] == oldObject.spec[k])) && "
             "oldObject.spec.all(k, k == 'active' || k in object.spec) && "
-            + _unchanged("labels", "annotations", "ownerReferences", "finalizers")
+            + _unchanged_except("annotations", _WORKLOAD_ANNOTATIONS)
+            + " && "
+            + _unchanged("labels", "ownerReferences", "finalizers")
             + ")"
         ),
         "message": (
             "the preemptible operator may only deactivate (spec.active=false) a batch Job's "
-            "Kueue Workload"
+            "Kueue Workload and set its annotations " + ", ".join(_WORKLOAD_ANNOTATIONS)
         ),
         "reason": "Forbidden",
     },

@@ -51,6 +51,7 @@ from preemptible_operator.classify import (
     attempt_started,
     classify_interruption,
     container_end,
+    is_kueue_admitted,
     killed_at_grace,
     pending_detail,
     pod_finished,
@@ -72,6 +73,12 @@ from preemptible_operator.phases import (
 from preemptible_operator.resume import attempt_fence, resume_checkpoint
 from preemptible_operator.scrape import RuntimeMetrics, scrape
 from preemptible_operator.timestamps import now_rfc3339, parse_rfc3339
+from preemptible_operator.victims import (
+    BOOST_ANNOTATION,
+    should_write_boost,
+    victim_boost,
+    victim_inputs,
+)
 
 __all__ = [
     "Cached",
@@ -119,6 +126,10 @@ class OperatorConfig:
     """(connect, read) timeout of every API request, so a stuck call never holds a worker."""
     kueue: bool = True
     """Watch Kueue Workloads (off: Kueue not installed or no RBAC for Workloads)."""
+    priority_boost: bool = False
+    """Keep kueue.x-k8s.io/priority-boost on running attempts' Workloads (victims.py)."""
+    priority_boost_max: int = 100
+    """Top of the boost band (protection); must stay below the gap between priority classes."""
     max_grace_seconds: int | None = None
     """Cluster admin's cap on any TrainingJob's grace period (pinned or computed): a
     low-priority job cannot keep its GPUs for hours after Kueue preempts it."""
@@ -218,6 +229,8 @@ class Reconciler:
         # Looks at checkpoint roots, under a deadline; recording attempt N and creating N+1
         # share one (key (uid, N)).
         self._storage = StorageReads()
+        # (namespace, name) -> (Workload uid, monotonic time) of the last priority-boost write.
+        self._boosted: dict[tuple[str, str], tuple[str, float]] = {}
 
     # ------------------------------------------------------------------------------ reading
     @staticmethod
@@ -719,6 +732,8 @@ class Reconciler:
             status.attempts, dropped = bound_attempts(status.attempts)
             if dropped:
                 status.attempts_omitted = (status.attempts_omitted or 0) + dropped
+        if self.config.priority_boost and spec is not None and new_phase == "Running":
+            after_status.append(lambda: self._update_priority_boost(obs, spec, status, record))
         new_status = status.to_k8s()
         key = (namespace, name)
         write = new_status != old_status
@@ -795,6 +810,7 @@ class Reconciler:
         with self._lock:
             self._written.pop((namespace, name), None)
             self._progress_written.pop((namespace, name), None)
+            self._boosted.pop((namespace, name), None)
             self._polled.discard((namespace, name))
             self._services = {k for k in self._services if k[:2] != (namespace, name)}
         if series:
@@ -1345,6 +1361,16 @@ class Reconciler:
             return
         if (workload.get("spec") or {}).get("active") is False:
             return
+        # Marked as ours: an inactive Workload without the mark is an administrator's (or
+        # Kueue's) and suspends the TrainingJob (classify.workload_deactivated).
+        annotations: dict[str, Any] = {DEACTIVATED_BY_OPERATOR_ANNOTATION: "true"}
+        if BOOST_ANNOTATION in (workload["metadata"].get("annotations") or {}):
+            # A victim's boost must not follow its Workload back into the queue.
+            annotations[BOOST_ANNOTATION] = None
+        patch: dict[str, Any] = {
+            "metadata": {"annotations": annotations},
+            "spec": {"active": False},
+        }
         try:
             self.custom.patch_namespaced_custom_object(
                 KUEUE_GROUP,
@@ -1352,16 +1378,68 @@ class Reconciler:
                 namespace,
                 "workloads",
                 workload["metadata"]["name"],
-                # Marked as ours: an inactive Workload without the mark is an administrator's
-                # (or Kueue's) and suspends the TrainingJob (classify.workload_deactivated).
-                {
-                    "metadata": {"annotations": {DEACTIVATED_BY_OPERATOR_ANNOTATION: "true"}},
-                    "spec": {"active": False},
-                },
+                patch,
             )
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+    def _update_priority_boost(
+        self,
+        obs: _Observed,
+        spec: models.TrainingJobSpec,
+        status: models.TrainingJobStatus,
+        record: models.AttemptRecord | None,
+    ) -> None:
+        """Keep the running attempt's Workload's priority boost at what a preemption would cost
+        now (victims.py): written only when it changes, at most at the progress-write budget."""
+        workload, version = obs.workload, obs.workload_version
+        if workload is None or version is None or not is_kueue_admitted(workload):
+            return
+        if (workload.get("spec") or {}).get("active") is False:
+            return  # a victim being stopped: its boost was dropped with the deactivation
+        inputs = victim_inputs(status, spec, record, self.clock())
+        if inputs is None:
+            return
+        boost, cost = victim_boost(inputs, self.config.priority_boost_max)
+        meta = workload["metadata"]
+        key = (meta["namespace"], obs.obj["metadata"]["name"])
+        with self._lock:
+            last = self._boosted.get(key)
+        now = time.monotonic()
+        last_write = last[1] if last is not None and last[0] == meta.get("uid") else None
+        current = (meta.get("annotations") or {}).get(BOOST_ANNOTATION)
+        if not should_write_boost(boost, current, last_write, now, self.periodic_intervals()[1]):
+            return
+        written = True
+        try:
+            self.custom.patch_namespaced_custom_object(
+                KUEUE_GROUP,
+                version,
+                meta["namespace"],
+                "workloads",
+                meta["name"],
+                {"metadata": {"annotations": {BOOST_ANNOTATION: str(boost)}}},
+            )
+        except ApiException as exc:
+            # Best effort: a boost not written (the Workload gone with its Job, a webhook or
+            # RBAC refusal) leaves Kueue's own order, never the pass's work.
+            if exc.status != 404:
+                log.warning("%s/%s: priority boost not written: %s", *key, exc.reason)
+            written = False
+        with self._lock:  # written or tried: the next write waits for the budget interval
+            self._boosted[key] = (meta.get("uid", ""), now)
+        if not written:
+            return
+        log.info(
+            "%s: priority boost %s -> %d (%.0f s; %s)",
+            key[0] + "/" + key[1],
+            current,
+            boost,
+            cost.seconds,
+            cost.reason,
+            extra={"tj": f"{key[0]}/{key[1]}", "priorityBoost": boost},
+        )
 
     def _scrape_rank0(
         self, pods: list[dict[str, Any]], spec: models.TrainingJobSpec

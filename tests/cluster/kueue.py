@@ -1,6 +1,6 @@
 """Kueue running outside the cluster against the test control plane: CRDs, its webhooks served on
 loopback and registered by URL, a ResourceFlavor, a ClusterQueue with a small quota, two
-WorkloadPriorityClasses and LocalQueues on demand."""
+WorkloadPriorityClasses and LocalQueues on demand; feature gate PriorityBoost on."""
 
 from __future__ import annotations
 
@@ -91,7 +91,10 @@ class Kueue:
             "manageJobsWithoutQueueName": False,
             "integrations": {"frameworks": ["batch/job"]},
             # The visibility API server wants an APIService route; not needed here.
-            "featureGates": {"VisibilityOnDemand": False},
+            # PriorityBoost (alpha, off by default): Kueue reads the priority-boost annotation
+            # the operator writes with --priority-boost (issue 32). Harmless for every other
+            # test: without the annotation the boost is 0 and nothing changes.
+            "featureGates": {"VisibilityOnDemand": False, "PriorityBoost": True},
         }
         config_path = self.workdir / "config.yaml"
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))

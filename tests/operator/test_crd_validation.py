@@ -53,6 +53,7 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"activeDeadlineSeconds": 0}, "spec.activeDeadlineSeconds"),
     ({"maxPreemptions": -1}, "spec.maxPreemptions"),
     ({"ttlSecondsAfterFinished": -5}, "spec.ttlSecondsAfterFinished"),
+    ({"preemption": {"minRunSeconds": -1}}, "spec.preemption.minRunSeconds"),
 ]
 VALID: list[dict[str, Any]] = [
     {},
@@ -78,6 +79,7 @@ VALID: list[dict[str, Any]] = [
         }
     },
     {"gracePeriod": {"headroom": 0, "killWaitSeconds": 0.5, "exitMargin": 0}},
+    {"preemption": {"minRunSeconds": 0}},
 ]
 
 

@@ -16,7 +16,9 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from preemptible_operator import models, rbac, render
+from preemptible_operator.classify import DEACTIVATED_BY_OPERATOR_ANNOTATION
 from preemptible_operator.reconcile import Reconciler
+from preemptible_operator.victims import BOOST_ANNOTATION
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.kubeconfig import api_client_from
 from tests.cluster.node_agent import NodeAgent
@@ -301,10 +303,21 @@ def _workload_checks(
         refused_patch({"spec": {"queueName": "other"}})
         refused_patch({"spec": {"active": False, "queueName": "other"}})
         refused_patch({"spec": {"active": False}, "metadata": {"labels": {"x": "y"}}})
+        refused_patch({"metadata": {"annotations": {"x": "y"}}})  # not one of its two
         _forbidden(lambda: sa_custom.delete_namespaced_custom_object(*args, "w2"), only)
-        # What the operator sends (Reconciler._deactivate_workload) passes.
-        sa_custom.patch_namespaced_custom_object(*args, "w1", {"spec": {"active": False}})
-    assert custom.get_namespaced_custom_object(*args, "w1")["spec"] == {**spec, "active": False}
+        # What the operator sends passes: the priority boost (victims.py) while it runs, then
+        # its deactivation (Reconciler._deactivate_workload: marked, the boost dropped).
+        mark = {DEACTIVATED_BY_OPERATOR_ANNOTATION: "true", BOOST_ANNOTATION: None}
+        sa_custom.patch_namespaced_custom_object(
+            *args, "w1", {"metadata": {"annotations": {BOOST_ANNOTATION: "40"}}}
+        )
+        sa_custom.patch_namespaced_custom_object(
+            *args, "w1", {"spec": {"active": False}, "metadata": {"annotations": mark}}
+        )
+        refused_patch({"spec": {"active": True}})  # never reactivated
+    stored = custom.get_namespaced_custom_object(*args, "w1")
+    assert stored["spec"] == {**spec, "active": False}
+    assert stored["metadata"]["annotations"] == {DEACTIVATED_BY_OPERATOR_ANNOTATION: "true"}
 
 
 def test_edit_and_view_include_training_jobs(

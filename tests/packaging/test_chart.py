@@ -475,3 +475,21 @@ def test_chart_grants_nothing_the_operator_does_not_declare(
             continue
         assert (group, resource) in declared, f"{group}/{resource} is not in operator/rbac.py"
         assert verbs <= declared[(group, resource)], (group, resource, verbs)
+
+
+def test_priority_boost_values(helm: str, tmp_path: Path) -> None:
+    """operator.priorityBoost (issue 32): off by default; on, the two operator flags."""
+    assert not [a for a in _operator_container(render(helm))["args"] if "priority-boost" in a]
+    on = render(
+        helm, {"operator": {"priorityBoost": {"enabled": True, "max": 50}}}, tmp_path=tmp_path
+    )
+    args = _operator_container(on)["args"]
+    assert [a for a in args if "priority-boost" in a] == [
+        "--priority-boost",
+        "--priority-boost-max=50",
+    ]
+    for bad in ({"max": 0}, {"enabled": "yes"}, {"maxx": 3}):
+        proc = render_raw(
+            helm, {"operator": {"priorityBoost": bad}}, tmp_path=tmp_path, check=False
+        )
+        assert proc.returncode != 0, bad
