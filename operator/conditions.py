@@ -13,6 +13,7 @@ __all__ = [
     "CREATE_REFUSED",
     "FAILED",
     "GRACE_PERIOD_SUFFICIENT",
+    "NODE_UNREACHABLE",
     "PREEMPTED",
     "PREEMPTION_REASONS",
     "RUNNING",
@@ -31,6 +32,8 @@ FAILED = "Failed"
 GRACE_PERIOD_SUFFICIENT = "GracePeriodSufficient"
 # True while the apiserver refuses the attempt's Service, Job or pods (issue 30).
 CREATE_REFUSED = "CreateRefused"
+# True while an attempt's pod is stuck on a NotReady node past spec.unreachableNode's bound.
+NODE_UNREACHABLE = "NodeUnreachable"
 ALL_TYPES = (
     ADMITTED,
     RUNNING,
@@ -40,6 +43,7 @@ ALL_TYPES = (
     FAILED,
     GRACE_PERIOD_SUFFICIENT,
     CREATE_REFUSED,
+    NODE_UNREACHABLE,
 )
 
 
@@ -102,6 +106,15 @@ class Reason:
     CHILD_FORBIDDEN = "ChildForbidden"
     PODS_REFUSED = "PodsRefused"
     CREATED = "Created"
+    # failure policy and unreachable nodes (issue 30)
+    FAILED_BY_POLICY = "FailedByPolicy"
+    """A failed attempt matched a spec.failurePolicy rule whose action is FailJob."""
+    FAILURE_IGNORED = "FailureIgnored"
+    """A failed attempt matched a rule whose action is Ignore: restarted, not counted."""
+    OUT_OF_SERVICE_NEEDED = "OutOfServiceTaintNeeded"
+    """An attempt's pod has been stuck on a NotReady node past spec.unreachableNode's bound:
+    an administrator must taint the node out-of-service or delete it."""
+    NODES_REACHABLE = "NodesReachable"
 
 
 PREEMPTION_REASONS = frozenset(

@@ -42,6 +42,16 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"numProcPerNode": 2, "command": []}, "spec.command"),
     ({"shmSize": "a lot"}, "spec.shmSize"),
     ({"env": [{"name": "PET_NPROC_PER_NODE", "value": "8"}]}, "spec.env[0].name"),
+    # failurePolicy (issue 30): 75 is the runtime's preemption exit, never a failure to match
+    (
+        {"failurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": [1, 75]}]}},
+        "spec.failurePolicy.rules[0].onExitCodes",
+    ),
+    (
+        {"failurePolicy": {"rules": [{"action": "Ignore", "onExitCodes": [0]}]}},
+        "spec.failurePolicy.rules[0].onExitCodes[0]",
+    ),
+    ({"failurePolicy": {"restartWindowSeconds": 0}}, "spec.failurePolicy.restartWindowSeconds"),
 ]
 VALID: list[dict[str, Any]] = [
     {},
@@ -53,6 +63,17 @@ VALID: list[dict[str, Any]] = [
     {"numProcPerNode": 1, "command": []},
     {"numProcPerNode": "auto", "resourcesPerNode": {"limits": {"nvidia.com/gpu": 8}}},
     {"numProcPerNode": "auto", "resourcesPerNode": {"requests": {"nvidia.com/gpu": "4"}}},
+    {
+        "failurePolicy": {
+            "restartWindowSeconds": 86400,
+            "rules": [
+                {"name": "bad-config", "action": "FailJob", "onExitCodes": [2, 137]},
+                {"action": "Ignore", "onReasons": ["KubeletEvicted", "OOMKilled"]},
+                {"action": "Restart"},
+            ],
+        },
+        "unreachableNode": {"escalateAfterSeconds": 0},
+    },
 ]
 
 
