@@ -14,6 +14,7 @@ __all__ = [
     "CREATE_REFUSED",
     "FAILED",
     "GRACE_PERIOD_SUFFICIENT",
+    "NODE_UNREACHABLE",
     "PREEMPTED",
     "PREEMPTION_REASONS",
     "RUNNING",
@@ -38,6 +39,8 @@ CREATE_REFUSED = "CreateRefused"
 # Complete and Failed become True when the job ends, Suspended while it is suspended.
 COMPLETE = "Complete"
 SUSPENDED = "Suspended"
+# True while an attempt's pod is stuck on a NotReady node past spec.unreachableNode's bound.
+NODE_UNREACHABLE = "NodeUnreachable"
 ALL_TYPES = (
     ADMITTED,
     RUNNING,
@@ -49,6 +52,7 @@ ALL_TYPES = (
     FAILED,
     GRACE_PERIOD_SUFFICIENT,
     CREATE_REFUSED,
+    NODE_UNREACHABLE,
 )
 
 
@@ -117,6 +121,15 @@ class Reason:
     CHILD_FORBIDDEN = "ChildForbidden"
     PODS_REFUSED = "PodsRefused"
     CREATED = "Created"
+    # failure policy and unreachable nodes (issue 30)
+    FAILED_BY_POLICY = "FailedByPolicy"
+    """A failed attempt matched a spec.failurePolicy rule whose action is FailJob."""
+    FAILURE_IGNORED = "FailureIgnored"
+    """A failed attempt matched a rule whose action is Ignore: restarted, not counted."""
+    OUT_OF_SERVICE_NEEDED = "OutOfServiceTaintNeeded"
+    """An attempt's pod has been stuck on a NotReady node past spec.unreachableNode's bound:
+    an administrator must taint the node out-of-service or delete it."""
+    NODES_REACHABLE = "NodesReachable"
 
 
 PREEMPTION_REASONS = frozenset(

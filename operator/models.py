@@ -12,7 +12,7 @@ is rejected while the attempt goes on (reconcile.py).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -25,6 +25,7 @@ from pydantic.alias_generators import to_camel
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from preemptible_operator.spec_rules import (
+    ExcludesItems,
     IntOrWord,
     Matches,
     NeedsItems,
@@ -39,6 +40,7 @@ from trainer_runtime.grace import GracePolicy
 
 __all__ = [
     "API_VERSION",
+    "FAILURE_REASONS",
     "GPU_RESOURCE",
     "GROUP",
     "KIND",
@@ -54,6 +56,9 @@ __all__ = [
     "CheckpointSpec",
     "Condition",
     "EnvVar",
+    "FailurePolicyAction",
+    "FailurePolicyRule",
+    "FailurePolicySpec",
     "GracePeriodSpec",
     "GraceStatus",
     "IncompleteCheckpoint",
@@ -65,6 +70,7 @@ __all__ = [
     "Timings",
     "TrainingJobSpec",
     "TrainingJobStatus",
+    "UnreachableNodeSpec",
     "format_validation_error",
     "parse_spec",
 ]
@@ -395,6 +401,91 @@ class PreemptionSpec(_Model):
     checkpoints, this stops a job from being preempted again before it saved once."""
 
 
+# ------------------------------------------- failure policy, unreachable nodes (issue 30)
+
+FailurePolicyAction = Literal["FailJob", "Restart", "Ignore"]
+
+# Reasons of attempts classified as real failures (classify.py): the only ones a failure-policy
+# rule can match. Preemptions and suspensions are never failures, so no rule can turn one into a
+# failure (exit code 75, Kueue eviction, node loss... keep the preemption contract).
+FAILURE_REASONS = (
+    "TrainingFailed",
+    "OOMKilled",
+    "KubeletEvicted",
+    "PodsNeverReady",
+    "JobFailed",
+)
+# What failure-policy rules can never match: 0 (success) is excluded by the schema's bounds, the
+# runtime's preemption exit code by this rule (an exit 75 is a preemption, not a failure).
+MAX_FAILURE_RULES = 32
+MAX_RULE_EXIT_CODES = 255
+DEFAULT_UNREACHABLE_ESCALATE_SECONDS = 600
+
+
+class FailurePolicyRule(_Model):
+    """One rule of spec.failurePolicy: when a failed attempt matches it, `action` decides what
+    happens. The first matching rule wins; a failure that matches none is a Restart."""
+
+    name: str | None = Field(
+        default=None, max_length=63, pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+    )
+    """Name of the rule, shown in the Failed condition and Events (default: rules[<index>])."""
+    action: FailurePolicyAction
+    """FailJob: the TrainingJob is Failed at once (condition Failed, reason FailedByPolicy,
+    naming the rule). Restart: a new attempt after the restart backoff, counted against
+    maxRestarts (what a failure that matches no rule gets). Ignore: a new attempt after
+    restartBackoffSeconds, not counted against maxRestarts."""
+    on_exit_codes: list[Annotated[int, Field(ge=1, le=255)]] | None = Field(
+        default=None, max_length=MAX_RULE_EXIT_CODES
+    )
+    """Matches when a training container that failed on its own (not a rank stopped because
+    another one failed, not one killed at a grace deadline) exited with one of these codes
+    (1-255; 137 is an OOM kill). 75, the runtime's preemption exit code, is not allowed: that
+    exit is a preemption, never a failure. Unset: any exit code."""
+    on_reasons: list[Literal[FAILURE_REASONS]] | None = Field(  # type: ignore[valid-type]
+        default=None, max_length=len(FAILURE_REASONS)
+    )
+    """Matches when the failed attempt's reason is one of these: TrainingFailed (a non-zero
+    exit), OOMKilled, KubeletEvicted (node pressure or the pod's ephemeral-storage limit),
+    PodsNeverReady (Kueue evicted the attempt before all its pods ran), JobFailed. Unset: any
+    failure reason. With both lists set, both must match."""
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        ExcludesItems(
+            f"onExitCodes must not list {protocol.EXIT_PREEMPTED}: it is the runtime's "
+            "preemption exit code (the attempt is a preemption, never a failure a rule applies to)",
+            field="onExitCodes",
+            values=(protocol.EXIT_PREEMPTED,),
+        ),
+    )
+
+
+class FailurePolicySpec(_Model):
+    """What a real failure does (preemptions and suspensions never reach it)."""
+
+    failure_rules: list[FailurePolicyRule] | None = Field(
+        default=None, alias="rules", max_length=MAX_FAILURE_RULES
+    )
+    """Rules over failed attempts (exit codes, reasons), the first matching one wins: FailJob,
+    Restart or Ignore. A failure that matches none is a Restart."""
+    restart_window_seconds: int | None = Field(default=None, ge=1)
+    """Count only the failures of the last restartWindowSeconds against maxRestarts (e.g. 86400:
+    maxRestarts per day), so rare failures spread over weeks never fail a long job for good.
+    The restart backoff doubles with the failures in the window too. Unset: every failure
+    counts."""
+
+
+class UnreachableNodeSpec(_Model):
+    """What happens when an attempt's pod is stuck on a NotReady node that is never deleted."""
+
+    escalate_after_seconds: int = Field(default=DEFAULT_UNREACHABLE_ESCALATE_SECONDS, ge=0)
+    """Seconds past a stuck pod's grace deadline (its deletionTimestamp, else the time its node
+    went NotReady plus its grace) after which the operator sets condition NodeUnreachable and
+    posts a Warning Event asking an administrator to taint the node out-of-service or delete
+    it. The attempt waits for that in any case: the operator cannot tell a dead node from a
+    partitioned one whose pods still write checkpoints."""
+
+
 class TrainingJobSpec(_Model):
     """Desired state of a TrainingJob."""
 
@@ -474,6 +565,12 @@ class TrainingJobSpec(_Model):
     """Pod template overrides merged into the operator's template."""
     preemption: PreemptionSpec | None = None
     """How Kueue picks this job as a preemption victim (spec.preemption.minRunSeconds)."""
+    # --- failure policy and unreachable nodes (issue 30)
+    failure_policy: FailurePolicySpec | None = None
+    """Rules by exit code and reason for failed attempts (FailJob, Restart, Ignore) and the
+    window maxRestarts counts failures in. Preemptions and suspensions never reach it."""
+    unreachable_node: UnreachableNodeSpec = Field(default_factory=UnreachableNodeSpec)
+    """When to ask an administrator to act on a NotReady node that holds an attempt's pod."""
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Matches('"{queueName}"' + _LABEL_VALUE_RULE, field="queueName", pattern=_LABEL_VALUE),
@@ -570,6 +667,10 @@ class AttemptRecord(_Model):
     lost_steps: int | None = None
     """Steps done in this attempt that no complete checkpoint holds (endStep minus the newer of
     the newest complete checkpoint and startStep)."""
+    failure_rule: str | None = None
+    """The spec.failurePolicy rule a failed attempt matched (its name, else rules[<index>])."""
+    failure_action: FailurePolicyAction | None = None
+    """What the failure policy decided for a failed attempt: FailJob, Restart or Ignore."""
 
 
 class Progress(_Model):
@@ -705,7 +806,13 @@ class TrainingJobStatus(_Model):
     preemptions: int | None = None
     """Number of preemptions (Kueue eviction, pod disruption, node loss, runtime preemption)."""
     failures: int | None = None
-    """Number of real failures (counted against maxRestarts)."""
+    """Number of real failures counted against maxRestarts (failures a failurePolicy rule
+    ignores are not; with failurePolicy.restartWindowSeconds only those in the window count
+    toward the limit, see failureTimes)."""
+    failure_times: list[str] | None = None
+    """RFC3339 times of the newest counted failures, oldest first (at most maxRestarts + 1, up
+    to 1000): what failurePolicy.restartWindowSeconds counts, kept apart from the attempt
+    records because only the newest 20 of those are kept."""
     lost_steps: int | None = None
     """Steps computed but lost (not in any complete checkpoint) over all attempts."""
     checkpoint_interval: CheckpointIntervalStatus | None = None

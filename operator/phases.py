@@ -85,6 +85,13 @@ class PhaseInputs:
     """status.preemptions, the attempt just recorded included."""
     max_preemptions: int | None = None
     """spec.maxPreemptions (None: no limit)."""
+    recorded_failure_action: str | None = None
+    """What spec.failurePolicy decided for the current attempt when it failed (FailJob,
+    Restart, Ignore)."""
+    recorded_failure_rule: str | None = None
+    """The failure-policy rule it matched (None: no rule matched)."""
+    restart_window_seconds: int | None = None
+    """failurePolicy.restartWindowSeconds: ``failures`` counts only that window."""
 
 
 @dataclass(frozen=True)
@@ -211,12 +218,25 @@ def _next_phase(obs: PhaseInputs) -> Decision:
         if outcome == "Succeeded":
             return Decision("Succeeded", "finish", Reason.COMPLETED)
         if outcome == "Failed":
+            if obs.recorded_failure_action == "FailJob":
+                return Decision(
+                    "Failed",
+                    "finish",
+                    Reason.FAILED_BY_POLICY,
+                    f"attempt {obs.attempt} failed ({obs.recorded_reason}) and failurePolicy "
+                    f"rule {obs.recorded_failure_rule or '?'} says FailJob",
+                )
             if obs.failures > obs.max_restarts:
+                window = (
+                    f" in the last {obs.restart_window_seconds} s"
+                    if obs.restart_window_seconds is not None
+                    else ""
+                )
                 return Decision(
                     "Failed",
                     "finish",
                     Reason.RESTARTS_EXHAUSTED,
-                    f"{obs.failures} failures, maxRestarts is {obs.max_restarts}",
+                    f"{obs.failures} failures{window}, maxRestarts is {obs.max_restarts}",
                 )
             if obs.suspend:
                 return Decision("Suspended", "cleanup", Reason.SUSPENDED)

@@ -57,6 +57,11 @@ from preemptible_operator.classify import (
     pod_finished,
 )
 from preemptible_operator.conditions import Reason
+from preemptible_operator.failure_policy import (
+    counted_failures,
+    decide_failure,
+    keep_failure_times,
+)
 from preemptible_operator.grace import GraceDecision, grace_sufficiency, next_grace
 from preemptible_operator.interval import auto_save_interval, interval_status
 from preemptible_operator.ownership import owned_by, pod_owned, tj_uid_of
@@ -73,6 +78,7 @@ from preemptible_operator.phases import (
 from preemptible_operator.resume import attempt_fence, resume_checkpoint
 from preemptible_operator.scrape import RuntimeMetrics, scrape
 from preemptible_operator.timestamps import now_rfc3339, parse_rfc3339
+from preemptible_operator.unreachable import stuck_on_unreachable_nodes
 from preemptible_operator.victims import (
     BOOST_ANNOTATION,
     should_write_boost,
@@ -181,6 +187,9 @@ class _Observed:
     workload: dict[str, Any] | None
     workload_version: str | None
     node_ready: dict[str, bool]
+    node_not_ready_since: dict[str, float] = field(default_factory=dict)
+    """When each NotReady node of the current attempt's pods went NotReady (its Ready
+    condition's lastTransitionTime), where the Node says."""
     rejected: str | None = None
     """Why the current spec was rejected (an invalid edit after the job ran); ``spec`` is then
     the spec of the running attempt, or None."""
@@ -215,6 +224,8 @@ class Reconciler:
         # shared among them.
         self._polled: set[tuple[str, str]] = set()
         self._nodes: dict[str, tuple[float, bool]] = {}
+        # node name -> when its Ready condition last turned non-True (unreachable.py's bound).
+        self._node_since: dict[str, float] = {}
         self._services: set[tuple[str, str, str]] = set()
         # uids of pods released and Jobs deleted: the watch cache may still show them as they
         # were, and the next pass (at once after an attempt ends) must not repeat the requests.
@@ -330,8 +341,20 @@ class Reconciler:
             ready[node_name] = any(
                 c.get("type") == "Ready" and c.get("status") == "True" for c in conds
             )
+            since = next(
+                (
+                    parse_rfc3339(c.get("lastTransitionTime"))
+                    for c in conds
+                    if c.get("type") == "Ready" and c.get("status") != "True"
+                ),
+                None,
+            )
             with self._lock:
                 self._nodes[node_name] = (now, ready[node_name])
+                if since is not None:
+                    self._node_since[node_name] = since
+                else:
+                    self._node_since.pop(node_name, None)
         return ready
 
     def _current_tj(
@@ -385,6 +408,13 @@ class Reconciler:
         if spec is not None and spec.queue_name:
             workload, version = self._get_workload(namespace, job, cached)
         current_pods = pods.get(attempt, [])
+        node_ready = self._node_ready(current_pods)
+        with self._lock:
+            not_ready_since = {
+                n: self._node_since[n]
+                for n, ok in node_ready.items()
+                if not ok and n in self._node_since
+            }
         return _Observed(
             obj=obj,
             status=status,
@@ -397,7 +427,8 @@ class Reconciler:
             pods=current_pods,
             workload=workload,
             workload_version=version,
-            node_ready=self._node_ready(current_pods),
+            node_ready=node_ready,
+            node_not_ready_since=not_ready_since,
             previous_pods=previous,
             rejected=rejected,
         )
@@ -505,6 +536,11 @@ class Reconciler:
         deadline_left = deadline_remaining(
             status.start_time, spec.active_deadline_seconds if spec else None, self.clock()
         )
+        window = (
+            spec.failure_policy.restart_window_seconds
+            if spec is not None and spec.failure_policy is not None
+            else None
+        )
         inputs = PhaseInputs(
             invalid=obs.invalid is not None,
             current_phase=status.phase,
@@ -518,8 +554,13 @@ class Reconciler:
             pods_finished=attempt_pods_finished(obs.job, obs.pods, obs.node_ready),
             pods=len(obs.pods),
             running_pods=len(running),
-            failures=status.failures or 0,
+            failures=counted_failures(
+                status.failures or 0, status.failure_times, self.clock(), window
+            ),
             max_restarts=spec.max_restarts if spec else 0,
+            recorded_failure_action=record.failure_action if recorded and record else None,
+            recorded_failure_rule=record.failure_rule if recorded and record else None,
+            restart_window_seconds=window,
             backoff_remaining=backoff_remaining,
             kueue=bool(spec and spec.queue_name),
             previous_pods_active=len(obs.previous_pods),
@@ -614,17 +655,17 @@ class Reconciler:
                 result.requeue_after = 1.0  # confirm they were released
             if decision.action == "finish" and status.phase not in ("Succeeded", "Failed"):
                 status.completion_time = status.completion_time or now
-                if decision.reason == Reason.RESTARTS_EXHAUSTED:
+                if decision.reason in (Reason.RESTARTS_EXHAUSTED, Reason.FAILED_BY_POLICY):
                     status.conditions = cond.set_condition(
                         status.conditions,
                         cond.FAILED,
                         "True",
-                        Reason.RESTARTS_EXHAUSTED,
+                        decision.reason,
                         decision.message,
                         now,
                         generation,
                     )
-                    result.events.append(("Warning", Reason.RESTARTS_EXHAUSTED, decision.message))
+                    result.events.append(("Warning", decision.reason, decision.message))
         elif decision.action == "wait_backoff":
             result.requeue_after = max(0.5, backoff_remaining)
 
@@ -689,6 +730,10 @@ class Reconciler:
                 since = parse_rfc3339(now_refused.last_transition_time if now_refused else None)
                 refused_for = self.clock() - since if since is not None else 0.0
                 result.requeue_after = refusal_retry_seconds(refused_for)
+
+        # ------------------------------------------------------------------ unreachable nodes
+        if spec is not None:
+            self._escalate_unreachable(obs, spec, status, recorded, now, generation, result)
 
         # ------------------------------------------------------------------ status
         shown = decision
@@ -1094,15 +1139,43 @@ class Reconciler:
                 generation,
             )
         elif outcome == "Failed":
-            status.failures = (status.failures or 0) + 1
-            delay = backoff_seconds(spec.restart_backoff_seconds, status.failures)
+            # The failure policy sees only real failures, and only the exit codes of containers
+            # that failed on their own (never 75, a peer's end or a kill at a grace deadline).
+            codes = [e.exit_code for e in ends if e.real_failure and e.exit_code is not None]
+            policy = spec.failure_policy
+            verdict = decide_failure(outcome, interruption.reason, codes, policy)
+            record.failure_action = verdict.action if verdict else None
+            record.failure_rule = verdict.rule if verdict else None
+            if verdict is None or verdict.counts:
+                status.failures = (status.failures or 0) + 1
+                status.failure_times = keep_failure_times(
+                    status.failure_times, _rfc3339(self.clock()), spec.max_restarts
+                )
+            window = policy.restart_window_seconds if policy else None
+            counted = counted_failures(
+                status.failures or 0, status.failure_times, self.clock(), window
+            )
+            if verdict is not None and not verdict.counts:
+                delay = backoff_seconds(spec.restart_backoff_seconds, 1)
+                result.events.append(
+                    (
+                        "Normal",
+                        Reason.FAILURE_IGNORED,
+                        f"attempt {record.attempt} failed ({interruption.reason}) and "
+                        f"failurePolicy rule {verdict.rule} says Ignore: restart in {delay} s, "
+                        "not counted against maxRestarts",
+                    )
+                )
+            else:
+                delay = backoff_seconds(spec.restart_backoff_seconds, counted)
             status.next_attempt_after = _rfc3339(self.clock() + delay)
-            if status.failures <= spec.max_restarts:
+            restarts = verdict is not None and verdict.action == "Restart"
+            if restarts and counted <= spec.max_restarts:
                 result.events.append(
                     (
                         "Normal",
                         Reason.BACKOFF,
-                        f"restart {status.failures} of {spec.max_restarts} in {delay} s",
+                        f"restart {counted} of {spec.max_restarts} in {delay} s",
                     )
                 )
         shown_sigterm = "-" if sigterm is None else f"{sigterm:.2f}"
@@ -1353,6 +1426,52 @@ class Reconciler:
                 return
             raise
         self._event(obj, "Warning", Reason.WORKLOAD_DEACTIVATED, message)
+
+    def _escalate_unreachable(
+        self,
+        obs: _Observed,
+        spec: models.TrainingJobSpec,
+        status: models.TrainingJobStatus,
+        recorded: bool,
+        now: str,
+        generation: int | None,
+        result: PassResult,
+    ) -> None:
+        """Condition NodeUnreachable (and one Warning Event when it turns True) while a pod of
+        the current attempt is stuck on a NotReady node past spec.unreachableNode's bound."""
+        stuck = None
+        if obs.pods and not recorded:
+            stuck = stuck_on_unreachable_nodes(
+                obs.pods,
+                obs.node_ready,
+                obs.node_not_ready_since,
+                self.clock(),
+                spec.unreachable_node.escalate_after_seconds,
+            )
+        before = cond.find_condition(status.conditions, cond.NODE_UNREACHABLE)
+        if stuck is not None:
+            message = stuck.message(self.clock())
+            status.conditions = cond.set_condition(
+                status.conditions,
+                cond.NODE_UNREACHABLE,
+                "True",
+                Reason.OUT_OF_SERVICE_NEEDED,
+                message,
+                now,
+                generation,
+            )
+            if before is None or before.status != "True":
+                result.events.append(("Warning", Reason.OUT_OF_SERVICE_NEEDED, message))
+        elif before is not None and before.status == "True":
+            status.conditions = cond.set_condition(
+                status.conditions,
+                cond.NODE_UNREACHABLE,
+                "False",
+                Reason.NODES_REACHABLE,
+                "no pod of the attempt is stuck on a NotReady node",
+                now,
+                generation,
+            )
 
     def _deactivate_workload(
         self, namespace: str, workload: dict[str, Any] | None, version: str | None

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
+    "ExcludesItems",
     "IntOrWord",
     "Matches",
     "NeedsItems",
@@ -288,3 +289,18 @@ class NeedsItems(FieldRule):
             f"({_cel_is_int(f)} && self.{f} == {self.unless}) || "
             f"(has(self.{o}) && size(self.{o}) > 0)"
         )
+
+
+@dataclass(frozen=True)
+class ExcludesItems(FieldRule):
+    """A list field must not contain any of ``values`` (integers)."""
+
+    values: tuple[int, ...] = ()
+    reason: CelReason = "FieldValueForbidden"
+
+    def holds(self, values: Mapping[str, Any]) -> bool:
+        return not any(v in self.values for v in values[self.field])
+
+    def cel_condition(self) -> str:
+        listed = ", ".join(str(v) for v in self.values)
+        return f"!self.{self.field}.exists(v, v in [{listed}])"

@@ -54,6 +54,16 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"maxPreemptions": -1}, "spec.maxPreemptions"),
     ({"ttlSecondsAfterFinished": -5}, "spec.ttlSecondsAfterFinished"),
     ({"preemption": {"minRunSeconds": -1}}, "spec.preemption.minRunSeconds"),
+    # failurePolicy (issue 30): 75 is the runtime's preemption exit, never a failure to match
+    (
+        {"failurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": [1, 75]}]}},
+        "spec.failurePolicy.rules[0].onExitCodes",
+    ),
+    (
+        {"failurePolicy": {"rules": [{"action": "Ignore", "onExitCodes": [0]}]}},
+        "spec.failurePolicy.rules[0].onExitCodes[0]",
+    ),
+    ({"failurePolicy": {"restartWindowSeconds": 0}}, "spec.failurePolicy.restartWindowSeconds"),
 ]
 VALID: list[dict[str, Any]] = [
     {},
@@ -80,6 +90,17 @@ VALID: list[dict[str, Any]] = [
     },
     {"gracePeriod": {"headroom": 0, "killWaitSeconds": 0.5, "exitMargin": 0}},
     {"preemption": {"minRunSeconds": 0}},
+    {
+        "failurePolicy": {
+            "restartWindowSeconds": 86400,
+            "rules": [
+                {"name": "bad-config", "action": "FailJob", "onExitCodes": [2, 137]},
+                {"action": "Ignore", "onReasons": ["KubeletEvicted", "OOMKilled"]},
+                {"action": "Restart"},
+            ],
+        },
+        "unreachableNode": {"escalateAfterSeconds": 0},
+    },
 ]
 
 
