@@ -107,6 +107,7 @@ RESERVED_ENV = frozenset(
         protocol.ENV_METRICS_HOST,
         protocol.ENV_STOP_POLICY,
         protocol.ENV_NODE_NOTICE_SECONDS,
+        protocol.ENV_NODE_NOTICE_FILE,
         protocol.ENV_SAVE_INTERVAL_SECONDS,
         "MASTER_ADDR",
         "MASTER_PORT",
@@ -302,10 +303,13 @@ class GracePeriodSpec(_Model):
     the longest micro-batch + saveMax, so preempted GPUs are freed nearly a step sooner)."""
     node_notice_seconds: int | None = None
     """The notice the nodes give before they go away whatever grace a pod asked for (spot VMs:
-    about 30 on GKE, up to 120 on AWS). Passed as PREEMPTIBLE_NODE_NOTICE_SECONDS: the runtime's
+    15 for user pods on GKE, 120 on AWS). Passed as PREEMPTIBLE_NODE_NOTICE_SECONDS: the runtime's
     deadline is SIGTERM + the shorter of grace and notice, and it does not start a save that
     cannot finish by then (the attempt ends as DeadlineTooShort). The grace is never doubled
-    beyond it after a SIGKILL: the node would not wait longer anyway."""
+    beyond it after a SIGKILL: the node would not wait longer anyway. Where a node says its
+    notice (spot labels of GKE, EKS, Karpenter, AKS, or the annotation
+    preemptible.dev/node-notice-seconds), the operator also passes that to the pod on it, and the
+    shorter applies."""
 
     rules: ClassVar[tuple[Rule, ...]] = (
         NotAbove(

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from preemptible_operator import models, render
+from preemptible_operator import models, node_notice, render
 from preemptible_operator.classify import DEACTIVATED_BY_OPERATOR_ANNOTATION
 from preemptible_operator.victims import BOOST_ANNOTATION
 
@@ -162,6 +162,7 @@ def user_roles(prefix: str = "preemptible") -> list[dict[str, Any]]:
 
 _LABEL = render.LABEL_TRAINING_JOB
 _FINALIZER = render.ATTEMPT_FINALIZER
+_NOTICE = node_notice.ANNOTATION_NODE_NOTICE
 
 
 def _unchanged(*fields: str) -> str:
@@ -243,17 +244,26 @@ POLICY_VARIABLES: list[dict[str, str]] = [
 
 POLICY_VALIDATIONS: list[dict[str, str]] = [
     # Pod patches: only the removal of the attempt-record finalizer once the pod's outcome is
-    # recorded. Spec, labels, annotations, owners and every other finalizer stay as they are.
+    # recorded, or the node-notice annotation on a training pod (node_notice.py). Spec, labels,
+    # owners, every other annotation and every other finalizer stay as they are.
     {
         "expression": (
             "request.resource.resource != 'pods' || request.operation != 'UPDATE' || ("
             "object.spec == oldObject.spec && "
-            + _unchanged("labels", "annotations", "ownerReferences")
+            + _unchanged("labels", "ownerReferences")
+            + " && (("
+            + _unchanged("annotations")
             + " && object.metadata.?finalizers.orValue([]) == "
-            f"oldObject.metadata.?finalizers.orValue([]).filter(f, f != '{_FINALIZER}'))"
+            f"oldObject.metadata.?finalizers.orValue([]).filter(f, f != '{_FINALIZER}')"
+            ") || (variables.labelled && "
+            + _unchanged("finalizers")
+            + " && "
+            + _unchanged_except("annotations", (_NOTICE,))
+            + ")))"
         ),
         "message": (
-            f"the preemptible operator may only remove its finalizer {_FINALIZER} from a pod"
+            f"the preemptible operator may only remove its finalizer {_FINALIZER} from a pod, "
+            f"or set {_NOTICE} on a pod labelled {_LABEL}"
         ),
         "reason": "Forbidden",
     },

@@ -64,6 +64,7 @@ from preemptible_operator.failure_policy import (
 )
 from preemptible_operator.grace import GraceDecision, grace_sufficiency, next_grace
 from preemptible_operator.interval import auto_save_interval, interval_status
+from preemptible_operator.node_notice import NodeNotice, node_notice, pod_notice_patch
 from preemptible_operator.ownership import owned_by, pod_owned, tj_uid_of
 from preemptible_operator.phases import (
     Decision,
@@ -223,7 +224,8 @@ class Reconciler:
         # TrainingJobs on the poll timer (an attempt's pods exist): the periodic budgets are
         # shared among them.
         self._polled: set[tuple[str, str]] = set()
-        self._nodes: dict[str, tuple[float, bool]] = {}
+        # node name -> (monotonic time read, Ready, its notice: node_notice.node_notice)
+        self._nodes: dict[str, tuple[float, bool, NodeNotice | None]] = {}
         # node name -> when its Ready condition last turned non-True (unreachable.py's bound).
         self._node_since: dict[str, float] = {}
         self._services: set[tuple[str, str, str]] = set()
@@ -350,12 +352,37 @@ class Reconciler:
                 None,
             )
             with self._lock:
-                self._nodes[node_name] = (now, ready[node_name])
+                self._nodes[node_name] = (now, ready[node_name], node_notice(node))
                 if since is not None:
                     self._node_since[node_name] = since
                 else:
                     self._node_since.pop(node_name, None)
         return ready
+
+    def _annotate_node_notice(self, pods: list[dict[str, Any]]) -> None:
+        """Write each bound pod's node notice onto it (node_notice.py): the runtime reads it at
+        SIGTERM through a downward-API file. Uses the node reads _node_ready just cached."""
+        for pod in pods:
+            node_name = (pod.get("spec") or {}).get("nodeName")
+            with self._lock:
+                hit = self._nodes.get(node_name) if node_name else None
+            if hit is None:
+                continue
+            patch = pod_notice_patch(pod, hit[2])
+            if patch is None:
+                continue
+            meta = pod["metadata"]
+            try:
+                self.core.patch_namespaced_pod(meta["name"], meta["namespace"], patch)
+            except ApiException as exc:
+                if exc.status not in (403, 404, 409, 422):
+                    raise
+                log.warning("pod %s/%s: node notice not written: %s", meta["namespace"],
+                            meta["name"], exc.reason)  # fmt: skip
+                continue
+            log.info("pod %s/%s: node %s gives %s s of notice (%s)", meta["namespace"],
+                     meta["name"], node_name, hit[2].seconds if hit[2] else None,
+                     hit[2].source if hit[2] else "none")  # fmt: skip
 
     def _current_tj(
         self, namespace: str, name: str, cached: Cached | None
@@ -459,6 +486,7 @@ class Reconciler:
         obs = self._observe(namespace, name, cached)
         if obs is None:
             return PassResult(done=True)
+        self._annotate_node_notice(obs.pods)
         now = now_rfc3339()
         old_status = obs.status.to_k8s()
         status = obs.status.model_copy(deep=True)

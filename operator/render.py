@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from preemptible_operator import models, shape
+from preemptible_operator import models, node_notice, shape
 from trainer_runtime import protocol
 
 __all__ = [
@@ -62,6 +62,12 @@ TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 # The memory-backed /dev/shm of a pod of several processes (shape.shm_size_limit).
 SHM_VOLUME = "preemptible-shm"
 SHM_PATH = "/dev/shm"
+# The node's notice (node_notice.py) as a file: a downward-API volume of the pod's annotation,
+# which kubelet keeps up to date, so the runtime reads at SIGTERM what the operator wrote after
+# the pod was bound (the env is fixed before the node is chosen).
+NODE_NOTICE_VOLUME = "preemptible-node-notice"
+NODE_NOTICE_DIR = "/etc/preemptible/node"
+NODE_NOTICE_FILE = f"{NODE_NOTICE_DIR}/notice-seconds"
 
 # Pod hostnames are "<job>-<index>" and must be DNS labels (<= 63): "<name>-a9999-9999" fits.
 MAX_NAME_LENGTH = 52
@@ -364,6 +370,7 @@ def render_pod_template(
     """The Job's pod template (before user overrides)."""
     name, namespace = meta["name"], meta["namespace"]
     env = _runtime_env(name, namespace, spec, params)
+    env.append({"name": protocol.ENV_NODE_NOTICE_FILE, "value": NODE_NOTICE_FILE})
     env += [e.to_k8s() for e in spec.env or []]
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
@@ -403,6 +410,10 @@ def render_pod_template(
             {"name": SHM_VOLUME, "mountPath": SHM_PATH},
             *(m for m in container.get("volumeMounts", []) if m.get("mountPath") != SHM_PATH),
         ]
+    container["volumeMounts"] = [
+        *container.get("volumeMounts", []),
+        {"name": NODE_NOTICE_VOLUME, "mountPath": NODE_NOTICE_DIR, "readOnly": True},
+    ]
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "subdomain": service_name(name),
@@ -424,6 +435,7 @@ def render_pod_template(
             *pod_spec.get("volumes", []),
         ]
     labels, annotations = propagated_metadata(meta)
+    pod_spec["volumes"] = [*pod_spec.get("volumes", []), _node_notice_volume()]
     template = {
         "metadata": {
             # No Kueue labels on pods: Kueue manages the Job, and labelled pods could be taken
@@ -445,6 +457,14 @@ def render_pod_template(
         if inherited:
             pod_meta[key] = {**inherited, **(pod_meta.get(key) or {})}
     return merged
+
+
+def _node_notice_volume() -> dict[str, Any]:
+    field = f"metadata.annotations['{node_notice.ANNOTATION_NODE_NOTICE}']"
+    return {
+        "name": NODE_NOTICE_VOLUME,
+        "downwardAPI": {"items": [{"path": "notice-seconds", "fieldRef": {"fieldPath": field}}]},
+    }
 
 
 def render_job(

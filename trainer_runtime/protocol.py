@@ -22,6 +22,7 @@ __all__ = [
     "ENV_KILL_WAIT_SECONDS",
     "ENV_METRICS_HOST",
     "ENV_METRICS_PORT",
+    "ENV_NODE_NOTICE_FILE",
     "ENV_NODE_NOTICE_SECONDS",
     "ENV_OUTPUT_DIR",
     "ENV_PEER_TIMEOUT_SECONDS",
@@ -54,6 +55,10 @@ ENV_ATTEMPT = "PREEMPTIBLE_ATTEMPT"
 # The notice the node gives before it goes away (spot reclaim: ~30 s on GKE, up to 120 s on AWS),
 # when that can be shorter than the pod's grace: the runtime's deadline is SIGTERM + the shorter.
 ENV_NODE_NOTICE_SECONDS = "PREEMPTIBLE_NODE_NOTICE_SECONDS"
+# A file holding the notice of the node the pod landed on (seconds; empty: none known), read at
+# SIGTERM: the node is chosen after the pod's env is fixed, so the operator annotates the bound
+# pod and a downward-API volume (which kubelet refreshes) shows the annotation as this file.
+ENV_NODE_NOTICE_FILE = "PREEMPTIBLE_NODE_NOTICE_FILE"
 # How a SIGTERM stops training: "finish_step" or "micro_batch" (TrainingArguments.jit_stop_policy
 # default when the script does not set it).
 ENV_STOP_POLICY = "PREEMPTIBLE_STOP_POLICY"

@@ -25,6 +25,7 @@ from trainer_runtime.protocol import (
     DEFAULT_KILL_WAIT_SECONDS,
     ENV_GRACE_SECONDS,
     ENV_KILL_WAIT_SECONDS,
+    ENV_NODE_NOTICE_FILE,
     ENV_NODE_NOTICE_SECONDS,
 )
 
@@ -35,6 +36,7 @@ __all__ = [
     "grace_seconds_from_env",
     "kill_wait_from_env",
     "node_notice_from_env",
+    "node_notice_from_file",
     "process_stamps",
 ]
 
@@ -75,6 +77,25 @@ def grace_seconds_from_env() -> float | None:
 def node_notice_from_env() -> float | None:
     """The node's notice before it goes away ($PREEMPTIBLE_NODE_NOTICE_SECONDS), or None."""
     return float_from_env(ENV_NODE_NOTICE_SECONDS, None)
+
+
+def node_notice_from_file(path: str | None) -> float | None:
+    """The notice of the node this pod landed on, from ``path`` ($PREEMPTIBLE_NODE_NOTICE_FILE:
+    a downward-API file of the pod's annotation, which the operator writes once the pod is bound
+    and kubelet keeps in sync); None when unset, missing, empty or not a positive number."""
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            raw = handle.read(64).strip()
+    except OSError:
+        return None
+    try:
+        value = float(raw) if raw else None
+    except ValueError:
+        logger.warning("ignoring node notice %r in %s: not a number", raw, path)
+        return None
+    return value if value is not None and value > 0 else None
 
 
 # Linux's SO_TIMESTAMP (not exported by Python's socket module): the kernel stamps each
@@ -183,12 +204,17 @@ class SigtermLatch:
         clock: Clock = time.monotonic,
         signum: int = signal.SIGTERM,
         node_notice_seconds: float | None = None,
+        node_notice_file: str | None = None,
     ) -> None:
         self.kill_wait = kill_wait_from_env() if kill_wait is None else float(kill_wait)
         self.grace_seconds = grace_seconds_from_env() if grace_seconds is None else grace_seconds
         self.node_notice_seconds = (
             node_notice_from_env() if node_notice_seconds is None else node_notice_seconds
         )
+        self.node_notice_file = (
+            os.environ.get(ENV_NODE_NOTICE_FILE) if node_notice_file is None else node_notice_file
+        )
+        self._notice_file_read = False
         self.clock = clock
         self.signum = signum
         self.received_at: float | None = None
@@ -261,7 +287,28 @@ class SigtermLatch:
     @property
     def budget_seconds(self) -> float | None:
         """Seconds from SIGTERM to the deadline: the shorter of grace and node notice."""
+        self._read_notice_file()
         return deadline_budget(self.grace_seconds, self.node_notice_seconds)
+
+    def _read_notice_file(self) -> None:
+        """Once, after the SIGTERM (not in the handler): the notice of the node the pod landed on
+        (:func:`node_notice_from_file`) shortens ``node_notice_seconds``. Read then, not at
+        start, because the operator writes it only after the pod is bound and kubelet shows it
+        in the file a little later."""
+        if self._notice_file_read or self.received_at is None or not self.node_notice_file:
+            return
+        self._notice_file_read = True
+        notice = node_notice_from_file(self.node_notice_file)
+        if notice is None:
+            return
+        if self.node_notice_seconds is None or notice < self.node_notice_seconds:
+            self.node_notice_seconds = notice
+        logger.info(
+            "node notice %.0f s (from %s): deadline %s s after SIGTERM",
+            notice,
+            self.node_notice_file,
+            deadline_budget(self.grace_seconds, self.node_notice_seconds),
+        )
 
     def seconds_left(self) -> float | None:
         """Seconds until the deadline (negative when past it); None without a deadline. The

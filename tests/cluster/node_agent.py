@@ -5,9 +5,10 @@ Leases and runs every pod bound to them as local processes of this project's vir
 Faithful to kubelet in these respects: pod phase and conditions (PodScheduled,
 PodReadyToStartContainers, Initialized, ContainersReady, Ready), container states with exit code,
 signal and restart count, termination message (file, 4 KiB; FallbackToLogsOnError), init containers,
-restart policies, $(VAR) expansion, downward-API env, and deletion: SIGTERM to the container's main
-process, wait the deletion grace period (at least 2 s), SIGKILL everything left in the container,
-report the terminal status, then delete the pod with gracePeriodSeconds=0.
+restart policies, $(VAR) expansion, downward-API env and volumes (their labels and annotations
+refreshed when the pod changes), and deletion: SIGTERM to the container's main process, wait
+the deletion grace period (at least 2 s), SIGKILL everything left in the container, report the
+terminal status, then delete the pod with gracePeriodSeconds=0.
 
 Where network namespaces can be made (pod_network.py): each pod has its own network, mount and
 UTS namespace, a 10.X.a.b address on a bridge in a namespace of the tier's own (reachable from the
@@ -460,7 +461,23 @@ class _PodWorker(threading.Thread):
                 )
             target = directory / item["path"]
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(field_value(self.pod, item["fieldRef"]["fieldPath"]))
+            # Whole or not at all, as kubelet's atomic writer: a reader never sees half a value.
+            partial = target.with_name(f".{target.name}.partial")
+            partial.write_text(field_value(self.pod, item["fieldRef"]["fieldPath"]))
+            os.replace(partial, target)
+
+    def refresh_downward(self, pod: Mapping[str, Any]) -> None:
+        """kubelet's sync of downward-API volumes: labels and annotations the pod gained after
+        it started show in their files (kubelet: within its sync period; here at the event)."""
+        meta = pod.get("metadata") or {}
+        self.pod["metadata"]["labels"] = dict(meta.get("labels") or {})
+        self.pod["metadata"]["annotations"] = dict(meta.get("annotations") or {})
+        for volume in self.spec.get("volumes") or []:
+            local = self._volumes.get(volume["name"])
+            items = (volume.get("downwardAPI") or {}).get("items")
+            if local and items:
+                with contextlib.suppress(ContainerConfigError, OSError):
+                    self._write_downward(Path(local), items)
 
     def _service_account_token(self, core: Any, audience: str | None, seconds: int) -> str:
         """A token bound to this pod (TokenRequest), as kubelet projects it."""
@@ -1448,6 +1465,8 @@ class NodeAgent:
                         self.delete_now(pod)
                     else:
                         worker.request_termination(meta.get("deletionGracePeriodSeconds"))
+                elif not worker.finished:
+                    worker.refresh_downward(pod)
                 return
             if deleting or pod.get("status", {}).get("phase") in _TERMINAL:
                 # Never ran here (or ran before this agent): nothing to stop.

@@ -164,10 +164,15 @@ def test_several_processes_per_pod_start_through_the_launcher_with_a_shm() -> No
         "name": render.SHM_VOLUME,
         "emptyDir": {"medium": "Memory", "sizeLimit": "4Gi"},
     }
-    assert [m["mountPath"] for m in container["volumeMounts"]] == ["/dev/shm", "/ckpt"]
+    assert [m["mountPath"] for m in container["volumeMounts"]] == [
+        "/dev/shm",
+        "/ckpt",
+        render.NODE_NOTICE_DIR,
+    ]
     # One process per pod: no /dev/shm of ours, the command as it is.
     one = render.render_job(META, make_spec(numNodes=2), _params())["spec"]["template"]["spec"]
-    assert "volumes" not in one and "volumeMounts" not in one["containers"][0]
+    assert [v["name"] for v in one["volumes"]] == [render.NODE_NOTICE_VOLUME]
+    assert [m["name"] for m in one["containers"][0]["volumeMounts"]] == [render.NODE_NOTICE_VOLUME]
     assert one["containers"][0]["command"] == ["python", "-m", "trainer_runtime.toy"]
 
 
@@ -310,7 +315,7 @@ def test_user_overrides_merge_without_losing_ours() -> None:
     assert meta["annotations"][render.ANNOTATION_GRACE] == "77"
     assert pod["nodeSelector"] == {"pool": "spot"}
     assert pod["tolerations"] == [{"key": "spot", "operator": "Exists"}]
-    assert [v["name"] for v in pod["volumes"]] == ["ckpt", "cache"]
+    assert [v["name"] for v in pod["volumes"]] == ["ckpt", render.NODE_NOTICE_VOLUME, "cache"]
     assert pod["restartPolicy"] == "Never"
     assert pod["terminationGracePeriodSeconds"] == 77
     assert pod["securityContext"]["runAsUser"] == 4242
@@ -323,7 +328,11 @@ def test_user_overrides_merge_without_losing_ours() -> None:
         "requests": {"cpu": 2},
         "limits": {"memory": "1Gi", "nvidia.com/gpu": 1},
     }
-    assert [m["mountPath"] for m in trainer["volumeMounts"]] == ["/ckpt", "/cache"]
+    assert [m["mountPath"] for m in trainer["volumeMounts"]] == [
+        "/ckpt",
+        render.NODE_NOTICE_DIR,
+        "/cache",
+    ]
     names = [e["name"] for e in trainer["env"]]
     assert names.count(protocol.ENV_OUTPUT_DIR) == 1
     assert "HF_HOME" in names and "EXTRA" in names

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from trainer_runtime.deadline import Action, deadline_budget, micro_batch_action, save_action
@@ -104,3 +106,82 @@ def test_node_notice_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("PREEMPTIBLE_GRACE_SECONDS", "243")
     latch = SigtermLatch(kill_wait=0)
     assert latch.node_notice_seconds == 30.0 and latch.budget_seconds == 30.0
+
+
+@pytest.mark.parametrize(
+    ("content", "grace", "env_notice", "expected"),
+    [
+        # The node's notice (the operator's pod annotation, a downward-API file) shortens the
+        # deadline like $PREEMPTIBLE_NODE_NOTICE_SECONDS does; the shortest of the three wins.
+        ("15", 243.0, None, 15.0),
+        ("15\n", 243.0, 30.0, 15.0),
+        ("120", 243.0, 30.0, 30.0),
+        ("120", 60.0, None, 60.0),
+        ("15", None, None, 15.0),
+        # Nothing known (kubelet writes an empty file for a missing annotation) or garbage.
+        ("", 243.0, None, 243.0),
+        ("", 243.0, 30.0, 30.0),
+        ("soon", 243.0, None, 243.0),
+        ("0", 243.0, None, 243.0),
+        ("-3", 243.0, None, 243.0),
+        (None, 243.0, None, 243.0),  # no file at all
+    ],
+)
+def test_node_notice_file_shortens_the_deadline(
+    tmp_path: Path,
+    content: str | None,
+    grace: float | None,
+    env_notice: float | None,
+    expected: float | None,
+) -> None:
+    path = tmp_path / "notice-seconds"
+    now = [100.0]
+    latch = SigtermLatch(
+        kill_wait=0,
+        grace_seconds=grace,
+        node_notice_seconds=env_notice,
+        node_notice_file=str(path),
+        clock=lambda: now[0],
+    )
+    # Written after the process started (the operator annotates the pod once it is bound): the
+    # file is read at SIGTERM, not at start.
+    if content is not None:
+        path.write_text(content)
+    latch.trigger()
+    now[0] = 102.0
+    assert latch.budget_seconds == expected
+    assert latch.seconds_left() == expected - 2.0
+    # Read once: a later change (the pod is already terminating) no longer counts.
+    path.write_text("1")
+    assert latch.budget_seconds == expected
+
+
+def test_node_notice_file_comes_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = tmp_path / "notice-seconds"
+    path.write_text("15")
+    monkeypatch.setenv("PREEMPTIBLE_NODE_NOTICE_FILE", str(path))
+    monkeypatch.setenv("PREEMPTIBLE_GRACE_SECONDS", "243")
+    latch = SigtermLatch(kill_wait=0)
+    assert latch.budget_seconds == 243.0  # before the SIGTERM the file is not read
+    latch.trigger()
+    assert latch.budget_seconds == 15.0 and latch.node_notice_seconds == 15.0
+
+
+def test_a_node_notice_shorter_than_the_save_skips_the_save(tmp_path: Path) -> None:
+    """The DeadlineTooShort decision follows the file: a 2 s save does not fit a 1 s notice
+    even with 243 s of grace, and is started with a 30 s notice."""
+    for notice, action in (("1", Action.SKIP_SAVE), ("30", Action.CONTINUE)):
+        path = tmp_path / f"notice-{notice}"
+        path.write_text(notice)
+        now = [0.0]
+        latch = SigtermLatch(
+            kill_wait=0,
+            grace_seconds=243.0,
+            node_notice_file=str(path),
+            clock=lambda now=now: now[0],
+        )
+        latch.trigger()
+        now[0] = 0.2
+        assert save_action(seconds_left=latch.seconds_left(), save_seconds=2.0) == action
