@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from trainer_runtime.checkpoint.layout import parse_step
 from trainer_runtime.protocol import TerminationMessage
 
-__all__ = ["ResumedFrom", "fallback_message", "resumed_from"]
+__all__ = ["ResumedFrom", "fallback_message", "reported_checkpoint_step", "resumed_from"]
 
 
 @dataclass(frozen=True)
@@ -50,3 +51,11 @@ def fallback_message(
         f"runtime marked it (checkpoint-is-corrupt.txt) and fell back; steps {loaded.step}-"
         f"{asked_step} were trained again"
     )
+
+
+def reported_checkpoint_step(msg: TerminationMessage) -> int:
+    """The step of the checkpoint a termination message names: from its directory name
+    (``checkpoint-N``). ``msg.step`` is the step the process reached, which is newer than its
+    newest complete checkpoint when it stopped without a JIT save (a failure, a peer gone)."""
+    step = parse_step(msg.checkpoint or "")
+    return msg.step if step is None else step

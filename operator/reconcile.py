@@ -31,7 +31,11 @@ from pydantic import ValidationError
 from preemptible_operator import conditions as cond
 from preemptible_operator import metrics, models, render
 from preemptible_operator.accounting import attempt_end_step, attempt_lost_steps
-from preemptible_operator.attempts import fallback_message, resumed_from
+from preemptible_operator.attempts import (
+    fallback_message,
+    reported_checkpoint_step,
+    resumed_from,
+)
 from preemptible_operator.budget import spread_interval
 from preemptible_operator.checkpoint_store import CheckpointView, PathMap, StorageReads
 from preemptible_operator.children import (
@@ -1097,9 +1101,10 @@ class Reconciler:
         for msg in sorted(messages, key=lambda m: m.step):
             if msg.checkpoint and msg.complete:
                 current = status.last_complete_checkpoint
-                if current is None or msg.step > current.step:
+                step = reported_checkpoint_step(msg)
+                if current is None or step > current.step:
                     status.last_complete_checkpoint = models.CheckpointRef(
-                        step=msg.step,
+                        step=step,
                         path=_pod_checkpoint_path(spec, msg.checkpoint),
                         completed_at=now,
                         save_seconds=msg.save_seconds.last,

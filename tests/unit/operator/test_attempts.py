@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from preemptible_operator.attempts import ResumedFrom, fallback_message, resumed_from
+from preemptible_operator.attempts import (
+    ResumedFrom,
+    fallback_message,
+    reported_checkpoint_step,
+    resumed_from,
+)
 from trainer_runtime.protocol import TerminationMessage
 
 
@@ -48,3 +53,18 @@ def test_fallback_message(
     assert (text is not None) is warns
     if text is not None and loaded is not None:
         assert "attempt 3" in text and loaded.path in text and f"step {asked_step}" in text
+
+
+@pytest.mark.parametrize(
+    ("step", "checkpoint", "expected"),
+    [
+        (5, "/c/run/checkpoint-5", 5),  # a JIT save at the step reached
+        # a peer gone at step 7: the newest complete checkpoint it holds is 5, not 7
+        (7, "/c/run/checkpoint-5", 5),
+        (7, "s3://bucket/run/checkpoint-5/", 5),
+        (7, "/c/run/odd-name", 7),  # not our layout: the message's step
+    ],
+)
+def test_reported_checkpoint_step(step: int, checkpoint: str, expected: int) -> None:
+    msg = TerminationMessage(reason="failed", step=step, checkpoint=checkpoint, complete=True)
+    assert reported_checkpoint_step(msg) == expected
