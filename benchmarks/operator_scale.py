@@ -20,12 +20,19 @@ operator process (``preemptible-operator run``, default settings, admin credenti
     max), and the segments in between: the exit in the pod's status (the node agent), the
     attempt recorded in the TrainingJob's status (the operator), the next Job; and, off that
     path, the old Job's deletion.
+(f) finished: F TrainingJobs whose one pod exits 0 at once (``--finished``), created after (a)
+    and waited for until Succeeded: their Jobs and pods stay, as users' finished jobs do.
+(i) idle: after (a) and (f), with nothing changing, the operator's CPU (cores, and per 1,000
+    TrainingJobs) and RSS over ``--idle-window`` seconds (0: skip).
+
+The operator's RSS at the end (every TrainingJob of every scenario still there) is printed
+last. Scale (issue 30): ``--queued 2700 --finished 300 --running 2000`` is the 5,000 mix.
 
 The node agent runs in a process of its own, so its pods' threads do not share an interpreter
 with the benchmark's watches, whose clocks are the measurement.
 
-    python -P benchmarks/operator_scale.py [--queued 1000 [--backlog]] [--running 500]
-        [--requeues 50]
+    python -P benchmarks/operator_scale.py [--queued 1000 [--backlog]] [--finished 0]
+        [--idle-window 60] [--running 500] [--requeues 50]
 
 The figures depend on the machine; docs/operator.md ("Operator at scale") records a run.
 """
@@ -237,6 +244,15 @@ def stub_spec(root: Path, control: Path) -> dict[str, Any]:
     }
 
 
+def finished_spec(root: Path) -> dict[str, Any]:
+    return {
+        "image": "preemptible:bench",
+        "command": ["true"],
+        "checkpoint": {"uri": str(root)},
+        "resourcesPerNode": {"requests": {"cpu": "10m", "memory": "16Mi"}},
+    }
+
+
 def create_all(
     client: kubernetes.client.ApiClient, namespace: str, bodies: list[dict[str, Any]]
 ) -> None:
@@ -436,6 +452,49 @@ def bench_queued(
     return out, op
 
 
+def bench_finished(cp: ControlPlane, op: Operator, n: int, root: Path) -> dict[str, float]:
+    """(f): ``n`` TrainingJobs whose pod exits 0 at once, until every one is Succeeded."""
+    ns = "bench-finished"
+    with cp.api_client() as client:
+        kubernetes.client.CoreV1Api(client).create_namespace({"metadata": {"name": ns}})
+        bodies = [training_job(f"f{i}", finished_spec(root / f"f{i}")) for i in range(n)]
+        t0, cpu0 = time.monotonic(), op.cpu_seconds()
+        create_all(client, ns, bodies)
+        eventually(
+            f"{n} TrainingJobs Succeeded",
+            lambda: count_ready(client, ns, {"Succeeded"})[0] >= n,
+            timeout=1800,
+            interval=2.0,
+        )
+        seconds = time.monotonic() - t0
+    rss, peak = op.rss_mb()
+    return {
+        "n": n,
+        "seconds": seconds,
+        "cpu_seconds": op.cpu_seconds() - cpu0,
+        "rss_mb": rss,
+        "peak_rss_mb": peak,
+    }
+
+
+def bench_idle(op: Operator, jobs: int, window: float) -> dict[str, float]:
+    """(i): the operator's CPU over ``window`` seconds while nothing changes (``jobs``
+    TrainingJobs queued or finished): what its timers and wake-ups cost."""
+    time.sleep(20)  # the last passes and events settle
+    c0, t0 = op.cpu_seconds(), time.monotonic()
+    time.sleep(window)
+    cores = (op.cpu_seconds() - c0) / (time.monotonic() - t0)
+    rss, peak = op.rss_mb()
+    return {
+        "jobs": jobs,
+        "window_seconds": window,
+        "cpu_cores": round(cores, 4),
+        "cpu_cores_per_1000_jobs": round(cores * 1000 / max(1, jobs), 4),
+        "rss_mb": rss,
+        "peak_rss_mb": peak,
+    }
+
+
 def bench_running(
     cp: ControlPlane, op: Operator, n: int, root: Path, control: Path, window: float
 ) -> dict[str, float]:
@@ -605,6 +664,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="(a): create the TrainingJobs first, then start the operator",
     )
+    parser.add_argument(
+        "--finished", type=int, default=0, help="(f) TrainingJobs that succeed at once (0: skip)"
+    )
+    parser.add_argument(
+        "--idle-window",
+        type=float,
+        default=60.0,
+        help="(i) seconds of operator CPU with the queued and finished jobs idle (0: skip)",
+    )
     parser.add_argument("--running", type=int, default=500, help="(b) running stub jobs (0: skip)")
     parser.add_argument("--requeues", type=int, default=50, help="(c) stubs that exit 75")
     parser.add_argument("--requeue-spacing", type=float, default=0.5, help="seconds between exits")
@@ -636,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.queued:
             kueue = Kueue(cp, quota_cpu="0", quota_memory="0")
             kueue.start()
-        pods = str(max(110, args.running // args.nodes + 10))
+        pods = str(max(110, (args.running + args.finished) // args.nodes + 10))
         agent = AgentProcess(
             cp,
             workdir / "node-agent",
@@ -661,6 +729,20 @@ def main(argv: list[str] | None = None) -> int:
                 cp, kueue, op, args.queued, root, cp.kubeconfig, args.operator_arg
             )
             _say(f"    {json.dumps(results['queued'])}")
+        if op is None:
+            op = Operator(cp.kubeconfig, workdir / "operator.log", args.operator_arg)
+            time.sleep(5)
+        if args.finished:
+            _say(f"(f) {args.finished} TrainingJobs that succeed at once ...")
+            results["finished"] = bench_finished(cp, op, args.finished, root)
+            _say(f"    {json.dumps(results['finished'])}")
+        if args.idle_window and (args.queued or args.finished):
+            idle = args.queued + args.finished
+            _say(
+                f"(i) operator CPU with {idle} idle TrainingJobs over {args.idle_window:.0f} s ..."
+            )
+            results["idle"] = bench_idle(op, idle, args.idle_window)
+            _say(f"    {json.dumps(results['idle'])}")
         if args.running:
             _say(f"(b) {args.running} running stub jobs ...")
             results["running"] = bench_running(cp, op, args.running, root, control, args.window)
@@ -672,7 +754,12 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 _say(f"    {json.dumps(results['requeue'])}")
         rss, peak = op.rss_mb()
-        results["operator"] = {"rss_mb": rss, "peak_rss_mb": peak, "cpu_seconds": op.cpu_seconds()}
+        results["operator"] = {
+            "training_jobs": args.queued + args.finished + args.running,
+            "rss_mb": rss,
+            "peak_rss_mb": peak,
+            "cpu_seconds": op.cpu_seconds(),
+        }
     finally:
         if op is not None:
             op.stop()

@@ -10,7 +10,7 @@ every job's period grows so that all of them together stay within the budget.
 
 from __future__ import annotations
 
-__all__ = ["spread_interval"]
+__all__ = ["periodic_delay", "spread_interval"]
 
 
 def spread_interval(base: float, jobs: int, per_second: float) -> float:
@@ -19,3 +19,17 @@ def spread_interval(base: float, jobs: int, per_second: float) -> float:
     if per_second <= 0 or jobs <= 0:
         return base
     return max(base, jobs / per_second)
+
+
+def periodic_delay(phase: str | None, busy: bool, poll: float, idle_resync: float) -> float | None:
+    """Seconds until a job's next periodic pass after a pass that asked for none (None: no
+    timer at all; watch events wake it). ``busy``: its attempt's pods exist, so time itself
+    matters (scraping rank 0, pods on a node that may be lost): ``poll``. Queued: nothing
+    changes but by events the operator watches (Kueue's admission unsuspends the Job; an
+    eviction or a deactivation changes the Workload), and thousands of jobs may wait in a
+    queue, so no timer. Else a safety-net pass every ``idle_resync`` seconds."""
+    if busy:
+        return poll
+    if phase == "Queued":
+        return None
+    return idle_resync

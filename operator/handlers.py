@@ -20,7 +20,7 @@ from typing import Any
 import kopf
 import kubernetes
 
-from preemptible_operator import models, render
+from preemptible_operator import metrics, models, projection, render
 from preemptible_operator.reconcile import (
     KUEUE_GROUP,
     KUEUE_JOB_UID_LABEL,
@@ -49,6 +49,10 @@ _released: set[str] = set()
 
 FINALIZER = "preemptible.dev/operator"
 ERROR_BACKOFF_MAX = 60.0
+SERIES_AFTER_FINISH_SECONDS = 600.0
+"""A finished TrainingJob's per-job metric series are removed this long after its last pass
+(at once when it is deleted): an operator that ran thousands of jobs exports series only for
+those that run, yet every scrape interval sees a finished job's last values."""
 FINALIZER_WAIT_STEPS = 400
 """At most 20 s (steps of 50 ms) for kopf's finalizer before the first pass: after a restart
 with a backlog, kopf patches hundreds of objects first."""
@@ -105,26 +109,8 @@ class _NoDiffBase(kopf.DiffBaseStorage):
         return None
 
 
-# What a pass reads of a child's spec; the rest (a Job's pod template, a pod's containers)
-# would only take memory and copying time in the watch caches.
-_CHILD_SPEC_KEYS = {
-    "jobs": ("suspend", "completions", "parallelism"),
-    "pods": ("nodeName", "terminationGracePeriodSeconds"),
-}
-
-
-def _slim(body: Any, kind: str) -> dict[str, Any]:
-    """A JSON-shaped copy of a child for the caches: metadata (without managedFields), the
-    status and the spec fields in ``_CHILD_SPEC_KEYS``."""
-    meta = {k: v for k, v in (body.get("metadata") or {}).items() if k != "managedFields"}
-    spec = body.get("spec") or {}
-    return {
-        "apiVersion": body.get("apiVersion"),
-        "kind": body.get("kind"),
-        "metadata": copy.deepcopy(meta),
-        "spec": {k: copy.deepcopy(spec[k]) for k in _CHILD_SPEC_KEYS[kind] if k in spec},
-        "status": copy.deepcopy(dict(body.get("status") or {})),
-    }
+def _attempt_workload(body: kopf.Body, **_: Any) -> bool:
+    return projection.attempt_workload(body)
 
 
 def _has_finalizer(body: Any) -> bool:
@@ -177,11 +163,11 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
     # event loop's thread (a set from another thread may go unnoticed until the next timer).
     @kopf.index("batch", "v1", "jobs", registry=registry, id="tj_jobs", **selector)
     async def tj_jobs(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> Any:
-        return {(namespace, labels[render.LABEL_TRAINING_JOB]): _slim(body, "jobs")}
+        return {(namespace, labels[render.LABEL_TRAINING_JOB]): projection.project(body, "jobs")}
 
     @kopf.index("", "v1", "pods", registry=registry, id="tj_pods", **selector)
     async def tj_pods(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> Any:
-        return {(namespace, labels[render.LABEL_TRAINING_JOB]): _slim(body, "pods")}
+        return {(namespace, labels[render.LABEL_TRAINING_JOB]): projection.project(body, "pods")}
 
     if _state["config"].kueue:
 
@@ -190,12 +176,27 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
             "workloads",
             registry=registry,
             labels={KUEUE_JOB_UID_LABEL: kopf.PRESENT},
+            # Only Workloads of attempt Jobs, and only what a pass reads of them: a whole
+            # Workload carries a pod template per pod set.
+            when=_attempt_workload,
             id="tj_workloads",
         )
         async def tj_workloads(
             namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any
         ) -> Any:
-            return {(namespace, labels[KUEUE_JOB_UID_LABEL]): _plain(body)}
+            return {(namespace, labels[KUEUE_JOB_UID_LABEL]): projection.project(body, "workloads")}
+
+        @kopf.on.event(
+            KUEUE_GROUP,
+            "workloads",
+            registry=registry,
+            labels={KUEUE_JOB_UID_LABEL: kopf.PRESENT},
+            when=_attempt_workload,
+        )
+        async def _workload_event(namespace: str, body: kopf.Body, **_: Any) -> None:
+            # A queued job has no timer (budget.periodic_delay): an eviction or a deactivation
+            # of its Workload wakes it.
+            _wake(namespace, projection.training_job_of(body))
 
     @kopf.daemon(
         models.GROUP,
@@ -248,7 +249,9 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
                     delay = result.requeue_after
                     failures = 0
                     if result.done:
-                        return  # terminal: no more passes (a restart re-checks it once)
+                        # Terminal: no more passes (a restart re-checks it once).
+                        forget_series_later(namespace, name)
+                        return
                 except Exception:
                     failures += 1
                     delay = min(ERROR_BACKOFF_MAX, 2.0**failures)
@@ -338,14 +341,31 @@ async def _run_pass(
 
 
 async def _sleep(wake: asyncio.Event, stopped: Any, delay: float | None) -> None:
-    """Wait for a wake-up, the requeue delay, or the daemon being stopped, whichever first."""
-    loop = asyncio.get_running_loop()
-    deadline = None if delay is None else loop.time() + delay
-    while not stopped and not wake.is_set():
-        remaining = 1.0 if deadline is None else min(1.0, deadline - loop.time())
-        if remaining <= 0:
-            return
-        try:
-            await asyncio.wait_for(wake.wait(), timeout=remaining)
-        except TimeoutError:
-            continue
+    """Wait for a wake-up, the requeue delay, or the daemon being stopped, whichever first.
+    Nothing fires in between: a sleeping daemon costs no CPU, whatever the number of jobs
+    (one that looked at ``stopped`` every second cost 0.15 core at 5,000 idle jobs)."""
+    if stopped or wake.is_set() or (delay is not None and delay <= 0):
+        return
+    waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(wake.wait())]
+    stop_wait = getattr(stopped, "wait", None)
+    if stop_wait is not None:  # kopf's async stopper: an awaitable that ends when it is set
+        waits.append(asyncio.ensure_future(stop_wait()))
+    try:
+        await asyncio.wait(waits, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiting in waits:
+            waiting.cancel()
+
+
+def forget_series_later(namespace: str, name: str, delay: float | None = None) -> None:
+    """Remove a finished TrainingJob's per-job metric series ``delay`` seconds from now
+    (``SERIES_AFTER_FINISH_SECONDS`` by default), so that scrapes see its last values first;
+    not when a TrainingJob of that name runs again by then (its daemon owns the series)."""
+    key = (namespace, name)
+
+    def forget() -> None:
+        if key not in _wakeups:
+            metrics.forget_job(namespace, name)
+
+    wait = SERIES_AFTER_FINISH_SECONDS if delay is None else delay
+    asyncio.get_running_loop().call_later(wait, forget)

@@ -36,7 +36,7 @@ from preemptible_operator.attempts import (
     reported_checkpoint_step,
     resumed_from,
 )
-from preemptible_operator.budget import spread_interval
+from preemptible_operator.budget import periodic_delay, spread_interval
 from preemptible_operator.checkpoint_store import CheckpointView, PathMap, StorageReads
 from preemptible_operator.children import (
     Refusal,
@@ -396,6 +396,9 @@ class Reconciler:
             return self._get_tj(namespace, name)
         with self._lock:
             written = self._written.get((namespace, name))
+            if written is not None and obj["metadata"].get("resourceVersion") not in written[0]:
+                # The cache has our write (or newer): the copy is not needed any more.
+                del self._written[(namespace, name)]
         if written is not None and obj["metadata"].get("resourceVersion") in written[0]:
             return written[1]  # the cache still holds the version our last write replaced
         return obj
@@ -859,13 +862,17 @@ class Reconciler:
                 else:
                     self._polled.discard(key)
             poll = self.periodic_intervals()[0]
-            result.requeue_after = jittered(poll if busy else self.config.idle_resync)
+            delay = periodic_delay(new_phase, busy, poll, self.config.idle_resync)
+            result.requeue_after = None if delay is None else jittered(delay)
         else:
             with self._lock:
                 self._polled.discard(key)
-        if not terminal and deadline_left is not None and result.requeue_after is not None:
-            # Wake at activeDeadlineSeconds even when nothing else happens (a job stuck Pending).
-            result.requeue_after = min(result.requeue_after, max(0.5, deadline_left + 0.5))
+        if not terminal and deadline_left is not None:
+            # Wake at activeDeadlineSeconds even when nothing else happens (a job stuck Pending,
+            # a queued one with no timer of its own).
+            at_deadline = max(0.5, deadline_left + 0.5)
+            due = result.requeue_after
+            result.requeue_after = at_deadline if due is None else min(due, at_deadline)
         return result
 
     def periodic_intervals(self) -> tuple[float, float]:
@@ -1696,6 +1703,7 @@ class Reconciler:
             superseded = (meta["resourceVersion"], fresh["metadata"]["resourceVersion"])
         else:
             superseded = (meta["resourceVersion"],)
+        (written.get("metadata") or {}).pop("managedFields", None)  # held until the cache has it
         with self._lock:
             self._written[(meta["namespace"], meta["name"])] = (superseded, written)
         return True

@@ -6,7 +6,7 @@ import kubernetes
 import pytest
 
 from preemptible_operator import metrics
-from preemptible_operator.budget import spread_interval
+from preemptible_operator.budget import periodic_delay, spread_interval
 from preemptible_operator.reconcile import OperatorConfig, Reconciler
 
 
@@ -50,3 +50,19 @@ def test_the_reconciler_shares_the_budget_among_polled_jobs(
     assert metrics.POLL_INTERVAL_SECONDS._value.get() == pytest.approx(expected[0])
     r.forget("ns", "j0")
     assert len(r._polled) == polled - 1
+
+
+@pytest.mark.parametrize(
+    ("phase", "busy", "expected"),
+    [
+        ("Running", True, 5.0),  # scrapes, pods on a node that may be lost
+        ("Checkpointing", True, 5.0),
+        ("Pending", True, 5.0),  # pods exist: one may sit on a lost node
+        ("Queued", False, None),  # Kueue's admission and evictions come as watch events
+        ("Pending", False, 300.0),  # the safety net
+        ("Suspended", False, 300.0),
+        (None, False, 300.0),
+    ],
+)
+def test_periodic_delay(phase: str | None, busy: bool, expected: float | None) -> None:
+    assert periodic_delay(phase, busy, 5.0, 300.0) == expected
