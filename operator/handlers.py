@@ -44,6 +44,8 @@ _state: dict[str, Any] = {
 _wakeups: dict[tuple[str, str], asyncio.Event] = {}
 _uids: dict[tuple[str, str], str] = {}
 _generations: dict[tuple[str, str], tuple[Any, Any]] = {}
+_workload_seen: dict[str, tuple[Any, ...]] = {}
+"""Workload uid -> what of it a pass reads (projection.workload_essence), last seen."""
 _released: set[str] = set()
 """uids of TrainingJobs being deleted whose pods were released."""
 
@@ -193,10 +195,18 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
             labels={KUEUE_JOB_UID_LABEL: kopf.PRESENT},
             when=_attempt_workload,
         )
-        async def _workload_event(namespace: str, body: kopf.Body, **_: Any) -> None:
+        async def _workload_event(
+            type: str | None, namespace: str, uid: str, body: kopf.Body, **_: Any
+        ) -> None:
             # A queued job has no timer (budget.periodic_delay): an eviction or a deactivation
-            # of its Workload wakes it.
-            _wake(namespace, projection.training_job_of(body))
+            # of its Workload wakes it; Kueue's rewrites of a pending Workload's messages do not.
+            if type == "DELETED":
+                _workload_seen.pop(uid, None)
+                return
+            essence = projection.workload_essence(body)
+            if _workload_seen.get(uid) != essence:
+                _workload_seen[uid] = essence
+                _wake(namespace, projection.training_job_of(body))
 
     @kopf.daemon(
         models.GROUP,

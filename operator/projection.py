@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["KINDS", "attempt_workload", "project", "training_job_of"]
+__all__ = ["KINDS", "attempt_workload", "project", "training_job_of", "workload_essence"]
 
 _SPEC_KEYS: dict[str, tuple[str, ...]] = {
     "jobs": ("suspend", "completions", "parallelism"),
@@ -70,3 +70,16 @@ def training_job_of(body: Mapping[str, Any]) -> str | None:
         ):
             return name.rpartition("-a")[0]
     return None
+
+
+def workload_essence(body: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What of a Workload can change a pass's decision: its conditions' type, status and reason,
+    ``spec.active`` and its annotations (the operator's deactivation mark). Kueue rewrites the
+    messages of thousands of pending Workloads (their position in the queue) again and again;
+    such an update must not wake a pass of every queued job."""
+    conditions = ((body.get("status") or {}).get("conditions")) or []
+    return (
+        tuple(sorted((c.get("type"), c.get("status"), c.get("reason")) for c in conditions)),
+        (body.get("spec") or {}).get("active"),
+        tuple(sorted(((body.get("metadata") or {}).get("annotations") or {}).items())),
+    )

@@ -401,3 +401,38 @@ def test_a_workload_event_wakes_the_training_job_of_its_job(
 ) -> None:
     ref = {"apiVersion": "batch/v1", "kind": "Job", "name": owner}
     assert projection.training_job_of({"metadata": {"ownerReferences": [ref]}}) == training_job
+
+
+def _pending(message: str, **extra: Any) -> dict[str, Any]:
+    body = {
+        "metadata": {"name": "w", "annotations": {}},
+        "spec": {"active": True},
+        "status": {"conditions": [_cond("QuotaReserved", "False", "Pending", message)]},
+    }
+    body.update(extra)
+    return body
+
+
+@pytest.mark.parametrize(
+    ("after", "wakes"),
+    [
+        (_pending("position 7 in the queue"), False),  # Kueue rewrites the message
+        (_pending("position 3", spec={"active": False}), True),  # deactivated
+        (
+            _pending(
+                "x",
+                status={"conditions": [_cond("QuotaReserved"), _cond("Admitted")]},
+            ),
+            True,
+        ),
+        (
+            _pending("x", metadata={"name": "w", "annotations": {"a": "b"}}),
+            True,
+        ),
+    ],
+)
+def test_only_a_change_a_pass_reads_of_a_workload_wakes_its_job(
+    after: dict[str, Any], wakes: bool
+) -> None:
+    before = projection.workload_essence(_pending("position 8 in the queue"))
+    assert (projection.workload_essence(after) != before) is wakes
