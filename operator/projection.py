@@ -73,13 +73,18 @@ def training_job_of(body: Mapping[str, Any]) -> str | None:
 
 
 def workload_essence(body: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What of a Workload can change a pass's decision: its conditions' type, status and reason,
-    ``spec.active`` and its annotations (the operator's deactivation mark). Kueue rewrites the
-    messages of thousands of pending Workloads (their position in the queue) again and again;
-    such an update must not wake a pass of every queued job."""
+    """What of a Workload can change a pass's decision: the type and reason of its conditions
+    that are True (``classify.workload_condition`` reads only those), ``spec.active`` and its
+    annotations (the operator's deactivation mark). Kueue adds and rewrites False conditions
+    of thousands of pending Workloads (QuotaReserved with the queue's state, PodsReady) in
+    waves; such an update must not wake a pass of every queued job."""
     conditions = ((body.get("status") or {}).get("conditions")) or []
     return (
-        tuple(sorted((c.get("type"), c.get("status"), c.get("reason")) for c in conditions)),
+        tuple(
+            sorted(
+                (c.get("type"), c.get("reason")) for c in conditions if c.get("status") == "True"
+            )
+        ),
         (body.get("spec") or {}).get("active"),
         tuple(sorted(((body.get("metadata") or {}).get("annotations") or {}).items())),
     )

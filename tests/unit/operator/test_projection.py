@@ -417,6 +417,18 @@ def _pending(message: str, **extra: Any) -> dict[str, Any]:
     ("after", "wakes"),
     [
         (_pending("position 7 in the queue"), False),  # Kueue rewrites the message
+        (  # Kueue's first look adds a False condition
+            _pending(
+                "x",
+                status={
+                    "conditions": [
+                        _cond("QuotaReserved", "False", "Pending", "x"),
+                        _cond("PodsReady", "False", "WaitForStart"),
+                    ]
+                },
+            ),
+            False,
+        ),
         (_pending("position 3", spec={"active": False}), True),  # deactivated
         (
             _pending(
