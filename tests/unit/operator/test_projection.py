@@ -448,3 +448,18 @@ def test_only_a_change_a_pass_reads_of_a_workload_wakes_its_job(
 ) -> None:
     before = projection.workload_essence(_pending("position 8 in the queue"))
     assert (projection.workload_essence(after) != before) is wakes
+
+
+def test_a_queued_job_has_no_timer_but_its_active_deadline(tmp_path: Path) -> None:
+    """Queued: Kueue's admission and evictions arrive as watch events (budget.periodic_delay),
+    so no periodic pass; with activeDeadlineSeconds a pass is still due at the deadline."""
+    _, cached, node_ready = scenario("kueue-queued", tmp_path)
+    rec = Recording(node_ready)
+    assert rec.reconcile("ns", "tj", copy.deepcopy(cached)).requeue_after is None
+    tj = copy.deepcopy(cached.obj)
+    assert tj is not None
+    tj["spec"]["activeDeadlineSeconds"] = 3600
+    tj["status"]["startTime"] = "2026-01-01T00:00:00Z"
+    with_deadline = Cached(obj=tj, jobs=cached.jobs, pods=cached.pods, workloads=cached.workloads)
+    due = Recording(node_ready).reconcile("ns", "tj", with_deadline).requeue_after
+    assert due is not None and 0 < due <= 3600
