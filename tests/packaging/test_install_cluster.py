@@ -126,6 +126,7 @@ def test_plain_install_is_one_apply(
         ("watch", "trainingjobs.preemptible.dev", True),
         ("patch", "trainingjobs.preemptible.dev", True),
         ("update", "trainingjobs.preemptible.dev/status", True),
+        ("delete", "trainingjobs.preemptible.dev", True),  # spec.ttlSecondsAfterFinished
         ("create", "jobs.batch", True),
         ("delete", "jobs.batch", True),
         ("create", "services", True),
@@ -140,7 +141,6 @@ def test_plain_install_is_one_apply(
         ("list", "configmaps", False),
         ("create", "pods", False),
         ("create", "pods/eviction", False),
-        ("delete", "trainingjobs.preemptible.dev", False),
         ("create", "trainingjobs.preemptible.dev", False),
         ("update", "jobs.batch", False),
         ("delete", "services", False),

@@ -135,6 +135,12 @@ def exit_process(code: int) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         sys.exit(code)
     atexit._run_exitfuncs()  # the process group's destroy and every other library's handlers
+    # A process group we did not create (a stock transformers script: accelerate made it) has
+    # no destroy registered; gloo's threads must still end before the process does.
+    try:
+        _destroy_process_group()
+    except Exception as exc:  # exiting anyway: the code is what matters
+        print(f"destroying the process group at exit: {exc!r}", file=sys.stderr)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

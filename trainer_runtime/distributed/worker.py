@@ -129,7 +129,17 @@ def guard_process_group() -> None:
 
 
 def run_python_command(args: Sequence[str], usage: str = USAGE) -> None:
-    """Run ``-m module args`` or ``script.py args`` as ``python`` would run it."""
+    """Run ``-m module args`` or ``script.py args`` as ``python`` would run it, then exit the
+    process with the script's code. In a distributed run the exit destroys the process group
+    and skips the interpreter's teardown (:func:`~trainer_runtime.distributed.collectives.
+    run_and_exit`): left to teardown, a finished gloo run sometimes aborts (exit -6) and torchrun
+    reports a completed run as failed."""
+    from trainer_runtime.distributed import collectives  # torch: only once a run starts
+
+    collectives.run_and_exit(lambda: _run_python_command(args, usage))
+
+
+def _run_python_command(args: Sequence[str], usage: str) -> None:
     args = list(args)
     if args and args[0] == "--":
         args = args[1:]

@@ -83,3 +83,56 @@ def test_two_gloo_ranks_exit_with_the_code_and_flushed_output(tmp_path: Path) ->
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 75, out
         assert "trained" in out and "atexit ran" in out, out
+
+
+# A stock script: it makes its own process group (as accelerate does for transformers' Trainer)
+# and never destroys it. The wrapper must, before the process ends, whatever the script returns.
+STOCK_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import torch.distributed as dist
+
+    _destroy = dist.destroy_process_group
+
+    def _traced(*args, **kwargs):
+        print("process group destroyed", flush=True)
+        return _destroy(*args, **kwargs)
+
+    dist.destroy_process_group = _traced
+    dist.init_process_group("gloo")
+    dist.all_reduce(torch.ones(4))
+    print("trained", end="")
+    if sys.argv[1] != "0":
+        sys.exit(int(sys.argv[1]))
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("entry", "code"), [("trainer_runtime.hf.run", 0), ("trainer_runtime.distributed.worker", 3)]
+)
+def test_a_stock_scripts_process_group_is_destroyed_before_exit(
+    tmp_path: Path, entry: str, code: int
+) -> None:
+    script = tmp_path / "stock.py"
+    script.write_text(STOCK_SCRIPT)
+    port = _port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", entry, str(script), str(code)],
+                cwd=tmp_path,  # not the repository root: its operator/ shadows the stdlib's
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    for proc in procs:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == code, out
+        assert "trained" in out and "process group destroyed" in out, out
