@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=100,
         metavar="N",
         help="top of the boost band [0, N] (N: protected by spec.preemption.minRunSeconds); "
-        "keep it below the smallest gap between the queue's WorkloadPriorityClass values",
+        "lowered per Workload to stay below the next higher priority class value",
     )
     run.add_argument("--log-format", choices=("json", "text"), default="json")
     run.add_argument("--verbose", "-v", action="store_true", help="debug logging")

@@ -20,7 +20,7 @@ __all__ = ["KINDS", "attempt_workload", "project", "training_job_of", "workload_
 _SPEC_KEYS: dict[str, tuple[str, ...]] = {
     "jobs": ("suspend", "completions", "parallelism"),
     "pods": ("nodeName", "terminationGracePeriodSeconds"),
-    "workloads": ("active",),
+    "workloads": ("active", "priority"),  # priority: the boost band (victims.band_top)
 }
 _STATUS_KEYS: dict[str, tuple[str, ...] | None] = {
     "jobs": None,  # all of it: conditions, counts, times (small)

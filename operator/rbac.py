@@ -97,6 +97,10 @@ CLUSTER_RULES: list[dict[str, Any]] = [
         "resources": ["customresourcedefinitions"],
         "verbs": ["list", "watch"],
     },
+    # Priority class values bound the checkpoint-aware priority boost (priority_classes.py):
+    # a boost never lifts a Workload level with the next higher class.
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloadpriorityclasses"], "verbs": ["list"]},
+    {"apiGroups": ["scheduling.k8s.io"], "resources": ["priorityclasses"], "verbs": ["list"]},
 ]
 
 

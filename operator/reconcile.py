@@ -80,12 +80,14 @@ from preemptible_operator.phases import (
     next_phase,
     ttl_remaining,
 )
+from preemptible_operator.priority_classes import PriorityClassValues
 from preemptible_operator.resume import attempt_fence, resume_checkpoint
 from preemptible_operator.scrape import RuntimeMetrics, scrape
 from preemptible_operator.timestamps import now_rfc3339, parse_rfc3339
 from preemptible_operator.unreachable import stuck_on_unreachable_nodes
 from preemptible_operator.victims import (
     BOOST_ANNOTATION,
+    band_top,
     should_write_boost,
     victim_boost,
     victim_inputs,
@@ -248,6 +250,9 @@ class Reconciler:
         self._storage = StorageReads()
         # (namespace, name) -> (Workload uid, monotonic time) of the last priority-boost write.
         self._boosted: dict[tuple[str, str], tuple[str, float]] = {}
+        self._class_values = PriorityClassValues(api_client)
+        # (priority, configured, band top) already warned about: one line per class, not per pass.
+        self._narrowed: set[tuple[int, int, int]] = set()
 
     # ------------------------------------------------------------------------------ reading
     @staticmethod
@@ -1560,7 +1565,17 @@ class Reconciler:
         inputs = victim_inputs(status, spec, record, self.clock())
         if inputs is None:
             return
-        boost, cost = victim_boost(inputs, self.config.priority_boost_max)
+        priority = (workload.get("spec") or {}).get("priority")
+        configured = self.config.priority_boost_max
+        top = band_top(priority, self._class_values.values(version), configured)
+        if top < configured and (priority or 0, configured, top) not in self._narrowed:
+            self._narrowed.add((priority or 0, configured, top))
+            log.warning(
+                "priority boost band for priority %s narrowed from %d to %d: the next higher "
+                "priority class is %d above (a larger boost would lift the job level with it)",
+                priority or 0, configured, top, top + 1,
+            )  # fmt: skip
+        boost, cost = victim_boost(inputs, top)
         meta = workload["metadata"]
         key = (meta["namespace"], obs.obj["metadata"]["name"])
         with self._lock:

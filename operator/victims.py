@@ -23,14 +23,16 @@ plus the kill wait. Cheapest victims get the lowest boost, so Kueue preempts the
 
 The boost is never negative: a pending Workload (boost 0) of the same priority class can then
 never become "higher" than a running one, so the boost never lets a job preempt its own class
-under ``withinClusterQueue: LowerPriority``. The band's ``maximum`` must stay below the smallest
-gap between the WorkloadPriorityClass values of the queue (documented in docs/operator.md), so
-the boost never lifts a job into another class.
+under ``withinClusterQueue: LowerPriority``. The band's ``maximum`` stays below the next higher
+class: :func:`band_top` lowers it, per Workload, to one less than the distance from the
+Workload's priority to the closest higher value among the cluster's WorkloadPriorityClasses and
+PriorityClasses, so the boost never lifts a job into (or level with) another class.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from preemptible_operator.models import AttemptRecord, TrainingJobSpec, TrainingJobStatus
@@ -43,6 +45,7 @@ __all__ = [
     "SATURATION_SECONDS",
     "PreemptionCost",
     "VictimInputs",
+    "band_top",
     "boost_for_cost",
     "preemption_cost",
     "should_write_boost",
@@ -160,9 +163,25 @@ def boost_for_cost(
     return min(top, math.floor(scaled))
 
 
+def band_top(priority: int | None, class_values: Iterable[int] | None, configured: int) -> int:
+    """The top of the boost band for a Workload of ``priority``: ``configured``
+    (--priority-boost-max), lowered where a class above is closer, so that priority + boost stays
+    strictly below the next higher class value (a tie would already stop that class from
+    preempting the job). 0 when the next class is one above: no room for a boost.
+    ``class_values`` None (the classes could not be read): ``configured``."""
+    own = priority or 0
+    above = [v for v in class_values or () if v > own]
+    if not above:
+        return max(0, configured)
+    return max(0, min(configured, min(above) - own - 1))
+
+
 def victim_boost(inp: VictimInputs, maximum: int) -> tuple[int, PreemptionCost]:
-    """The boost to keep on the attempt's Workload, and the cost it stands for."""
+    """The boost to keep on the attempt's Workload, and the cost it stands for (0 when the band
+    is empty: ``maximum`` 0)."""
     cost = preemption_cost(inp)
+    if maximum < 1:
+        return 0, cost
     if cost.protected:
         return maximum, cost
     return boost_for_cost(cost.seconds, maximum), cost

@@ -46,12 +46,13 @@ def boosting_operator(
     tmp_path: Path,
     request: pytest.FixtureRequest,
 ) -> Iterator[OperatorProcess]:
+    band = getattr(request, "param", BAND)
     op = OperatorProcess(
         control_plane.kubeconfig,
         kueue_namespace,
         checkpoint_root,
         tmp_path / "operator.log",
-        extra=("--priority-boost", "--priority-boost-max", str(BAND)),
+        extra=("--priority-boost", "--priority-boost-max", str(band)),
         metrics_port=free_port(),
     )
     op.start()
@@ -209,3 +210,57 @@ def test_min_run_seconds_protects_a_job_inside_its_window(
         workload = kueue.workload_for_job(tj.ns, job.metadata.uid) or {}
         annotations = workload.get("metadata", {}).get("annotations") or {}
         assert BOOST_ANNOTATION not in annotations, (job.metadata.name, annotations)
+
+
+WIDE = 5000  # wider than the gap between low (100) and high (1000)
+
+
+@pytest.mark.parametrize("boosting_operator", [WIDE], indirect=True)
+def test_a_band_wider_than_the_class_gap_never_lifts_a_job_level_with_a_higher_class(
+    control_plane: ControlPlane,
+    node_agent: NodeAgent,
+    kueue: Kueue,
+    kueue_namespace: str,
+    tj: TJClient,
+    boosting_operator: OperatorProcess,
+    checkpoint_root: Path,
+) -> None:
+    """--priority-boost-max 5000 would put a protected low job (100 + 5000) above the high
+    class (1000) and Kueue would never preempt it; the operator narrows the band to 899."""
+    op = boosting_operator
+    body = toy_training_job(
+        "a",
+        checkpoint_root,
+        max_steps=5000,
+        step_sleep=0.5,
+        save_steps=1,
+        cpu="2",  # the whole quota: the high Job needs a preemption
+        grace=NOTICE,
+        queueName=kueue.local_queue,
+        priorityClass=kueue.low_priority,
+        preemption={"minRunSeconds": 600},
+    )
+    _start(tj, op, body, min_step=2)
+    top = kueue.priorities["high"] - kueue.priorities["low"] - 1
+    wait_for(
+        f"a protected at the narrowed top of the band ({top})",
+        lambda: _boost(kueue, tj, "a") == top,
+        timeout=60,
+        on_timeout=lambda: f"boost {_boost(kueue, tj, 'a')}\n" + op.tail(),
+    )
+    high = job_manifest(
+        "high",
+        [python_container("import time; time.sleep(5)", cpu="1")],
+        labels=kueue.job_labels(kueue.high_priority),
+        suspend=True,
+    )
+    kubernetes.client.BatchV1Api(control_plane.api_client()).create_namespaced_job(tj.ns, high)
+    wait_for(
+        "a preempted by the higher class despite its protection",
+        lambda: any(
+            r.get("reason") == "KueuePreempted" for r in tj.status("a").get("attempts") or []
+        ),
+        timeout=120,
+        on_timeout=lambda: tj.describe("a") + op.tail(),
+    )
+    assert "band for priority 100 narrowed from 5000 to 899" in op.log.read_text(errors="replace")

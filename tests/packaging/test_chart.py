@@ -114,8 +114,8 @@ def test_namespaced_mode(helm: str, tmp_path: Path) -> None:
         "team-b",
     ]
     assert _init_env(objects)["PEERING_NAMESPACES"] == "team-a team-b"
-    # Nothing namespaced is granted cluster-wide: the only ClusterRole reads CRDs, Nodes and
-    # Namespaces.
+    # Nothing namespaced is granted cluster-wide: the only ClusterRole reads CRDs, Nodes,
+    # priority classes and Namespaces.
     (cluster_role,) = [o for o in find_objects(objects, "ClusterRole") if not is_user_role(o)]
     assert cluster_role["rules"] == [
         {
@@ -124,6 +124,12 @@ def test_namespaced_mode(helm: str, tmp_path: Path) -> None:
             "verbs": ["list", "watch"],
         },
         {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
+        {"apiGroups": ["scheduling.k8s.io"], "resources": ["priorityclasses"], "verbs": ["list"]},
+        {
+            "apiGroups": ["kueue.x-k8s.io"],
+            "resources": ["workloadpriorityclasses"],
+            "verbs": ["list"],
+        },
         {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
     ]
     args = _operator_container(objects)["args"]

@@ -135,6 +135,8 @@ def test_plain_install_is_one_apply(
         ("patch", "workloads.kueue.x-k8s.io", True),
         ("patch", "clusterkopfpeerings.kopf.dev", True),
         ("get", "nodes", True),
+        ("list", "priorityclasses.scheduling.k8s.io", True),
+        ("list", "workloadpriorityclasses.kueue.x-k8s.io", True),
         ("watch", "customresourcedefinitions.apiextensions.k8s.io", True),
         # ... and nothing more.
         ("get", "secrets", False),
