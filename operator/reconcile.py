@@ -41,7 +41,6 @@ from preemptible_operator.checkpoint_store import CheckpointView, PathMap, Stora
 from preemptible_operator.children import (
     Refusal,
     api_message,
-    attempt_pods_finished,
     create_refusal,
     jobs_to_delete,
     pods_refused,
@@ -52,15 +51,20 @@ from preemptible_operator.classify import (
     DEACTIVATED_BY_OPERATOR_ANNOTATION,
     ContainerEnd,
     Interruption,
-    attempt_started,
-    classify_interruption,
     container_end,
     is_kueue_admitted,
     killed_at_grace,
-    pending_detail,
     pod_finished,
 )
 from preemptible_operator.conditions import Reason
+from preemptible_operator.decide import (
+    Snapshot,
+    find_record,
+    interruption_of,
+    phase_inputs,
+    running_pods,
+    starts_now,
+)
 from preemptible_operator.failure_policy import (
     counted_failures,
     decide_failure,
@@ -75,7 +79,6 @@ from preemptible_operator.phases import (
     PhaseInputs,
     backoff_seconds,
     bound_attempts,
-    deadline_remaining,
     estimate_progress,
     next_phase,
     ttl_remaining,
@@ -178,28 +181,8 @@ class Cached:
     """Kueue Workloads by the uid of the Job they stand for."""
 
 
-@dataclass
-class _Observed:
-    obj: dict[str, Any]
-    status: models.TrainingJobStatus
-    spec: models.TrainingJobSpec | None
-    invalid: str | None
-    jobs: dict[int, dict[str, Any]]
-    pods_by_attempt: dict[int, list[dict[str, Any]]]
-    attempt: int
-    job: dict[str, Any] | None
-    pods: list[dict[str, Any]]
-    workload: dict[str, Any] | None
-    workload_version: str | None
-    node_ready: dict[str, bool]
-    node_not_ready_since: dict[str, float] = field(default_factory=dict)
-    """When each NotReady node of the current attempt's pods went NotReady (its Ready
-    condition's lastTransitionTime), where the Node says."""
-    rejected: str | None = None
-    """Why the current spec was rejected (an invalid edit after the job ran); ``spec`` is then
-    the spec of the running attempt, or None."""
-    previous_pods: list[dict[str, Any]] = field(default_factory=list)
-    """Pods labelled with this name that belong to an earlier incarnation and still run."""
+_Observed = Snapshot
+"""The snapshot's former name (tests and callers that build one by hand)."""
 
 
 class Reconciler:
@@ -403,7 +386,18 @@ class Reconciler:
             return written[1]  # the cache still holds the version our last write replaced
         return obj
 
-    def _observe(self, namespace: str, name: str, cached: Cached | None = None) -> _Observed | None:
+    def _observe(
+        self,
+        namespace: str,
+        name: str,
+        cached: Cached | None = None,
+        *,
+        scrape_metrics: bool = False,
+    ) -> Snapshot | None:
+        """Read everything a pass decides on into one snapshot (None: the TrainingJob is gone).
+        ``scrape_metrics``: read rank 0's /metrics too (periodic passes only: one woken by a
+        watch event keeps the last scraped values, in the status, so a slow pod never delays
+        the handling of an event)."""
         obj = self._current_tj(namespace, name, cached)
         if obj is None:
             return None
@@ -449,7 +443,19 @@ class Reconciler:
                 for n, ok in node_ready.items()
                 if not ok and n in self._node_since
             }
-        return _Observed(
+        runtime_metrics: RuntimeMetrics | None = None
+        record = find_record(status, attempt)
+        recorded = record is not None and record.end_time is not None
+        if (
+            scrape_metrics
+            and self.config.scrape_metrics
+            and spec is not None
+            and attempt
+            and not recorded
+            and running_pods(current_pods)
+        ):
+            runtime_metrics = self._scrape_rank0(current_pods, spec)
+        return Snapshot(
             obj=obj,
             status=status,
             spec=spec,
@@ -465,6 +471,7 @@ class Reconciler:
             node_not_ready_since=not_ready_since,
             previous_pods=previous,
             rejected=rejected,
+            runtime_metrics=runtime_metrics,
         )
 
     # ------------------------------------------------------------------------------ the pass
@@ -490,7 +497,7 @@ class Reconciler:
     def _reconcile(
         self, namespace: str, name: str, cached: Cached | None, scrape_metrics: bool = True
     ) -> PassResult:
-        obs = self._observe(namespace, name, cached)
+        obs = self._observe(namespace, name, cached, scrape_metrics=scrape_metrics)
         if obs is None:
             return PassResult(done=True)
         self._annotate_node_notice(obs.pods)
@@ -502,7 +509,7 @@ class Reconciler:
         spec = obs.spec
         generation = obs.obj["metadata"].get("generation")
 
-        record = _find_record(status, obs.attempt)
+        record = find_record(status, obs.attempt)
         if obs.attempt and record is None and obs.job is not None:
             # The Job exists but the pass that created it crashed before writing status.
             record = _record_from_job(obs.job, obs.attempt)
@@ -522,90 +529,23 @@ class Reconciler:
             status.checkpoint_storage_readable = storage_view.readable
 
         recorded = record is not None and record.end_time is not None
-        interruption = Interruption("Active", Reason.STARTED)
-        running = [p for p in obs.pods if (p.get("status") or {}).get("phase") == "Running"]
         if spec is not None and obs.attempt and not recorded:
-            # Started only once all its pods ran together: 15 of 16 running and one
-            # unschedulable is an attempt that could not start (classify_interruption).
-            expected = int(((obs.job or {}).get("spec") or {}).get("completions") or 0)
-            started = attempt_started(obs.pods, expected or spec.num_nodes)
-            if started and record is not None and record.running_time is None:
+            if record is not None and starts_now(obs, spec, record):
                 record.running_time = now
                 created_at = parse_rfc3339(record.start_time)
                 if created_at is not None:
                     wait = max(0.0, self.clock() - created_at)
                     result.on_written.append(lambda: metrics.QUEUE_WAIT_SECONDS.observe(wait))
-            if running and self.config.scrape_metrics and scrape_metrics:
-                # Periodic passes only: one woken by a watch event keeps the last scraped values
-                # (in the status), so a slow pod never delays the handling of an event.
-                m = self._scrape_rank0(obs.pods, spec)
-                _apply_metrics(status, m, spec, obs.attempt)
-            interruption = classify_interruption(
-                obs.job,
-                obs.pods,
-                obs.workload,
-                node_ready=obs.node_ready,
-                # Its pods exist only once Kueue admitted (unsuspended) its Job.
-                was_admitted=bool(obs.pods)
-                or (record is not None and record.running_time is not None),
-                was_started=record is not None and record.running_time is not None,
-                user_suspended=spec.suspend,
-            )
-            if interruption.reason == Reason.WORKLOAD_DEACTIVATED and not spec.suspend:
-                # Someone else deactivated the Workload: suspend the TrainingJob (as Kueue
-                # suspends a Job) rather than create a fresh, active Workload. The next pass
-                # reads the new spec and records the attempt.
-                self._suspend_for_deactivation(obs.obj, interruption.message)
-                return PassResult(phase=status.phase, requeue_after=0.0)
-            if obs.job is None and obs.pods and not interruption.over:
-                interruption = Interruption(
-                    "Preempted",
-                    Reason.KUEUE_EVICTED if spec.queue_name else Reason.JOB_FAILED,
-                    "the attempt's Job was deleted",
-                )
-
-        backoff_remaining = 0.0
-        next_after = parse_rfc3339(status.next_attempt_after)
-        if next_after is not None:
-            backoff_remaining = max(0.0, next_after - self.clock())
-        deadline_left = deadline_remaining(
-            status.start_time, spec.active_deadline_seconds if spec else None, self.clock()
-        )
-        window = (
-            spec.failure_policy.restart_window_seconds
-            if spec is not None and spec.failure_policy is not None
-            else None
-        )
-        inputs = PhaseInputs(
-            invalid=obs.invalid is not None,
-            current_phase=status.phase,
-            suspend=bool(spec and spec.suspend),
-            attempt=obs.attempt,
-            recorded_outcome=record.outcome if recorded and record else None,
-            recorded_reason=record.reason if recorded and record else None,
-            job_exists=obs.job is not None,
-            job_suspended=bool(obs.job and (obs.job.get("spec") or {}).get("suspend")),
-            interruption=interruption,
-            pods_finished=attempt_pods_finished(obs.job, obs.pods, obs.node_ready),
-            pods=len(obs.pods),
-            running_pods=len(running),
-            failures=counted_failures(
-                status.failures or 0, status.failure_times, self.clock(), window
-            ),
-            max_restarts=spec.max_restarts if spec else 0,
-            recorded_failure_action=record.failure_action if recorded and record else None,
-            recorded_failure_rule=record.failure_rule if recorded and record else None,
-            restart_window_seconds=window,
-            backoff_remaining=backoff_remaining,
-            kueue=bool(spec and spec.queue_name),
-            previous_pods_active=len(obs.previous_pods),
-            pending_detail=pending_detail(obs.pods) if obs.pods else None,
-            spec_rejected=obs.rejected is not None and spec is None,
-            active_deadline_seconds=spec.active_deadline_seconds if spec else None,
-            deadline_remaining=deadline_left,
-            preemptions=status.preemptions or 0,
-            max_preemptions=spec.max_preemptions if spec else None,
-        )
+            _apply_metrics(status, obs.runtime_metrics, spec, obs.attempt)
+        seen = interruption_of(obs, spec, record, recorded)
+        interruption = seen.interruption
+        if seen.deactivated_by_other:
+            # The next pass reads the new spec and records the attempt.
+            self._suspend_for_deactivation(obs.obj, interruption.message)
+            return PassResult(phase=status.phase, requeue_after=0.0)
+        inputs = phase_inputs(obs, status, record, recorded, interruption, self.clock())
+        backoff_remaining = inputs.backoff_remaining
+        deadline_left = inputs.deadline_remaining
         decision = next_phase(inputs)
         result.action = decision.action
         result.phase = decision.phase
@@ -1002,7 +942,7 @@ class Reconciler:
                 fence=fence,
             )
         self._clean_up_later(namespace, name, old_pods, old_jobs)
-        if _find_record(status, attempt) is None:
+        if find_record(status, attempt) is None:
             status.attempts = [
                 *(status.attempts or []),
                 models.AttemptRecord(
@@ -1921,13 +1861,6 @@ def _clear_refused(conditions: list[Any] | None, now: str, generation: int | Non
     return cond.set_condition(
         conditions, cond.CREATE_REFUSED, "False", Reason.CREATED, "", now, generation
     )
-
-
-def _find_record(status: models.TrainingJobStatus, attempt: int) -> models.AttemptRecord | None:
-    for rec in status.attempts or []:
-        if rec.attempt == attempt:
-            return rec
-    return None
 
 
 def _record_from_job(job: dict[str, Any], attempt: int) -> models.AttemptRecord:
