@@ -8,11 +8,18 @@ decision has a table test (tests/unit/operator/test_decide.py).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from preemptible_operator import conditions as cond
 from preemptible_operator import models
-from preemptible_operator.children import attempt_pods_finished
+from preemptible_operator.children import (
+    Refusal,
+    attempt_pods_finished,
+    pods_refused,
+    refusal_retry_seconds,
+)
 from preemptible_operator.classify import (
     Interruption,
     attempt_started,
@@ -21,19 +28,35 @@ from preemptible_operator.classify import (
 )
 from preemptible_operator.conditions import Reason
 from preemptible_operator.failure_policy import counted_failures
-from preemptible_operator.phases import PhaseInputs, deadline_remaining
+from preemptible_operator.grace import GraceDecision, grace_sufficiency, next_grace
+from preemptible_operator.phases import Decision, PhaseInputs, deadline_remaining
 from preemptible_operator.scrape import RuntimeMetrics
 from preemptible_operator.timestamps import parse_rfc3339
+from preemptible_operator.unreachable import stuck_on_unreachable_nodes
 
 __all__ = [
+    "Event",
+    "GraceOutcome",
     "InterruptionView",
+    "RefusalOutcome",
     "Snapshot",
+    "awaits_pods",
+    "cap_grace",
+    "clear_refused",
     "find_record",
+    "grace_status",
     "interruption_of",
+    "no_pods_wait",
     "phase_inputs",
+    "pods_refusal",
+    "refusal_outcome",
     "running_pods",
     "starts_now",
+    "unreachable_condition",
 ]
+
+Event = tuple[str, str, str]
+"""(type, reason, message) of an Event on the TrainingJob."""
 
 
 @dataclass(frozen=True)
@@ -187,3 +210,236 @@ def phase_inputs(
         preemptions=status.preemptions or 0,
         max_preemptions=spec.max_preemptions if spec else None,
     )
+
+
+# ------------------------------------------------------------------------------ refusals
+def clear_refused(
+    conditions: list[models.Condition] | None, now: str, generation: int | None
+) -> list[models.Condition] | None:
+    """CreateRefused set False (the children exist now), where it was True."""
+    before = cond.find_condition(conditions, cond.CREATE_REFUSED)
+    if before is None or before.status != "True":
+        return conditions
+    return cond.set_condition(
+        conditions, cond.CREATE_REFUSED, "False", Reason.CREATED, "", now, generation
+    )
+
+
+def awaits_pods(
+    decision: Decision,
+    spec: models.TrainingJobSpec | None,
+    job: dict[str, Any] | None,
+    recorded: bool,
+) -> bool:
+    """The attempt's Job exists, is not suspended and the pass waits for its pods (Pending): the
+    pass then clears a refusal once pods exist, or looks why there are none."""
+    return (
+        decision.action == "none"
+        and decision.phase == "Pending"
+        and spec is not None
+        and job is not None
+        and not recorded
+        and not (job.get("spec") or {}).get("suspend")
+    )
+
+
+def pods_refusal(job: dict[str, Any], events: list[dict[str, Any]]) -> Refusal | None:
+    """The Job controller is refused the attempt's pods (a ResourceQuota, Pod Security
+    Admission): it retries by itself; the refusal only shows why (never fatal)."""
+    why = pods_refused(job, events)
+    if why is None:
+        return None
+    return Refusal(
+        Reason.PODS_REFUSED,
+        f"the Job controller cannot create the pods of Job {job['metadata']['name']}: {why}",
+        fatal=False,
+    )
+
+
+def no_pods_wait(job: dict[str, Any], now: float) -> float:
+    """When to look again at a Job that has no pods and no refusal yet (no watch event comes
+    for a refusal): backing off with the Job's age."""
+    created = parse_rfc3339(job["metadata"].get("creationTimestamp"))
+    return refusal_retry_seconds(now - created if created is not None else 0.0)
+
+
+@dataclass(frozen=True)
+class RefusalOutcome:
+    """What a refused child does to the pass: CreateRefused True, the decision it replaces."""
+
+    conditions: list[models.Condition]
+    decision: Decision
+    """Failed for a fatal refusal (the spec cannot succeed), else the decided phase; no action."""
+    event: Event | None
+    """A Warning when the refusal is new or says something new."""
+    requeue_after: float | None
+    """When to retry (None when fatal: nothing to retry)."""
+
+
+def refusal_outcome(
+    conditions: list[models.Condition] | None,
+    refusal: Refusal,
+    decision: Decision,
+    now: str,
+    generation: int | None,
+    now_s: float,
+) -> RefusalOutcome:
+    """Condition CreateRefused True with the refusal; a retry backing off with how long it has
+    been refused (since the condition turned True)."""
+    before = cond.find_condition(conditions, cond.CREATE_REFUSED)
+    after = cond.set_condition(
+        conditions,
+        cond.CREATE_REFUSED,
+        "True",
+        refusal.reason,
+        refusal.message,
+        now,
+        generation,
+    )
+    event: Event | None = None
+    if (
+        before is None
+        or before.status != "True"
+        or (before.reason, before.message) != (refusal.reason, refusal.message)
+    ):
+        event = ("Warning", refusal.reason, refusal.message)
+    shown = Decision(
+        "Failed" if refusal.fatal else decision.phase, "none", refusal.reason, refusal.message
+    )
+    requeue: float | None = None
+    if not refusal.fatal:
+        now_refused = cond.find_condition(after, cond.CREATE_REFUSED)
+        since = parse_rfc3339(now_refused.last_transition_time if now_refused else None)
+        requeue = refusal_retry_seconds(now_s - since if since is not None else 0.0)
+    return RefusalOutcome(after, shown, event, requeue)
+
+
+# ------------------------------------------------------------------------------ unreachable nodes
+def unreachable_condition(
+    snap: Snapshot,
+    spec: models.TrainingJobSpec,
+    conditions: list[models.Condition] | None,
+    recorded: bool,
+    now: str,
+    generation: int | None,
+    now_s: float,
+) -> tuple[list[models.Condition] | None, Event | None]:
+    """Condition NodeUnreachable (and one Warning Event when it turns True) while a pod of the
+    current attempt is stuck on a NotReady node past spec.unreachableNode's bound; False once
+    none is (no condition at all for a job that never had one stuck)."""
+    stuck = None
+    if snap.pods and not recorded:
+        stuck = stuck_on_unreachable_nodes(
+            snap.pods,
+            snap.node_ready,
+            snap.node_not_ready_since,
+            now_s,
+            spec.unreachable_node.escalate_after_seconds,
+        )
+    before = cond.find_condition(conditions, cond.NODE_UNREACHABLE)
+    if stuck is not None:
+        message = stuck.message(now_s)
+        after = cond.set_condition(
+            conditions,
+            cond.NODE_UNREACHABLE,
+            "True",
+            Reason.OUT_OF_SERVICE_NEEDED,
+            message,
+            now,
+            generation,
+        )
+        if before is None or before.status != "True":
+            return after, ("Warning", Reason.OUT_OF_SERVICE_NEEDED, message)
+        return after, None
+    if before is not None and before.status == "True":
+        return cond.set_condition(
+            conditions,
+            cond.NODE_UNREACHABLE,
+            "False",
+            Reason.NODES_REACHABLE,
+            "no pod of the attempt is stuck on a NotReady node",
+            now,
+            generation,
+        ), None
+    return conditions, None
+
+
+# ------------------------------------------------------------------------------ grace period
+def cap_grace(decision: GraceDecision, cap: int | None) -> GraceDecision:
+    """``decision`` with its seconds clamped to the operator's ``--max-grace-seconds``."""
+    if cap is None or decision.seconds <= cap:
+        return decision
+    return dataclasses.replace(
+        decision,
+        seconds=cap,
+        reason=f"{decision.reason}; capped at {cap} s by the operator (--max-grace-seconds)",
+    )
+
+
+@dataclass(frozen=True)
+class GraceOutcome:
+    """status.gracePeriod's recommendation and condition GracePeriodSufficient."""
+
+    grace_period: models.GraceStatus
+    conditions: list[models.Condition]
+    event: Event | None
+    """A Warning when the grace turns (or stays, for a new reason) insufficient."""
+    recommended: int
+    """The next attempt's grace (also exported as a metric)."""
+
+
+def grace_status(
+    status: models.TrainingJobStatus,
+    spec: models.TrainingJobSpec,
+    max_grace_seconds: int | None,
+    now: str,
+    generation: int | None,
+) -> GraceOutcome:
+    """The next attempt's grace from the measurements so far, and whether the current (or last)
+    attempt's grace sufficed: a kill at the grace deadline or a deadline too short to start a
+    JIT save say no whatever the measurements."""
+    last = (status.attempts or [])[-1] if status.attempts else None
+    killed_grace = last.grace_seconds if last and last.killed and last.end_time else None
+    decision = cap_grace(
+        next_grace(spec.grace_period, status.timings, killed_grace), max_grace_seconds
+    )
+    gp = (status.grace_period or models.GraceStatus()).model_copy()
+    gp.recommended = decision.seconds
+    gp.reason = decision.reason
+    gp.inputs = decision.inputs or None
+    current = gp.current
+    if last is not None and last.end_time is None:
+        ok, message = grace_sufficiency(current, decision)
+        reason = Reason.GRACE_SUFFICIENT if ok else Reason.GRACE_TOO_SHORT
+    elif last is not None and last.reason == Reason.DEADLINE_TOO_SHORT:
+        ok, reason = False, Reason.DEADLINE_TOO_SHORT
+        message = (
+            f"attempt {last.attempt} did not start its JIT save: it could not finish before "
+            f"the deadline ({last.message}); the grace is not raised past what the node "
+            "gives: save more often (status.checkpointInterval, spec.checkpoint.interval: auto)"
+        )
+    elif last is not None and last.killed:
+        ok, reason = False, Reason.GRACE_KILLED
+        message = (
+            f"attempt {last.attempt} was SIGKILLed at its {last.grace_seconds} s grace "
+            f"deadline; the next attempt gets {decision.seconds} s"
+        )
+    else:
+        ok, message = grace_sufficiency(current, decision)
+        reason = Reason.GRACE_SUFFICIENT if ok else Reason.GRACE_TOO_SHORT
+    if decision.required is None and ok:
+        reason = Reason.NOT_MEASURED
+    before = cond.find_condition(status.conditions, cond.GRACE_PERIOD_SUFFICIENT)
+    after = cond.set_condition(
+        status.conditions,
+        cond.GRACE_PERIOD_SUFFICIENT,
+        "True" if ok else "False",
+        reason,
+        message,
+        now,
+        generation,
+    )
+    event: Event | None = None
+    if not ok and (before is None or before.status != "False" or before.reason != reason):
+        event = ("Warning", reason, message)
+    return GraceOutcome(gp, after, event, decision.seconds)

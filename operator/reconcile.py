@@ -43,9 +43,7 @@ from preemptible_operator.children import (
     api_message,
     create_refusal,
     jobs_to_delete,
-    pods_refused,
     pods_to_end,
-    refusal_retry_seconds,
 )
 from preemptible_operator.classify import (
     DEACTIVATED_BY_OPERATOR_ANNOTATION,
@@ -59,18 +57,26 @@ from preemptible_operator.classify import (
 from preemptible_operator.conditions import Reason
 from preemptible_operator.decide import (
     Snapshot,
+    awaits_pods,
+    cap_grace,
+    clear_refused,
     find_record,
+    grace_status,
     interruption_of,
+    no_pods_wait,
     phase_inputs,
+    pods_refusal,
+    refusal_outcome,
     running_pods,
     starts_now,
+    unreachable_condition,
 )
 from preemptible_operator.failure_policy import (
     counted_failures,
     decide_failure,
     keep_failure_times,
 )
-from preemptible_operator.grace import GraceDecision, grace_sufficiency, next_grace
+from preemptible_operator.grace import next_grace
 from preemptible_operator.interval import auto_save_interval, interval_status
 from preemptible_operator.node_notice import NodeNotice, node_notice, pod_notice_patch
 from preemptible_operator.ownership import owned_by, pod_owned, tj_uid_of
@@ -86,7 +92,6 @@ from preemptible_operator.phases import (
 from preemptible_operator.resume import attempt_fence, resume_checkpoint
 from preemptible_operator.scrape import RuntimeMetrics, scrape
 from preemptible_operator.timestamps import now_rfc3339, parse_rfc3339
-from preemptible_operator.unreachable import stuck_on_unreachable_nodes
 from preemptible_operator.victims import (
     BOOST_ANNOTATION,
     should_write_boost,
@@ -646,65 +651,31 @@ class Reconciler:
 
         # ------------------------------------------------------------------ refusals
         if decision.action == "create_attempt" and refusal is None:
-            status.conditions = _clear_refused(status.conditions, now, generation)
-        elif (
-            refusal is None
-            and decision.action == "none"
-            and decision.phase == "Pending"
-            and spec is not None
-            and obs.job is not None
-            and not recorded
-            and not (obs.job.get("spec") or {}).get("suspend")
-        ):
+            status.conditions = clear_refused(status.conditions, now, generation)
+        elif refusal is None and awaits_pods(decision, spec, obs.job, recorded):
+            assert obs.job is not None  # awaits_pods
             if obs.pods:
-                status.conditions = _clear_refused(status.conditions, now, generation)
+                status.conditions = clear_refused(status.conditions, now, generation)
             else:
                 # The Job exists and runs but has no pods: the Job controller may be refused
                 # them (a ResourceQuota, Pod Security Admission). It retries by itself; this
                 # shows why, and looks again later (no watch event comes for it).
-                why = pods_refused(obs.job, self._job_events(obs.job))
-                if why is not None:
-                    refusal = Refusal(
-                        Reason.PODS_REFUSED,
-                        f"the Job controller cannot create the pods of Job "
-                        f"{obs.job['metadata']['name']}: {why}",
-                        fatal=False,
-                    )
-                else:
-                    created = parse_rfc3339(obs.job["metadata"].get("creationTimestamp"))
-                    age = self.clock() - created if created is not None else 0.0
-                    result.requeue_after = refusal_retry_seconds(age)
+                refusal = pods_refusal(obs.job, self._job_events(obs.job))
+                if refusal is None:
+                    result.requeue_after = no_pods_wait(obs.job, self.clock())
         if refusal is not None:
-            before = cond.find_condition(status.conditions, cond.CREATE_REFUSED)
-            status.conditions = cond.set_condition(
-                status.conditions,
-                cond.CREATE_REFUSED,
-                "True",
-                refusal.reason,
-                refusal.message,
-                now,
-                generation,
+            refused = refusal_outcome(
+                status.conditions, refusal, decision, now, generation, self.clock()
             )
-            if (
-                before is None
-                or before.status != "True"
-                or (before.reason, before.message) != (refusal.reason, refusal.message)
-            ):
-                result.events.append(("Warning", refusal.reason, refusal.message))
-            decision = Decision(
-                "Failed" if refusal.fatal else decision.phase,
-                "none",
-                refusal.reason,
-                refusal.message,
-            )
+            status.conditions = refused.conditions
+            if refused.event is not None:
+                result.events.append(refused.event)
+            decision = refused.decision
             result.phase = decision.phase
             if refusal.fatal:
                 status.completion_time = status.completion_time or now
             else:
-                now_refused = cond.find_condition(status.conditions, cond.CREATE_REFUSED)
-                since = parse_rfc3339(now_refused.last_transition_time if now_refused else None)
-                refused_for = self.clock() - since if since is not None else 0.0
-                result.requeue_after = refusal_retry_seconds(refused_for)
+                result.requeue_after = refused.requeue_after
 
         # ------------------------------------------------------------------ unreachable nodes
         if spec is not None:
@@ -1417,41 +1388,12 @@ class Reconciler:
         generation: int | None,
         result: PassResult,
     ) -> None:
-        """Condition NodeUnreachable (and one Warning Event when it turns True) while a pod of
-        the current attempt is stuck on a NotReady node past spec.unreachableNode's bound."""
-        stuck = None
-        if obs.pods and not recorded:
-            stuck = stuck_on_unreachable_nodes(
-                obs.pods,
-                obs.node_ready,
-                obs.node_not_ready_since,
-                self.clock(),
-                spec.unreachable_node.escalate_after_seconds,
-            )
-        before = cond.find_condition(status.conditions, cond.NODE_UNREACHABLE)
-        if stuck is not None:
-            message = stuck.message(self.clock())
-            status.conditions = cond.set_condition(
-                status.conditions,
-                cond.NODE_UNREACHABLE,
-                "True",
-                Reason.OUT_OF_SERVICE_NEEDED,
-                message,
-                now,
-                generation,
-            )
-            if before is None or before.status != "True":
-                result.events.append(("Warning", Reason.OUT_OF_SERVICE_NEEDED, message))
-        elif before is not None and before.status == "True":
-            status.conditions = cond.set_condition(
-                status.conditions,
-                cond.NODE_UNREACHABLE,
-                "False",
-                Reason.NODES_REACHABLE,
-                "no pod of the attempt is stuck on a NotReady node",
-                now,
-                generation,
-            )
+        """Condition NodeUnreachable (decide.unreachable_condition) applied to ``status``."""
+        status.conditions, event = unreachable_condition(
+            obs, spec, status.conditions, recorded, now, generation, self.clock()
+        )
+        if event is not None:
+            result.events.append(event)
 
     def _deactivate_workload(
         self, namespace: str, workload: dict[str, Any] | None, version: str | None
@@ -1561,53 +1503,14 @@ class Reconciler:
         generation: int | None,
         result: PassResult,
     ) -> None:
-        last = (status.attempts or [])[-1] if status.attempts else None
-        killed_grace = last.grace_seconds if last and last.killed and last.end_time else None
-        decision = cap_grace(
-            next_grace(spec.grace_period, status.timings, killed_grace),
-            self.config.max_grace_seconds,
-        )
-        gp = status.grace_period or models.GraceStatus()
-        gp.recommended = decision.seconds
-        gp.reason = decision.reason
-        gp.inputs = decision.inputs or None
-        status.grace_period = gp
+        """The grace recommendation and condition (decide.grace_status) applied to ``status``."""
+        grace = grace_status(status, spec, self.config.max_grace_seconds, now, generation)
+        status.grace_period = grace.grace_period
+        status.conditions = grace.conditions
         meta = obs.obj["metadata"]
-        metrics.GRACE_SECONDS.labels(meta["namespace"], meta["name"]).set(decision.seconds)
-        current = gp.current
-        if last is not None and last.end_time is None:
-            ok, message = grace_sufficiency(current, decision)
-            reason = Reason.GRACE_SUFFICIENT if ok else Reason.GRACE_TOO_SHORT
-        elif last is not None and last.reason == Reason.DEADLINE_TOO_SHORT:
-            ok, reason = False, Reason.DEADLINE_TOO_SHORT
-            message = (
-                f"attempt {last.attempt} did not start its JIT save: it could not finish before "
-                f"the deadline ({last.message}); the grace is not raised past what the node "
-                "gives: save more often (status.checkpointInterval, spec.checkpoint.interval: auto)"
-            )
-        elif last is not None and last.killed:
-            ok, reason = False, Reason.GRACE_KILLED
-            message = (
-                f"attempt {last.attempt} was SIGKILLed at its {last.grace_seconds} s grace "
-                f"deadline; the next attempt gets {decision.seconds} s"
-            )
-        else:
-            ok, message = grace_sufficiency(current, decision)
-            reason = Reason.GRACE_SUFFICIENT if ok else Reason.GRACE_TOO_SHORT
-        if decision.required is None and ok:
-            reason = Reason.NOT_MEASURED
-        before = cond.find_condition(status.conditions, cond.GRACE_PERIOD_SUFFICIENT)
-        status.conditions = cond.set_condition(
-            status.conditions,
-            cond.GRACE_PERIOD_SUFFICIENT,
-            "True" if ok else "False",
-            reason,
-            message,
-            now,
-            generation,
-        )
-        if not ok and (before is None or before.status != "False" or before.reason != reason):
-            result.events.append(("Warning", reason, message))
+        metrics.GRACE_SECONDS.labels(meta["namespace"], meta["name"]).set(grace.recommended)
+        if grace.event is not None:
+            result.events.append(grace.event)
 
     # ------------------------------------------------------------------------------ writing
     def _write_status(
@@ -1823,17 +1726,6 @@ def _by_attempt(objs: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
     return out
 
 
-def cap_grace(decision: GraceDecision, cap: int | None) -> GraceDecision:
-    """``decision`` with its seconds clamped to the operator's ``--max-grace-seconds``."""
-    if cap is None or decision.seconds <= cap:
-        return decision
-    return dataclasses.replace(
-        decision,
-        seconds=cap,
-        reason=f"{decision.reason}; capped at {cap} s by the operator (--max-grace-seconds)",
-    )
-
-
 def jittered(seconds: float, spread: float = 0.2) -> float:
     """``seconds`` +- ``spread`` (fraction), so periodic passes of many jobs spread out."""
     return seconds * (1.0 + random.uniform(-spread, spread))
@@ -1851,16 +1743,6 @@ def _max(*values: float | None) -> float | None:
 def _outcomes(status: models.TrainingJobStatus) -> dict[int, str | None]:
     """Each recorded attempt's outcome (None while it runs)."""
     return {rec.attempt: rec.outcome for rec in status.attempts or []}
-
-
-def _clear_refused(conditions: list[Any] | None, now: str, generation: int | None) -> Any:
-    """CreateRefused set False (the children exist now), where it was True."""
-    before = cond.find_condition(conditions, cond.CREATE_REFUSED)
-    if before is None or before.status != "True":
-        return conditions
-    return cond.set_condition(
-        conditions, cond.CREATE_REFUSED, "False", Reason.CREATED, "", now, generation
-    )
 
 
 def _record_from_job(job: dict[str, Any], attempt: int) -> models.AttemptRecord:
