@@ -9,6 +9,7 @@ decision has a table test (tests/unit/operator/test_decide.py).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,14 @@ from preemptible_operator.classify import (
 from preemptible_operator.conditions import Reason
 from preemptible_operator.failure_policy import counted_failures
 from preemptible_operator.grace import GraceDecision, grace_sufficiency, next_grace
-from preemptible_operator.phases import Decision, PhaseInputs, deadline_remaining
+from preemptible_operator.phases import (
+    TERMINAL_PHASES,
+    Decision,
+    PhaseInputs,
+    deadline_remaining,
+    next_phase,
+    ttl_remaining,
+)
 from preemptible_operator.scrape import RuntimeMetrics
 from preemptible_operator.timestamps import parse_rfc3339
 from preemptible_operator.unreachable import stuck_on_unreachable_nodes
@@ -40,19 +48,27 @@ __all__ = [
     "InterruptionView",
     "RefusalOutcome",
     "Snapshot",
+    "Wake",
     "awaits_pods",
     "cap_grace",
     "clear_refused",
+    "deadline_wake",
     "find_record",
     "grace_status",
     "interruption_of",
     "no_pods_wait",
+    "phase_change_event",
+    "phase_conditions",
     "phase_inputs",
     "pods_refusal",
     "refusal_outcome",
+    "rejected_message",
     "running_pods",
+    "shown_phase",
     "starts_now",
+    "status_message",
     "unreachable_condition",
+    "wake_after",
 ]
 
 Event = tuple[str, str, str]
@@ -443,3 +459,191 @@ def grace_status(
     if not ok and (before is None or before.status != "False" or before.reason != reason):
         event = ("Warning", reason, message)
     return GraceOutcome(gp, after, event, decision.seconds)
+
+
+# ------------------------------------------------------------------------------ phase shown
+def after_create(inputs: PhaseInputs, attempt: int, spec: models.TrainingJobSpec) -> Decision:
+    """What the next pass decides once the attempt just created is seen (its Job, no pods
+    yet): the status is written with that at once, so the pass the new Job's watch event
+    wakes finds nothing to write."""
+    return next_phase(
+        dataclasses.replace(
+            inputs,
+            current_phase=None,
+            attempt=attempt,
+            recorded_outcome=None,
+            job_exists=True,
+            job_suspended=bool(spec.queue_name),
+            interruption=Interruption("Active", Reason.STARTED),
+            pods_finished=True,
+            pods=0,
+            running_pods=0,
+            pending_detail=None,
+            previous_pods_active=0,
+            backoff_remaining=0.0,
+        )
+    )
+
+
+def shown_phase(
+    decision: Decision,
+    inputs: PhaseInputs,
+    spec: models.TrainingJobSpec | None,
+    attempt: int | None,
+    current_phase: str | None,
+) -> tuple[Decision, str]:
+    """The decision the status shows and its phase. Once an attempt is created (``attempt``,
+    status.attempt after the create) it shows what the next pass will see (after_create);
+    a create that changes the phase shows Queued under Kueue, else Pending."""
+    shown = decision
+    if decision.action == "create_attempt" and spec is not None:
+        follow = after_create(inputs, attempt or 1, spec)
+        if follow.action == "none":
+            shown = follow
+    phase = shown.phase
+    if shown.action == "create_attempt" and current_phase != phase:
+        phase = "Queued" if spec and spec.queue_name else "Pending"
+    return shown, phase
+
+
+def phase_conditions(
+    conditions: list[models.Condition] | None,
+    phase: str,
+    decision: Decision,
+    now: str,
+    generation: int | None,
+) -> list[models.Condition] | None:
+    """The conditions that follow the phase (Admitted, Running, Checkpointing, Preempted back
+    to False on resume, Succeeded, Failed) and the lifecycle ones."""
+    c = conditions
+    msg = decision.message or ""
+    admitted = phase in ("Running", "Checkpointing", "Succeeded")
+    if phase == "Queued":
+        c = cond.set_condition(c, cond.ADMITTED, "False", Reason.QUEUED, msg, now, generation)
+    elif admitted:
+        c = cond.set_condition(c, cond.ADMITTED, "True", Reason.ADMITTED, "", now, generation)
+    c = cond.set_condition(
+        c,
+        cond.RUNNING,
+        "True" if phase == "Running" else "False",
+        Reason.STARTED if phase == "Running" else decision.reason,
+        msg,
+        now,
+        generation,
+    )
+    c = cond.set_condition(
+        c,
+        cond.CHECKPOINTING,
+        "True" if phase == "Checkpointing" else "False",
+        decision.reason,
+        msg,
+        now,
+        generation,
+    )
+    if phase == "Running":
+        pre = cond.find_condition(c, cond.PREEMPTED)
+        if pre is not None and pre.status == "True":
+            c = cond.set_condition(
+                c,
+                cond.PREEMPTED,
+                "False",
+                Reason.RESUMED,
+                "resumed after the preemption",
+                now,
+                generation,
+            )
+    if phase == "Succeeded":
+        c = cond.set_condition(
+            c, cond.SUCCEEDED, "True", Reason.COMPLETED, "training finished", now, generation
+        )
+    if phase == "Failed":
+        existing = cond.find_condition(c, cond.FAILED)
+        if existing is None or existing.status != "True":
+            c = cond.set_condition(c, cond.FAILED, "True", decision.reason, msg, now, generation)
+    return cond.lifecycle_conditions(c, phase, now, generation)
+
+
+def phase_change_event(
+    old_phase: str | None, new_phase: str, decision: Decision, events: Sequence[Event]
+) -> Event | None:
+    """An Event when the phase changes (a create posts its own), unless the pass posts one with
+    the decision's reason already."""
+    if old_phase == new_phase or decision.action == "create_attempt":
+        return None
+    if any(e[1] == decision.reason for e in events):
+        return None
+    etype = "Warning" if new_phase == "Failed" else "Normal"
+    return (etype, decision.reason, decision.message or f"phase {old_phase or '-'} -> {new_phase}")
+
+
+def status_message(
+    current: str | None,
+    shown: Decision,
+    decision: Decision,
+    new_phase: str,
+    invalid: str | None,
+) -> str | None:
+    """status.message: the shown decision's message (why the spec is invalid when failing for
+    it); "training finished" once Succeeded; cleared while Running; else kept."""
+    if shown.message and new_phase != "Succeeded":
+        return shown.message if decision.action != "fail_invalid" else invalid
+    if new_phase == "Succeeded":
+        return "training finished"
+    if new_phase == "Running":
+        return None
+    return current
+
+
+def rejected_message(rejected: str, spec_at_hand: bool) -> str:
+    """status.message while an invalid spec edit is rejected."""
+    keep = "the running attempt goes on with its spec" if spec_at_hand else "no new attempt"
+    return f"spec change rejected ({keep}): {rejected}"
+
+
+# ------------------------------------------------------------------------------ next pass
+@dataclass(frozen=True)
+class Wake:
+    """When the next pass is due, before the periodic timer and the deadline."""
+
+    delete: bool = False
+    """spec.ttlSecondsAfterFinished passed: delete the TrainingJob, no further pass."""
+    done: bool = False
+    """Terminal and nothing due: no further pass for this object."""
+    requeue_after: float | None = None
+    periodic: bool = False
+    """Nothing due: the periodic timer (budget.periodic_delay) decides."""
+    busy: bool = False
+    """The attempt's pods exist in a phase where time matters (scraping, lost nodes): on the
+    poll timer, whose budget is shared among such jobs."""
+
+
+def wake_after(
+    phase: str,
+    completion_time: str | None,
+    ttl: int | None,
+    due: float | None,
+    has_pods: bool,
+    now: float,
+) -> Wake:
+    """``due``: what the pass asked for (None: nothing). A finished job wakes when its TTL runs
+    out; watch events wake the next pass otherwise, a timer only where time itself matters."""
+    ttl_left = ttl_remaining(phase, completion_time, ttl, now)
+    if ttl_left is not None and ttl_left <= 0:
+        return Wake(delete=True, done=True)
+    if ttl_left is not None:
+        due = ttl_left if due is None else min(due, ttl_left)
+    if phase in TERMINAL_PHASES and due is None:
+        return Wake(done=True)
+    if due is None:
+        busy = has_pods and phase in ("Running", "Checkpointing", "Pending")
+        return Wake(periodic=True, busy=busy)
+    return Wake(requeue_after=due)
+
+
+def deadline_wake(due: float | None, phase: str, deadline_left: float | None) -> float | None:
+    """Wake at activeDeadlineSeconds even when nothing else happens (a job stuck Pending, a
+    queued one with no timer of its own)."""
+    if phase in TERMINAL_PHASES or deadline_left is None:
+        return due
+    at_deadline = max(0.5, deadline_left + 0.5)
+    return at_deadline if due is None else min(due, at_deadline)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import datetime as dt
 import json
 import logging
@@ -60,16 +59,23 @@ from preemptible_operator.decide import (
     awaits_pods,
     cap_grace,
     clear_refused,
+    deadline_wake,
     find_record,
     grace_status,
     interruption_of,
     no_pods_wait,
+    phase_change_event,
+    phase_conditions,
     phase_inputs,
     pods_refusal,
     refusal_outcome,
+    rejected_message,
     running_pods,
+    shown_phase,
     starts_now,
+    status_message,
     unreachable_condition,
+    wake_after,
 )
 from preemptible_operator.failure_policy import (
     counted_failures,
@@ -81,13 +87,10 @@ from preemptible_operator.interval import auto_save_interval, interval_status
 from preemptible_operator.node_notice import NodeNotice, node_notice, pod_notice_patch
 from preemptible_operator.ownership import owned_by, pod_owned, tj_uid_of
 from preemptible_operator.phases import (
-    Decision,
-    PhaseInputs,
     backoff_seconds,
     bound_attempts,
     estimate_progress,
     next_phase,
-    ttl_remaining,
 )
 from preemptible_operator.resume import attempt_fence, resume_checkpoint
 from preemptible_operator.scrape import RuntimeMetrics, scrape
@@ -682,41 +685,26 @@ class Reconciler:
             self._escalate_unreachable(obs, spec, status, recorded, now, generation, result)
 
         # ------------------------------------------------------------------ status
-        shown = decision
-        if decision.action == "create_attempt" and spec is not None:
-            follow = _after_create(inputs, status.attempt or 1, spec)
-            if follow.action == "none":
-                shown = follow
-        new_phase = shown.phase
-        if shown.action == "create_attempt" and status.phase != new_phase:
-            new_phase = "Queued" if spec and spec.queue_name else "Pending"
-        _set_phase_conditions(status, new_phase, shown, record, now, generation)
+        shown, new_phase = shown_phase(decision, inputs, spec, status.attempt, status.phase)
+        status.conditions = phase_conditions(status.conditions, new_phase, shown, now, generation)
         if spec is not None:
             self._update_grace(status, spec, obs, now, generation, result)
             status.checkpoint_interval, interval_event = interval_status(status, spec, self.clock())
             if interval_event:
                 result.events.append(("Normal", Reason.CHECKPOINT_INTERVAL, interval_event))
-        if status.phase != new_phase and decision.action != "create_attempt":
-            etype = "Warning" if new_phase == "Failed" else "Normal"
-            msg = decision.message or f"phase {status.phase or '-'} -> {new_phase}"
-            if not any(e[1] == decision.reason for e in result.events):
-                result.events.append((etype, decision.reason, msg))
+        changed = phase_change_event(status.phase, new_phase, decision, result.events)
+        if changed is not None:
+            result.events.append(changed)
         status.phase = new_phase
         if new_phase in ("Succeeded", "Failed") and status.completion_time is None:
             # Every way to the end (a success is recorded straight into Succeeded): the TTL
             # after finishing counts from here.
             status.completion_time = now
         status.progress = estimate_progress(status.progress, status.timings, new_phase)
-        if shown.message and new_phase not in ("Succeeded",):
-            status.message = shown.message if decision.action != "fail_invalid" else obs.invalid
-        elif new_phase == "Succeeded":
-            status.message = "training finished"
-        elif new_phase == "Running":
-            status.message = None
+        status.message = status_message(status.message, shown, decision, new_phase, obs.invalid)
         status.observed_generation = generation
         if obs.rejected is not None:
-            keep = "the running attempt goes on with its spec" if spec else "no new attempt"
-            status.message = f"spec change rejected ({keep}): {obs.rejected}"
+            status.message = rejected_message(obs.rejected, spec is not None)
             if old_status.get("observedGeneration") != generation:
                 result.events.append(("Warning", Reason.SPEC_CHANGE_REJECTED, status.message))
         if status.attempts:
@@ -748,42 +736,33 @@ class Reconciler:
         for fn in after_status:
             fn()
 
-        terminal = new_phase in ("Succeeded", "Failed")
         ttl = spec.ttl_seconds_after_finished if spec else None
-        ttl_left = ttl_remaining(new_phase, status.completion_time, ttl, self.clock())
-        if ttl_left is not None and ttl_left <= 0:
+        wake = wake_after(
+            new_phase, status.completion_time, ttl, result.requeue_after, bool(obs.pods),
+            self.clock(),
+        )  # fmt: skip
+        if wake.delete:
             self._delete_finished(obs.obj, ttl or 0)
             result.done = True
             self.forget(namespace, name, series=False)
             return result
-        if ttl_left is not None:
-            # Wake when the TTL runs out (sooner if something else is due).
-            due = result.requeue_after
-            result.requeue_after = ttl_left if due is None else min(due, ttl_left)
-        if terminal and result.requeue_after is None:
+        result.requeue_after = wake.requeue_after
+        if wake.done:
             result.done = True
             self.forget(namespace, name, series=False)
-        elif result.requeue_after is None:
-            # Watch events wake the next pass; a timer only where time itself matters: scraping
-            # a running attempt, pods that may be on a lost node.
-            busy = bool(obs.pods) and new_phase in ("Running", "Checkpointing", "Pending")
+        elif wake.periodic:
             with self._lock:
-                if busy:
+                if wake.busy:
                     self._polled.add(key)
                 else:
                     self._polled.discard(key)
             poll = self.periodic_intervals()[0]
-            delay = periodic_delay(new_phase, busy, poll, self.config.idle_resync)
+            delay = periodic_delay(new_phase, wake.busy, poll, self.config.idle_resync)
             result.requeue_after = None if delay is None else jittered(delay)
         else:
             with self._lock:
                 self._polled.discard(key)
-        if not terminal and deadline_left is not None:
-            # Wake at activeDeadlineSeconds even when nothing else happens (a job stuck Pending,
-            # a queued one with no timer of its own).
-            at_deadline = max(0.5, deadline_left + 0.5)
-            due = result.requeue_after
-            result.requeue_after = at_deadline if due is None else min(due, at_deadline)
+        result.requeue_after = deadline_wake(result.requeue_after, new_phase, deadline_left)
         return result
 
     def periodic_intervals(self) -> tuple[float, float]:
@@ -1840,82 +1819,3 @@ def _apply_metrics(
                 step=ckpt_step,
                 path=f"{spec.checkpoint.uri.rstrip('/')}/checkpoint-{ckpt_step}",
             )
-
-
-def _after_create(inputs: PhaseInputs, attempt: int, spec: models.TrainingJobSpec) -> Decision:
-    """What the next pass decides once the attempt just created is seen (its Job, no pods
-    yet): the status is written with that at once, so the pass the new Job's watch event
-    wakes finds nothing to write."""
-    return next_phase(
-        dataclasses.replace(
-            inputs,
-            current_phase=None,
-            attempt=attempt,
-            recorded_outcome=None,
-            job_exists=True,
-            job_suspended=bool(spec.queue_name),
-            interruption=Interruption("Active", Reason.STARTED),
-            pods_finished=True,
-            pods=0,
-            running_pods=0,
-            pending_detail=None,
-            previous_pods_active=0,
-            backoff_remaining=0.0,
-        )
-    )
-
-
-def _set_phase_conditions(
-    status: models.TrainingJobStatus,
-    phase: str,
-    decision: Any,
-    record: models.AttemptRecord | None,
-    now: str,
-    generation: int | None,
-) -> None:
-    c = status.conditions
-    msg = decision.message or ""
-    admitted = phase in ("Running", "Checkpointing", "Succeeded")
-    if phase == "Queued":
-        c = cond.set_condition(c, cond.ADMITTED, "False", Reason.QUEUED, msg, now, generation)
-    elif admitted:
-        c = cond.set_condition(c, cond.ADMITTED, "True", Reason.ADMITTED, "", now, generation)
-    c = cond.set_condition(
-        c,
-        cond.RUNNING,
-        "True" if phase == "Running" else "False",
-        Reason.STARTED if phase == "Running" else decision.reason,
-        msg,
-        now,
-        generation,
-    )
-    c = cond.set_condition(
-        c,
-        cond.CHECKPOINTING,
-        "True" if phase == "Checkpointing" else "False",
-        decision.reason,
-        msg,
-        now,
-        generation,
-    )
-    if phase == "Running":
-        pre = cond.find_condition(c, cond.PREEMPTED)
-        if pre is not None and pre.status == "True":
-            c = cond.set_condition(
-                c,
-                cond.PREEMPTED,
-                "False",
-                Reason.RESUMED,
-                "resumed after the preemption",
-                now,
-                generation,
-            )
-    if phase == "Succeeded":
-        c = cond.set_condition(
-            c, cond.SUCCEEDED, "True", Reason.COMPLETED, "training finished", now, generation
-        )
-    if phase == "Failed":
-        existing = cond.find_condition(c, cond.FAILED)
-        if existing is None or existing.status != "True":
-            c = cond.set_condition(c, cond.FAILED, "True", decision.reason, msg, now, generation)
-    status.conditions = cond.lifecycle_conditions(c, phase, now, generation)

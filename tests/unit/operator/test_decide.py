@@ -14,17 +14,24 @@ from preemptible_operator.conditions import Reason
 from preemptible_operator.decide import (
     awaits_pods,
     clear_refused,
+    deadline_wake,
     find_record,
     grace_status,
     interruption_of,
     no_pods_wait,
+    phase_change_event,
+    phase_conditions,
     phase_inputs,
     pods_refusal,
     refusal_outcome,
+    rejected_message,
+    shown_phase,
     starts_now,
+    status_message,
     unreachable_condition,
+    wake_after,
 )
-from preemptible_operator.phases import Decision
+from preemptible_operator.phases import Decision, PhaseInputs
 from tests.unit.operator.builders import cond, make_job, make_pod, make_snapshot, make_spec
 
 T0 = 1_780_000_000.0  # 2026-05-28T20:26:40Z
@@ -594,3 +601,334 @@ def test_grace_status(
     # The same outcome again: no second Event.
     status.conditions = got.conditions
     assert grace_status(status, make_spec(), cap, T0_RFC, 1).event is None
+
+
+# ------------------------------------------------------------------------------ phase shown
+CREATE = Decision("Pending", "create_attempt", Reason.STARTED, "first attempt")
+SHOWN = [
+    # (id, decision, spec fields, current phase, shown action, new phase)
+    # The attempt just created shows what the next pass sees: its Job, no pods yet.
+    ("create-shows-pending", CREATE, {}, None, "none", "Pending"),
+    ("create-under-kueue-shows-queued", CREATE, {"queueName": "q"}, None, "none", "Queued"),
+    (
+        "running-stays",
+        Decision("Running", "none", Reason.STARTED),
+        {},
+        "Running",
+        "none",
+        "Running",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("decision", "spec_fields", "current", "action", "phase"),
+    [c[1:] for c in SHOWN],
+    ids=[c[0] for c in SHOWN],
+)
+def test_shown_phase(
+    decision: Decision, spec_fields: dict[str, Any], current: str | None, action: str, phase: str
+) -> None:
+    spec = make_spec(**spec_fields)
+    inputs = PhaseInputs(kueue=bool(spec.queue_name))
+    shown, new_phase = shown_phase(decision, inputs, spec, 1, current)
+    assert (shown.action, new_phase) == (action, phase)
+
+
+def test_shown_phase_without_a_spec_shows_the_decision() -> None:
+    shown, phase = shown_phase(CREATE, PhaseInputs(), None, 1, "Preempted")
+    assert shown == CREATE and phase == "Pending"
+    # The follow-up is no plain wait (the deadline passed meanwhile): the create itself is
+    # shown, in Queued under Kueue when it changes the phase.
+    late = PhaseInputs(kueue=True, active_deadline_seconds=10, deadline_remaining=-1.0)
+    spec = make_spec(queueName="q", activeDeadlineSeconds=10)
+    shown, phase = shown_phase(CREATE, late, spec, 2, "Preempted")
+    assert shown == CREATE and phase == "Queued"
+    shown, phase = shown_phase(CREATE, late, make_spec(activeDeadlineSeconds=10), 2, "Preempted")
+    assert shown == CREATE and phase == "Pending"
+
+
+def _status_of(conditions: Any, ctype: str) -> tuple[str, str] | None:
+    found = conds.find_condition(conditions, ctype)
+    return (found.status, found.reason) if found else None
+
+
+PHASE_CONDITIONS = [
+    # (id, phase, decision, before, expected (type, status, reason) present)
+    (
+        "queued",
+        "Queued",
+        Decision("Queued", "none", Reason.QUEUED, "waiting for quota"),
+        None,
+        [(conds.ADMITTED, "False", Reason.QUEUED), (conds.RUNNING, "False", Reason.QUEUED)],
+    ),
+    (
+        "running-resumes-a-preempted",
+        "Running",
+        Decision("Running", "none", Reason.STARTED),
+        _conditions(conds.PREEMPTED, "True", Reason.KUEUE_PREEMPTED),
+        [
+            (conds.ADMITTED, "True", Reason.ADMITTED),
+            (conds.RUNNING, "True", Reason.STARTED),
+            (conds.PREEMPTED, "False", Reason.RESUMED),
+        ],
+    ),
+    (
+        "succeeded",
+        "Succeeded",
+        Decision("Succeeded", "finish", Reason.COMPLETED),
+        None,
+        [(conds.SUCCEEDED, "True", Reason.COMPLETED), (conds.COMPLETE, "True", Reason.COMPLETED)],
+    ),
+    (
+        "failed-keeps-its-first-reason",
+        "Failed",
+        Decision("Failed", "finish", Reason.RESTARTS_EXHAUSTED),
+        _conditions(conds.FAILED, "True", Reason.INVALID_SPEC),
+        [(conds.FAILED, "True", Reason.INVALID_SPEC)],
+    ),
+    (
+        "suspended",
+        "Suspended",
+        Decision("Suspended", "none", Reason.SUSPENDED),
+        None,
+        [(conds.SUSPENDED, "True", Reason.SUSPENDED)],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("phase", "decision", "before", "expected"),
+    [c[1:] for c in PHASE_CONDITIONS],
+    ids=[c[0] for c in PHASE_CONDITIONS],
+)
+def test_phase_conditions(
+    phase: str, decision: Decision, before: Any, expected: list[tuple[str, str, str]]
+) -> None:
+    after = phase_conditions(before, phase, decision, T0_RFC, 1)
+    for ctype, status, reason in expected:
+        assert _status_of(after, ctype) == (status, reason), ctype
+
+
+EVENTS = [
+    # (id, old phase, new phase, decision, events so far, expected)
+    ("unchanged", "Running", "Running", Decision("Running", "none", Reason.STARTED), [], None),
+    (
+        "changed",
+        "Pending",
+        "Running",
+        Decision("Running", "none", Reason.STARTED),
+        [],
+        ("Normal", Reason.STARTED, "phase Pending -> Running"),
+    ),
+    (
+        "failed-with-message",
+        "Running",
+        "Failed",
+        Decision("Failed", "fail", Reason.DEADLINE_EXCEEDED, "past 600 s"),
+        [],
+        ("Warning", Reason.DEADLINE_EXCEEDED, "past 600 s"),
+    ),
+    ("create-posts-its-own", None, "Pending", CREATE, [], None),
+    (
+        "same-reason-posted-already",
+        "Running",
+        "Failed",
+        Decision("Failed", "finish", Reason.RESTARTS_EXHAUSTED, "x"),
+        [("Warning", Reason.RESTARTS_EXHAUSTED, "x")],
+        None,
+    ),
+    (
+        "first-phase",
+        None,
+        "Suspended",
+        Decision("Suspended", "none", Reason.SUSPENDED),
+        [],
+        ("Normal", Reason.SUSPENDED, "phase - -> Suspended"),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "decision", "events", "expected"),
+    [c[1:] for c in EVENTS],
+    ids=[c[0] for c in EVENTS],
+)
+def test_phase_change_event(
+    old: str | None,
+    new: str,
+    decision: Decision,
+    events: list[tuple[str, str, str]],
+    expected: tuple[str, str, str] | None,
+) -> None:
+    assert phase_change_event(old, new, decision, events) == expected
+
+
+MESSAGES = [
+    # (id, current, shown, decision, new phase, invalid, expected)
+    (
+        "shown-message",
+        "old",
+        Decision("Queued", "none", Reason.QUEUED, "no quota"),
+        None,
+        "Queued",
+        None,
+        "no quota",
+    ),
+    (
+        "invalid-spec",
+        "old",
+        Decision("Failed", "fail_invalid", Reason.INVALID_SPEC, "summary"),
+        None,
+        "Failed",
+        "spec.numNodes: must be >= 1",
+        "spec.numNodes: must be >= 1",
+    ),
+    (
+        "succeeded",
+        "old",
+        Decision("Succeeded", "finish", Reason.COMPLETED, "x"),
+        None,
+        "Succeeded",
+        None,
+        "training finished",
+    ),
+    (
+        "running-clears",
+        "old",
+        Decision("Running", "none", Reason.STARTED),
+        None,
+        "Running",
+        None,
+        None,
+    ),
+    (
+        "otherwise-kept",
+        "old",
+        Decision("Pending", "none", Reason.STARTED),
+        None,
+        "Pending",
+        None,
+        "old",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("current", "shown", "decision", "phase", "invalid", "expected"),
+    [c[1:] for c in MESSAGES],
+    ids=[c[0] for c in MESSAGES],
+)
+def test_status_message(
+    current: str | None,
+    shown: Decision,
+    decision: Decision | None,
+    phase: str,
+    invalid: str | None,
+    expected: str | None,
+) -> None:
+    assert status_message(current, shown, decision or shown, phase, invalid) == expected
+
+
+def test_rejected_message() -> None:
+    assert rejected_message("bad", True) == (
+        "spec change rejected (the running attempt goes on with its spec): bad"
+    )
+    assert rejected_message("bad", False) == "spec change rejected (no new attempt): bad"
+
+
+# ------------------------------------------------------------------------------ next pass
+WAKES = [
+    # (id, phase, completed at, ttl, due, has pods, expected wake)
+    (
+        "ttl-passed",
+        "Succeeded",
+        "2026-05-28T20:00:00Z",
+        60,
+        None,
+        False,
+        (True, True, None, False, False),
+    ),
+    (
+        "ttl-ahead",
+        "Failed",
+        "2026-05-28T20:26:00Z",
+        60,
+        None,
+        False,
+        (False, False, 20.0, False, False),
+    ),
+    (
+        "ttl-ahead-sooner-due",
+        "Failed",
+        "2026-05-28T20:26:00Z",
+        60,
+        1.0,
+        False,
+        (False, False, 1.0, False, False),
+    ),
+    ("terminal-no-ttl", "Succeeded", T0_RFC, None, None, False, (False, True, None, False, False)),
+    (
+        "terminal-releasing",
+        "Succeeded",
+        T0_RFC,
+        None,
+        1.0,
+        False,
+        (False, False, 1.0, False, False),
+    ),
+    ("running-periodic-busy", "Running", None, None, None, True, (False, False, None, True, True)),
+    ("queued-periodic-idle", "Queued", None, None, None, False, (False, False, None, True, False)),
+    (
+        "suspended-with-pods-idle",
+        "Suspended",
+        None,
+        None,
+        None,
+        True,
+        (False, False, None, True, False),
+    ),
+    ("due-given", "Pending", None, None, 0.0, True, (False, False, 0.0, False, False)),
+]
+
+
+@pytest.mark.parametrize(
+    ("phase", "completed", "ttl", "due", "has_pods", "expected"),
+    [c[1:] for c in WAKES],
+    ids=[c[0] for c in WAKES],
+)
+def test_wake_after(
+    phase: str,
+    completed: str | None,
+    ttl: int | None,
+    due: float | None,
+    has_pods: bool,
+    expected: tuple[bool, bool, float | None, bool, bool],
+) -> None:
+    wake = wake_after(phase, completed, ttl, due, has_pods, T0)
+    got = (wake.delete, wake.done, wake.requeue_after, wake.periodic, wake.busy)
+    assert got == (
+        expected[0],
+        expected[1],
+        pytest.approx(expected[2]) if expected[2] is not None else None,
+        expected[3],
+        expected[4],
+    )
+
+
+@pytest.mark.parametrize(
+    ("due", "phase", "left", "expected"),
+    [
+        (None, "Pending", None, None),
+        (None, "Queued", 100.0, 100.5),
+        (5.0, "Running", 100.0, 5.0),
+        (None, "Running", -30.0, 0.5),
+        (None, "Failed", 100.0, None),
+        (3.0, "Succeeded", -1.0, 3.0),
+    ],
+    ids=["no-deadline", "queued-wakes-at-it", "sooner-due", "passed", "terminal", "terminal-due"],
+)
+def test_deadline_wake(
+    due: float | None, phase: str, left: float | None, expected: float | None
+) -> None:
+    assert deadline_wake(due, phase, left) == expected
