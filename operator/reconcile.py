@@ -29,12 +29,6 @@ from pydantic import ValidationError
 
 from preemptible_operator import conditions as cond
 from preemptible_operator import metrics, models, render
-from preemptible_operator.accounting import attempt_end_step, attempt_lost_steps
-from preemptible_operator.attempts import (
-    fallback_message,
-    reported_checkpoint_step,
-    resumed_from,
-)
 from preemptible_operator.budget import periodic_delay, spread_interval
 from preemptible_operator.checkpoint_store import CheckpointView, PathMap, StorageReads
 from preemptible_operator.children import (
@@ -46,11 +40,8 @@ from preemptible_operator.children import (
 )
 from preemptible_operator.classify import (
     DEACTIVATED_BY_OPERATOR_ANNOTATION,
-    ContainerEnd,
     Interruption,
-    container_end,
     is_kueue_admitted,
-    killed_at_grace,
     pod_finished,
 )
 from preemptible_operator.conditions import Reason
@@ -77,20 +68,20 @@ from preemptible_operator.decide import (
     unreachable_condition,
     wake_after,
 )
-from preemptible_operator.failure_policy import (
-    counted_failures,
-    decide_failure,
-    keep_failure_times,
-)
 from preemptible_operator.grace import next_grace
 from preemptible_operator.interval import auto_save_interval, interval_status
 from preemptible_operator.node_notice import NodeNotice, node_notice, pod_notice_patch
 from preemptible_operator.ownership import owned_by, pod_owned, tj_uid_of
 from preemptible_operator.phases import (
-    backoff_seconds,
     bound_attempts,
     estimate_progress,
     next_phase,
+)
+from preemptible_operator.recording import (
+    apply_metrics,
+    apply_snapshot,
+    record_attempt_end,
+    snapshot_ref,
 )
 from preemptible_operator.resume import attempt_fence, resume_checkpoint
 from preemptible_operator.scrape import RuntimeMetrics, scrape
@@ -544,7 +535,7 @@ class Reconciler:
                 if created_at is not None:
                     wait = max(0.0, self.clock() - created_at)
                     result.on_written.append(lambda: metrics.QUEUE_WAIT_SECONDS.observe(wait))
-            _apply_metrics(status, obs.runtime_metrics, spec, obs.attempt)
+            apply_metrics(status, obs.runtime_metrics, spec, obs.attempt)
         seen = interruption_of(obs, spec, record, recorded)
         interruption = seen.interruption
         if seen.deactivated_by_other:
@@ -843,10 +834,10 @@ class Reconciler:
         snapshot = self._storage.snapshot(view, (meta["uid"], attempt - 1))
         reported = status.last_complete_checkpoint
         if snapshot is not None:
-            _apply_snapshot(status, snapshot)
+            apply_snapshot(status, snapshot)
         choice = resume_checkpoint(
             snapshot is not None,
-            _snapshot_ref(snapshot),
+            snapshot_ref(snapshot),
             reported,
         )
         fence = attempt_fence(meta.get("creationTimestamp"), attempt)
@@ -938,186 +929,29 @@ class Reconciler:
         now: str,
         result: PassResult,
     ) -> None:
+        """Look at storage (the look the next attempt's create reuses) and record the ended
+        attempt (recording.record_attempt_end) in the pass's status."""
         meta = obs.obj["metadata"]
-        ends: list[ContainerEnd] = [e for e in (container_end(p) for p in obs.pods) if e]
-        ends.sort(key=lambda e: (e.index is None, e.index or 0))
-        messages = [e.message for e in ends if e.message is not None]
-        rank0 = next((e for e in ends if e.index == 0 and e.sigterm_to_exit is not None), None)
-        timings = status.timings or models.Timings()
-        for end in ends:
-            # Ground truth for the grace rule: the runtime's measure or the pod object's (a
-            # launcher's teardown after its main worker measured), whichever is longer.
-            timings.sigterm_to_exit_seconds_max = _max(
-                timings.sigterm_to_exit_seconds_max, end.sigterm_to_exit
-            )
-        for msg in messages:
-            timings.step_seconds_max = _max(timings.step_seconds_max, msg.step_seconds.max)
-            timings.step_seconds_p99 = msg.step_seconds.p99 or timings.step_seconds_p99
-            timings.step_seconds_ema = msg.step_seconds.ema or timings.step_seconds_ema
-            timings.save_seconds_max = _max(timings.save_seconds_max, msg.save_seconds.max)
-            timings.save_seconds_last = msg.save_seconds.last or timings.save_seconds_last
-            if msg.micro_batch_seconds is not None:
-                timings.micro_batch_seconds_max = _max(
-                    timings.micro_batch_seconds_max, msg.micro_batch_seconds.max
-                )
-        # Only a kill at the grace deadline says the grace was too short: not an OOM kill, not
-        # ranks killed while they waited for a peer that failed for real.
-        killed = killed_at_grace(ends)
-        if killed and interruption.outcome != "Succeeded" and record.grace_seconds:
-            # It needed more than its grace: a lower bound of the true SIGTERM-to-exit time.
-            timings.sigterm_to_exit_seconds_max = _max(
-                timings.sigterm_to_exit_seconds_max, float(record.grace_seconds)
-            )
-        status.timings = timings
-
-        # What the runtime loaded (an earlier checkpoint after a corrupt one) is the start.
-        loaded = resumed_from(messages)
-        if loaded is not None:
-            fell_back = fallback_message(
-                record.attempt, record.resume_from, record.start_step, loaded
-            )
-            if fell_back is not None:
-                result.events.append(("Warning", Reason.RESUME_FELL_BACK, fell_back))
-            record.resumed_from = _pod_checkpoint_path(spec, loaded.path)
-            record.start_step = loaded.step
-        # Only this attempt's own reports (not the step an earlier attempt left in progress).
-        progress = status.progress or models.Progress()
-        end_step = attempt_end_step(
-            record.attempt,
-            record.start_step,
-            [m.step for m in messages],
-            progress.step,
-            progress.attempt,
-        )
         key = (meta["uid"], record.attempt)
         snapshot = self._storage.snapshot(view, key) if view is not None else None
-        if snapshot is not None:
-            _apply_snapshot(status, snapshot)
-        # The runtime's own report counts even when storage is readable: a listing can miss
-        # the JIT checkpoint just written (another mount, an eventually consistent store).
-        for msg in sorted(messages, key=lambda m: m.step):
-            if msg.checkpoint and msg.complete:
-                current = status.last_complete_checkpoint
-                step = reported_checkpoint_step(msg)
-                if current is None or step > current.step:
-                    status.last_complete_checkpoint = models.CheckpointRef(
-                        step=step,
-                        path=_pod_checkpoint_path(spec, msg.checkpoint),
-                        completed_at=now,
-                        save_seconds=msg.save_seconds.last,
-                    )
-        ckpt = status.last_complete_checkpoint
-        lost = attempt_lost_steps(
-            end_step,
-            record.start_step,
-            ckpt.step if ckpt else None,
-            interruption.outcome == "Succeeded",
+        generation = meta.get("generation")
+        end = record_attempt_end(
+            status, record, spec, obs.pods, interruption, snapshot, now, self.clock(), generation
         )
-        outcome = interruption.outcome if interruption.outcome != "Active" else "Failed"
-        record.end_time = now
-        record.reason = interruption.reason
-        record.message = interruption.message or None
-        record.outcome = outcome  # type: ignore[assignment]
-        record.end_step = end_step
-        record.checkpoint = ckpt.path if ckpt else None
-        record.exit_codes = [e.exit_code for e in ends if e.exit_code is not None] or None
-        record.killed = killed
-        record.lost_steps = lost
-        sigterm = rank0.sigterm_to_exit if rank0 is not None else None
-        if sigterm is None:
-            sigterm = _max(None, *(e.sigterm_to_exit for e in ends))
-        record.sigterm_to_exit_seconds = sigterm
-        if sigterm is not None:
-            metrics.SIGTERM_TO_EXIT_SECONDS.labels(meta["namespace"], meta["name"]).set(sigterm)
+        labels = (meta["namespace"], meta["name"])
+        if end.sigterm_to_exit is not None:
+            metrics.SIGTERM_TO_EXIT_SECONDS.labels(*labels).set(end.sigterm_to_exit)
         if record.grace_seconds is not None:
-            job_labels = (meta["namespace"], meta["name"])
-            metrics.ATTEMPT_GRACE_SECONDS.labels(*job_labels).set(record.grace_seconds)
-        if end_step is not None:
-            progress.step = max(progress.step or 0, end_step)
-            status.progress = progress
-        status.lost_steps = (status.lost_steps or 0) + lost
+            metrics.ATTEMPT_GRACE_SECONDS.labels(*labels).set(record.grace_seconds)
+        # Counted once the status that records it is written (a pass redone after a conflict
+        # records the same attempt again).
+        lost = end.lost_steps
         if lost:
-            # Counted once the status that records it is written (a pass redone after a
-            # conflict records the same attempt again).
-            tj_labels = (meta["namespace"], meta["name"])
-            result.on_written.append(lambda: metrics.LOST_STEPS.labels(*tj_labels).inc(lost))
-            result.events.append(
-                (
-                    "Warning",
-                    Reason.LOST_STEPS,
-                    f"attempt {record.attempt} reached step {end_step} but the newest complete "
-                    f"checkpoint is step {ckpt.step if ckpt else 0}: {lost} steps lost"
-                    + (
-                        f" (SIGKILLed at the {record.grace_seconds} s grace deadline)"
-                        if killed
-                        else ""
-                    ),
-                )
-            )
-        generation = obs.obj["metadata"].get("generation")
-        if outcome == "Preempted":
-            status.preemptions = (status.preemptions or 0) + 1
-            reason = interruption.reason
-            result.on_written.append(lambda: metrics.PREEMPTIONS.labels(reason).inc())
-            status.conditions = cond.set_condition(
-                status.conditions,
-                cond.PREEMPTED,
-                "True",
-                interruption.reason,
-                f"attempt {record.attempt}: {interruption.message}",
-                now,
-                generation,
-            )
-        elif outcome == "Failed":
-            # The failure policy sees only real failures, and only the exit codes of containers
-            # that failed on their own (never 75, a peer's end or a kill at a grace deadline).
-            codes = [e.exit_code for e in ends if e.real_failure and e.exit_code is not None]
-            policy = spec.failure_policy
-            verdict = decide_failure(outcome, interruption.reason, codes, policy)
-            record.failure_action = verdict.action if verdict else None
-            record.failure_rule = verdict.rule if verdict else None
-            if verdict is None or verdict.counts:
-                status.failures = (status.failures or 0) + 1
-                status.failure_times = keep_failure_times(
-                    status.failure_times, _rfc3339(self.clock()), spec.max_restarts
-                )
-            window = policy.restart_window_seconds if policy else None
-            counted = counted_failures(
-                status.failures or 0, status.failure_times, self.clock(), window
-            )
-            if verdict is not None and not verdict.counts:
-                delay = backoff_seconds(spec.restart_backoff_seconds, 1)
-                result.events.append(
-                    (
-                        "Normal",
-                        Reason.FAILURE_IGNORED,
-                        f"attempt {record.attempt} failed ({interruption.reason}) and "
-                        f"failurePolicy rule {verdict.rule} says Ignore: restart in {delay} s, "
-                        "not counted against maxRestarts",
-                    )
-                )
-            else:
-                delay = backoff_seconds(spec.restart_backoff_seconds, counted)
-            status.next_attempt_after = _rfc3339(self.clock() + delay)
-            restarts = verdict is not None and verdict.action == "Restart"
-            if restarts and counted <= spec.max_restarts:
-                result.events.append(
-                    (
-                        "Normal",
-                        Reason.BACKOFF,
-                        f"restart {counted} of {spec.max_restarts} in {delay} s",
-                    )
-                )
-        shown_sigterm = "-" if sigterm is None else f"{sigterm:.2f}"
-        result.events.append(
-            (
-                "Warning" if outcome == "Failed" else "Normal",
-                interruption.reason,
-                f"attempt {record.attempt} ended ({outcome}): {interruption.message}; step "
-                f"{end_step}, checkpoint {record.checkpoint}, SIGTERM->exit {shown_sigterm} s, "
-                f"grace {record.grace_seconds} s",
-            )
-        )
+            result.on_written.append(lambda: metrics.LOST_STEPS.labels(*labels).inc(lost))
+        preempted = end.preempted
+        if preempted is not None:
+            result.on_written.append(lambda: metrics.PREEMPTIONS.labels(preempted).inc())
+        result.events.extend(end.events)
 
     def _ensure_service(self, meta: dict[str, Any], spec: models.TrainingJobSpec) -> Refusal | None:
         """Create the rendezvous Service. AlreadyExists is success only when it is ours; one of
@@ -1710,15 +1544,6 @@ def jittered(seconds: float, spread: float = 0.2) -> float:
     return seconds * (1.0 + random.uniform(-spread, spread))
 
 
-def _rfc3339(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _max(*values: float | None) -> float | None:
-    present = [v for v in values if v is not None]
-    return max(present) if present else None
-
-
 def _outcomes(status: models.TrainingJobStatus) -> dict[int, str | None]:
     """Each recorded attempt's outcome (None while it runs)."""
     return {rec.attempt: rec.outcome for rec in status.attempts or []}
@@ -1743,79 +1568,3 @@ def _refusal(kind: str, name: str, exc: ApiException) -> Refusal | None:
 
 def _int_or_none(value: str | None) -> int | None:
     return int(value) if value is not None and value.isdigit() else None
-
-
-def _pod_checkpoint_path(spec: models.TrainingJobSpec, reported: str) -> str:
-    """The runtime reports the path it wrote; keep it when it is under the URI, else join."""
-    uri = spec.checkpoint.uri.rstrip("/")
-    if reported.startswith(uri) or "/" in reported:
-        return reported
-    return f"{uri}/{reported}"
-
-
-def _snapshot_ref(snapshot: Any) -> models.CheckpointRef | None:
-    latest = snapshot.latest_complete if snapshot is not None else None
-    if latest is None:
-        return None
-    return models.CheckpointRef(step=latest.step, path=snapshot.latest_complete_path)
-
-
-def _apply_snapshot(status: models.TrainingJobStatus, snapshot: Any) -> None:
-    latest = snapshot.latest_complete
-    current = status.last_complete_checkpoint
-    # Never step back to an older checkpoint than one already known (reported by the runtime).
-    if latest is not None and (current is None or latest.step >= current.step):
-        status.last_complete_checkpoint = models.CheckpointRef(
-            step=latest.step,
-            path=snapshot.latest_complete_path,
-            completed_at=latest.created_at,
-            save_seconds=latest.save_seconds,
-        )
-        timings = status.timings or models.Timings()
-        if latest.save_seconds is not None:
-            timings.save_seconds_max = _max(timings.save_seconds_max, latest.save_seconds)
-            status.timings = timings
-    status.incomplete_checkpoints = [
-        models.IncompleteCheckpoint(step=info.step, path=path, reason=info.reason)
-        for info, path in snapshot.incomplete
-    ] or None
-
-
-def _apply_metrics(
-    status: models.TrainingJobStatus,
-    m: RuntimeMetrics | None,
-    spec: models.TrainingJobSpec,
-    attempt: int,
-) -> None:
-    if m is None:
-        return
-    progress = status.progress or models.Progress()
-    if m.int("step") is not None:
-        progress.step = m.int("step")
-        progress.attempt = attempt  # whose step it is: see accounting.attempt_end_step
-    if m.int("max_steps"):
-        progress.max_steps = m.int("max_steps")
-    if m.get("epoch") is not None:
-        progress.epoch = round(m.get("epoch") or 0.0, 4)
-    status.progress = progress
-    t = status.timings or models.Timings()
-
-    def measured(key: str) -> float | None:
-        value = m.get(key)  # the runtime exports 0 before its first step / save
-        return value if value is not None and value > 0 else None
-
-    t.step_seconds_max = _max(t.step_seconds_max, measured("step_seconds_max"))
-    t.step_seconds_p99 = measured("step_seconds_p99") or t.step_seconds_p99
-    t.step_seconds_ema = measured("step_seconds_ema") or t.step_seconds_ema
-    t.save_seconds_max = _max(t.save_seconds_max, measured("save_seconds_max"))
-    t.save_seconds_last = measured("save_seconds_last") or t.save_seconds_last
-    t.micro_batch_seconds_max = _max(t.micro_batch_seconds_max, measured("micro_batch_seconds_max"))
-    status.timings = t
-    ckpt_step = m.int("last_complete_checkpoint_step")
-    if ckpt_step is not None and ckpt_step > 0:
-        current = status.last_complete_checkpoint
-        if current is None or ckpt_step > current.step:
-            status.last_complete_checkpoint = models.CheckpointRef(
-                step=ckpt_step,
-                path=f"{spec.checkpoint.uri.rstrip('/')}/checkpoint-{ckpt_step}",
-            )
