@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from preemptible_operator import conditions as cond
-from preemptible_operator import models
+from preemptible_operator import models, render
+from preemptible_operator.checkpoint_store import StorageSnapshot
 from preemptible_operator.children import (
     Refusal,
     attempt_pods_finished,
+    jobs_to_delete,
     pods_refused,
     refusal_retry_seconds,
 )
@@ -30,6 +32,7 @@ from preemptible_operator.classify import (
 from preemptible_operator.conditions import Reason
 from preemptible_operator.failure_policy import counted_failures
 from preemptible_operator.grace import GraceDecision, grace_sufficiency, next_grace
+from preemptible_operator.interval import auto_save_interval
 from preemptible_operator.phases import (
     TERMINAL_PHASES,
     Decision,
@@ -38,33 +41,42 @@ from preemptible_operator.phases import (
     next_phase,
     ttl_remaining,
 )
+from preemptible_operator.recording import snapshot_ref
+from preemptible_operator.resume import attempt_fence, resume_checkpoint
 from preemptible_operator.scrape import RuntimeMetrics
 from preemptible_operator.timestamps import parse_rfc3339
 from preemptible_operator.unreachable import stuck_on_unreachable_nodes
 
 __all__ = [
+    "AttemptPlan",
     "Event",
     "GraceOutcome",
     "InterruptionView",
     "RefusalOutcome",
     "Snapshot",
     "Wake",
+    "adopted_params",
+    "attempt_created_message",
     "awaits_pods",
     "cap_grace",
     "clear_refused",
+    "current_record",
     "deadline_wake",
     "find_record",
     "grace_status",
     "interruption_of",
     "no_pods_wait",
+    "outcomes",
     "phase_change_event",
     "phase_conditions",
     "phase_inputs",
+    "plan_attempt",
     "pods_refusal",
     "refusal_outcome",
     "rejected_message",
     "running_pods",
     "shown_phase",
+    "start_attempt",
     "starts_now",
     "status_message",
     "unreachable_condition",
@@ -111,6 +123,32 @@ def find_record(status: models.TrainingJobStatus, attempt: int) -> models.Attemp
         if rec.attempt == attempt:
             return rec
     return None
+
+
+def current_record(
+    status: models.TrainingJobStatus, attempt: int, job: dict[str, Any] | None
+) -> models.AttemptRecord | None:
+    """The current attempt's record in the pass's working status. A Job without a record: the
+    pass that created it crashed before writing the status; the record is rebuilt from the
+    Job's annotations (and the backoff that preceded it is over)."""
+    record = find_record(status, attempt)
+    if not attempt or record is not None or job is None:
+        return record
+    ann = job["metadata"].get("annotations") or {}
+    record = models.AttemptRecord(
+        attempt=attempt,
+        job_name=job["metadata"]["name"],
+        start_time=job["metadata"].get("creationTimestamp"),
+        resume_from=ann.get(render.ANNOTATION_RESUME_FROM),
+        start_step=_int_or_none(ann.get(render.ANNOTATION_START_STEP)),
+        grace_seconds=_int_or_none(ann.get(render.ANNOTATION_GRACE)),
+    )
+    status.attempts = [*(status.attempts or []), record]
+    status.next_attempt_after = None
+    gp = status.grace_period or models.GraceStatus()
+    gp.current = record.grace_seconds
+    status.grace_period = gp
+    return record
 
 
 def running_pods(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -647,3 +685,114 @@ def deadline_wake(due: float | None, phase: str, deadline_left: float | None) ->
         return due
     at_deadline = max(0.5, deadline_left + 0.5)
     return at_deadline if due is None else min(due, at_deadline)
+
+
+# ------------------------------------------------------------------------------ next attempt
+def outcomes(status: models.TrainingJobStatus) -> dict[int, str | None]:
+    """Each recorded attempt's outcome (None while it runs)."""
+    return {rec.attempt: rec.outcome for rec in status.attempts or []}
+
+
+@dataclass(frozen=True)
+class AttemptPlan:
+    """The attempt a create_attempt pass creates, and what it cleans up once its Job exists."""
+
+    params: render.AttemptParams
+    grace: GraceDecision
+    old_jobs: list[dict[str, Any]]
+    """Earlier attempts' Jobs to delete (the newest failed one is kept for its logs)."""
+    old_pods: list[dict[str, Any]]
+    """Earlier attempts' pods to release (all finished: the decision waited for that)."""
+    previous: models.AttemptRecord | None
+    """The newest attempt recorded before this one."""
+
+
+def plan_attempt(
+    snap: Snapshot,
+    spec: models.TrainingJobSpec,
+    status: models.TrainingJobStatus,
+    recorded: bool,
+    reported: models.CheckpointRef | None,
+    storage: StorageSnapshot | None,
+    max_grace_seconds: int | None,
+) -> AttemptPlan:
+    """The next attempt (or the current one again, when its Job is missing and it was never
+    recorded): its grace from the measurements (doubled after a kill at the grace deadline,
+    capped by the operator), where it resumes (storage's look ``storage``, already applied to
+    ``status``, or the newest checkpoint ``reported`` before that) and its fence."""
+    meta = snap.obj["metadata"]
+    attempt = snap.attempt + 1 if (recorded or snap.attempt == 0) else snap.attempt
+    # Earlier attempts' leftovers, cleaned up once this attempt's Job exists (in the
+    # background, like an ended attempt's, which usually did it already). Their pods have
+    # all finished (the decision waits for that; the Jobs fail on exit and never replace a
+    # pod), so nothing of theirs can write checkpoints any more.
+    old_jobs = [dict(j) for j in jobs_to_delete(snap.jobs, outcomes(status), attempt - 1)]
+    old_pods = [p for n, ps in snap.pods_by_attempt.items() if n < attempt for p in ps]
+    last = (status.attempts or [])[-1] if status.attempts else None
+    killed_grace = last.grace_seconds if last is not None and last.killed else None
+    grace = cap_grace(
+        next_grace(spec.grace_period, status.timings, killed_grace), max_grace_seconds
+    )
+    choice = resume_checkpoint(storage is not None, snapshot_ref(storage), reported)
+    params = render.AttemptParams(
+        attempt=attempt,
+        grace_seconds=grace.seconds,
+        resume_from=choice.resume_from,
+        suspended=bool(spec.queue_name),
+        start_step=choice.step,
+        fence=attempt_fence(meta.get("creationTimestamp"), attempt),
+        save_interval_seconds=auto_save_interval(spec, status),
+    )
+    return AttemptPlan(params, grace, old_jobs, old_pods, last)
+
+
+def _int_or_none(value: str | None) -> int | None:
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def adopted_params(existing: dict[str, Any], planned: render.AttemptParams) -> render.AttemptParams:
+    """The attempt's Job exists already (ours: an earlier pass created it and did not record
+    it): what it was created with, from its annotations, rules over this pass's plan."""
+    ann = existing["metadata"].get("annotations") or {}
+    return render.AttemptParams(
+        attempt=planned.attempt,
+        grace_seconds=int(ann.get(render.ANNOTATION_GRACE, planned.grace_seconds)),
+        resume_from=ann.get(render.ANNOTATION_RESUME_FROM, planned.resume_from),
+        suspended=planned.suspended,
+        start_step=_int_or_none(ann.get(render.ANNOTATION_START_STEP)),
+        fence=planned.fence,
+    )
+
+
+def start_attempt(
+    status: models.TrainingJobStatus, name: str, params: render.AttemptParams, now: str
+) -> None:
+    """Record the attempt whose Job now exists in the pass's working status: its record (once),
+    the current attempt, the start time, its grace; the backoff is over."""
+    if find_record(status, params.attempt) is None:
+        status.attempts = [
+            *(status.attempts or []),
+            models.AttemptRecord(
+                attempt=params.attempt,
+                job_name=render.job_name(name, params.attempt),
+                start_time=now,
+                start_step=params.start_step,
+                resume_from=params.resume_from,
+                grace_seconds=params.grace_seconds,
+            ),
+        ]
+    status.attempt = params.attempt
+    status.start_time = status.start_time or now
+    status.next_attempt_after = None
+    gp = status.grace_period or models.GraceStatus()
+    gp.current = params.grace_seconds
+    status.grace_period = gp
+
+
+def attempt_created_message(name: str, params: render.AttemptParams, grace_reason: str) -> str:
+    """The Event message of a created attempt."""
+    return (
+        f"attempt {params.attempt}: Job {render.job_name(name, params.attempt)}, grace "
+        f"{params.grace_seconds} s ({grace_reason}), resume from "
+        f"{params.resume_from or 'scratch'!r}"
+    )

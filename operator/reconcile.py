@@ -47,29 +47,34 @@ from preemptible_operator.classify import (
 from preemptible_operator.conditions import Reason
 from preemptible_operator.decide import (
     Snapshot,
+    adopted_params,
+    attempt_created_message,
     awaits_pods,
     cap_grace,
     clear_refused,
+    current_record,
     deadline_wake,
     find_record,
     grace_status,
     interruption_of,
     no_pods_wait,
+    outcomes,
     phase_change_event,
     phase_conditions,
     phase_inputs,
+    plan_attempt,
     pods_refusal,
     refusal_outcome,
     rejected_message,
     running_pods,
     shown_phase,
+    start_attempt,
     starts_now,
     status_message,
     unreachable_condition,
     wake_after,
 )
-from preemptible_operator.grace import next_grace
-from preemptible_operator.interval import auto_save_interval, interval_status
+from preemptible_operator.interval import interval_status
 from preemptible_operator.node_notice import NodeNotice, node_notice, pod_notice_patch
 from preemptible_operator.ownership import owned_by, pod_owned, tj_uid_of
 from preemptible_operator.phases import (
@@ -81,9 +86,7 @@ from preemptible_operator.recording import (
     apply_metrics,
     apply_snapshot,
     record_attempt_end,
-    snapshot_ref,
 )
-from preemptible_operator.resume import attempt_fence, resume_checkpoint
 from preemptible_operator.scrape import RuntimeMetrics, scrape
 from preemptible_operator.timestamps import now_rfc3339, parse_rfc3339
 from preemptible_operator.victims import (
@@ -508,15 +511,7 @@ class Reconciler:
         spec = obs.spec
         generation = obs.obj["metadata"].get("generation")
 
-        record = find_record(status, obs.attempt)
-        if obs.attempt and record is None and obs.job is not None:
-            # The Job exists but the pass that created it crashed before writing status.
-            record = _record_from_job(obs.job, obs.attempt)
-            status.attempts = [*(status.attempts or []), record]
-            status.next_attempt_after = None
-            gp = status.grace_period or models.GraceStatus()
-            gp.current = record.grace_seconds
-            status.grace_period = gp
+        record = current_record(status, obs.attempt, obs.job)
         status.attempt = obs.attempt or status.attempt
         if status.attempt:
             metrics.ATTEMPT.labels(namespace, name).set(status.attempt)
@@ -614,7 +609,7 @@ class Reconciler:
             pods = list(obs.pods)
             # The newest failed attempt's Job stays (its pods' logs) until the TrainingJob is
             # deleted; preempted attempts' Jobs and older failed ones go.
-            jobs = [dict(j) for j in jobs_to_delete(obs.jobs, _outcomes(status), obs.attempt)]
+            jobs = [dict(j) for j in jobs_to_delete(obs.jobs, outcomes(status), obs.attempt)]
             after_status.append(lambda: self._clean_up_later(namespace, name, pods, jobs))
             result.requeue_after = 0.0  # the next attempt at once
         elif decision.action in ("finish", "cleanup"):
@@ -815,41 +810,16 @@ class Reconciler:
         meta = obs.obj["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         attempt = obs.attempt + 1 if (recorded or obs.attempt == 0) else obs.attempt
-        # Earlier attempts' leftovers, cleaned up once this attempt's Job exists (in the
-        # background, like an ended attempt's, which usually did it already). Their pods have
-        # all finished (the decision waits for that; the Jobs fail on exit and never replace a
-        # pod), so nothing of theirs can write checkpoints any more.
-        # The newest failed attempt's Job is kept for its logs (jobs_to_delete).
-        old_jobs = [dict(j) for j in jobs_to_delete(obs.jobs, _outcomes(status), attempt - 1)]
-        old_pods = [p for n, ps in obs.pods_by_attempt.items() if n < attempt for p in ps]
-
-        last = (status.attempts or [])[-1] if status.attempts else None
-        killed_grace = last.grace_seconds if last is not None and last.killed else None
-        decision = cap_grace(
-            next_grace(spec.grace_period, status.timings, killed_grace),
-            self.config.max_grace_seconds,
-        )
         view = CheckpointView(spec.checkpoint.uri, self.config.path_map)
         # The look the pass recording the previous attempt took, when it was just now.
-        snapshot = self._storage.snapshot(view, (meta["uid"], attempt - 1))
+        storage = self._storage.snapshot(view, (meta["uid"], attempt - 1))
         reported = status.last_complete_checkpoint
-        if snapshot is not None:
-            apply_snapshot(status, snapshot)
-        choice = resume_checkpoint(
-            snapshot is not None,
-            snapshot_ref(snapshot),
-            reported,
+        if storage is not None:
+            apply_snapshot(status, storage)
+        plan = plan_attempt(
+            obs, spec, status, recorded, reported, storage, self.config.max_grace_seconds
         )
-        fence = attempt_fence(meta.get("creationTimestamp"), attempt)
-        params = render.AttemptParams(
-            attempt=attempt,
-            grace_seconds=decision.seconds,
-            resume_from=choice.resume_from,
-            suspended=bool(spec.queue_name),
-            start_step=choice.step,
-            fence=fence,
-            save_interval_seconds=auto_save_interval(spec, status),
-        )
+        params = plan.params
         if spec.num_nodes > 1:
             # Rendezvous (MASTER_ADDR) only: one pod needs no DNS name.
             refused = self._ensure_service(meta, spec)
@@ -873,48 +843,19 @@ class Reconciler:
             )
             if not owned_by(existing, meta["uid"]):
                 return self._replace_foreign(existing, "Job", meta)
-            ann = existing["metadata"].get("annotations") or {}
-            params = render.AttemptParams(
-                attempt=attempt,
-                grace_seconds=int(ann.get(render.ANNOTATION_GRACE, decision.seconds)),
-                resume_from=ann.get(render.ANNOTATION_RESUME_FROM, choice.resume_from),
-                suspended=params.suspended,
-                start_step=_int_or_none(ann.get(render.ANNOTATION_START_STEP)),
-                fence=fence,
-            )
-        self._clean_up_later(namespace, name, old_pods, old_jobs)
-        if find_record(status, attempt) is None:
-            status.attempts = [
-                *(status.attempts or []),
-                models.AttemptRecord(
-                    attempt=attempt,
-                    job_name=render.job_name(name, attempt),
-                    start_time=now,
-                    start_step=params.start_step,
-                    resume_from=params.resume_from,
-                    grace_seconds=params.grace_seconds,
-                ),
-            ]
-        status.attempt = attempt
-        status.start_time = status.start_time or now
-        status.next_attempt_after = None
-        gp = status.grace_period or models.GraceStatus()
-        gp.current = params.grace_seconds
-        status.grace_period = gp
+            params = adopted_params(existing, params)
+        self._clean_up_later(namespace, name, plan.old_pods, plan.old_jobs)
+        start_attempt(status, name, params, now)
         metrics.GRACE_SECONDS.labels(namespace, name).set(params.grace_seconds)
         if created:
             # Posted now: the Job exists whatever happens to this pass's status write.
+            last = plan.previous
             if last is not None and last.end_time:
                 ended = parse_rfc3339(last.end_time)
                 if ended is not None:
                     metrics.REQUEUE_SECONDS.observe(max(0.0, self.clock() - ended))
             self._event(
-                obs.obj,
-                "Normal",
-                reason,
-                f"attempt {attempt}: Job {render.job_name(name, attempt)}, grace "
-                f"{params.grace_seconds} s ({decision.reason}), resume from "
-                f"{params.resume_from or 'scratch'!r}",
+                obs.obj, "Normal", reason, attempt_created_message(name, params, plan.grace.reason)
             )
         return None
 
@@ -1544,27 +1485,6 @@ def jittered(seconds: float, spread: float = 0.2) -> float:
     return seconds * (1.0 + random.uniform(-spread, spread))
 
 
-def _outcomes(status: models.TrainingJobStatus) -> dict[int, str | None]:
-    """Each recorded attempt's outcome (None while it runs)."""
-    return {rec.attempt: rec.outcome for rec in status.attempts or []}
-
-
-def _record_from_job(job: dict[str, Any], attempt: int) -> models.AttemptRecord:
-    ann = job["metadata"].get("annotations") or {}
-    return models.AttemptRecord(
-        attempt=attempt,
-        job_name=job["metadata"]["name"],
-        start_time=job["metadata"].get("creationTimestamp"),
-        resume_from=ann.get(render.ANNOTATION_RESUME_FROM),
-        start_step=_int_or_none(ann.get(render.ANNOTATION_START_STEP)),
-        grace_seconds=_int_or_none(ann.get(render.ANNOTATION_GRACE)),
-    )
-
-
 def _refusal(kind: str, name: str, exc: ApiException) -> Refusal | None:
     """The apiserver's refusal to create a child, when it is one that a retry cannot fix soon."""
     return create_refusal(kind, name, exc.status, api_message(exc.body, str(exc.reason or exc)))
-
-
-def _int_or_none(value: str | None) -> int | None:
-    return int(value) if value is not None and value.isdigit() else None
