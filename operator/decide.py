@@ -48,6 +48,8 @@ from preemptible_operator.timestamps import parse_rfc3339
 from preemptible_operator.unreachable import stuck_on_unreachable_nodes
 
 __all__ = [
+    "DEACTIVATE_ON_RECORD",
+    "ActionStatus",
     "AttemptPlan",
     "Event",
     "GraceOutcome",
@@ -55,6 +57,7 @@ __all__ = [
     "RefusalOutcome",
     "Snapshot",
     "Wake",
+    "action_status",
     "adopted_params",
     "attempt_created_message",
     "awaits_pods",
@@ -64,6 +67,7 @@ __all__ = [
     "deadline_wake",
     "find_record",
     "grace_status",
+    "held_pods",
     "interruption_of",
     "no_pods_wait",
     "outcomes",
@@ -796,3 +800,68 @@ def attempt_created_message(name: str, params: render.AttemptParams, grace_reaso
         f"{params.grace_seconds} s ({grace_reason}), resume from "
         f"{params.resume_from or 'scratch'!r}"
     )
+
+
+# ------------------------------------------------------------------------------ the action's status
+@dataclass(frozen=True)
+class ActionStatus:
+    """What the decided action itself writes into the status (before the phase is shown)."""
+
+    conditions: list[models.Condition] | None
+    completion_time: str | None
+    message: str | None
+    event: Event | None
+
+
+def action_status(
+    decision: Decision,
+    status: models.TrainingJobStatus,
+    invalid: str | None,
+    now: str,
+    generation: int | None,
+) -> ActionStatus:
+    """fail_invalid: Failed/InvalidSpec with why; fail (the deadline): the completion time;
+    finish of a job not yet terminal: the completion time, and condition Failed with an Event
+    when the restarts are used up or the failure policy failed it."""
+    conditions, completion, message = status.conditions, status.completion_time, status.message
+    event: Event | None = None
+    if decision.action == "fail_invalid":
+        message = invalid
+        conditions = cond.set_condition(
+            conditions, cond.FAILED, "True", Reason.INVALID_SPEC, invalid or "", now, generation
+        )
+        completion = completion or now
+        event = ("Warning", Reason.INVALID_SPEC, invalid or "")
+    elif decision.action == "fail":
+        completion = completion or now
+    elif decision.action == "finish" and status.phase not in TERMINAL_PHASES:
+        completion = completion or now
+        if decision.reason in (Reason.RESTARTS_EXHAUSTED, Reason.FAILED_BY_POLICY):
+            conditions = cond.set_condition(
+                conditions,
+                cond.FAILED,
+                "True",
+                decision.reason,
+                decision.message,
+                now,
+                generation,
+            )
+            event = ("Warning", decision.reason, decision.message)
+    return ActionStatus(conditions, completion, message, event)
+
+
+DEACTIVATE_ON_RECORD: frozenset[str] = frozenset(
+    {Reason.KUEUE_PREEMPTED, Reason.KUEUE_EVICTED, Reason.PODS_NEVER_READY}
+)
+"""Reasons whose attempt's Workload is deactivated when the attempt is recorded: Kueue must
+never re-admit that attempt (the next attempt brings a fresh Workload)."""
+
+
+def held_pods(pods_by_attempt: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Pods of any attempt that still hold the attempt-record finalizer."""
+    return [
+        p
+        for pods in pods_by_attempt.values()
+        for p in pods
+        if render.ATTEMPT_FINALIZER in (p["metadata"].get("finalizers") or [])
+    ]

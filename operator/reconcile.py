@@ -27,7 +27,6 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
-from preemptible_operator import conditions as cond
 from preemptible_operator import metrics, models, render
 from preemptible_operator.budget import periodic_delay, spread_interval
 from preemptible_operator.checkpoint_store import CheckpointView, PathMap, StorageReads
@@ -46,7 +45,9 @@ from preemptible_operator.classify import (
 )
 from preemptible_operator.conditions import Reason
 from preemptible_operator.decide import (
+    DEACTIVATE_ON_RECORD,
     Snapshot,
+    action_status,
     adopted_params,
     attempt_created_message,
     awaits_pods,
@@ -56,6 +57,7 @@ from preemptible_operator.decide import (
     deadline_wake,
     find_record,
     grace_status,
+    held_pods,
     interruption_of,
     no_pods_wait,
     outcomes,
@@ -78,6 +80,8 @@ from preemptible_operator.interval import interval_status
 from preemptible_operator.node_notice import NodeNotice, node_notice, pod_notice_patch
 from preemptible_operator.ownership import owned_by, pod_owned, tj_uid_of
 from preemptible_operator.phases import (
+    Decision,
+    PhaseInputs,
     bound_attempts,
     estimate_progress,
     next_phase,
@@ -499,6 +503,10 @@ class Reconciler:
     def _reconcile(
         self, namespace: str, name: str, cached: Cached | None, scrape_metrics: bool = True
     ) -> PassResult:
+        """Observe (``_observe``: one immutable Snapshot), decide (the pure functions of
+        decide.py, phases.next_phase, recording.py), act (``_act``: the API calls of the one
+        decided action), show and write the status once (``_show``, ``_write_and_post``) and
+        say when the next pass is due (``_schedule``)."""
         obs = self._observe(namespace, name, cached, scrape_metrics=scrape_metrics)
         if obs is None:
             return PassResult(done=True)
@@ -538,8 +546,6 @@ class Reconciler:
             self._suspend_for_deactivation(obs.obj, interruption.message)
             return PassResult(phase=status.phase, requeue_after=0.0)
         inputs = phase_inputs(obs, status, record, recorded, interruption, self.clock())
-        backoff_remaining = inputs.backoff_remaining
-        deadline_left = inputs.deadline_remaining
         decision = next_phase(inputs)
         result.action = decision.action
         result.phase = decision.phase
@@ -559,84 +565,23 @@ class Reconciler:
         )
 
         # ------------------------------------------------------------------ act
-        refusal: Refusal | None = None
-        # The attempt is over by its trainer containers, but a regular sidecar keeps a pod
-        # running: end those pods (their trainer's state stays readable, the finalizer holds
-        # them), or the attempt never ends.
-        ending = pods_to_end(obs.pods, interruption.over and not recorded)
-        if ending:
-            self._stop_pods([dict(p) for p in ending])
-        if decision.action == "fail_invalid":
-            status.message = obs.invalid
-            status.conditions = cond.set_condition(
-                status.conditions,
-                cond.FAILED,
-                "True",
-                Reason.INVALID_SPEC,
-                obs.invalid or "",
-                now,
-                generation,
-            )
-            status.completion_time = status.completion_time or now
-            result.events.append(("Warning", Reason.INVALID_SPEC, obs.invalid or ""))
-            if obs.job is not None and not recorded:
-                self._stop_pods(obs.pods)
-        elif decision.action == "fail":
-            # The attempt's pods stop gracefully (JIT checkpoint) and its Job goes, so Kueue
-            # admits no queued one later.
-            status.completion_time = status.completion_time or now
-            if obs.job is not None and not recorded:
-                self._stop_pods(obs.pods)
-                self._delete_job(obs.job)
-            if obs.pods:
-                result.requeue_after = 1.0  # the next pass releases their attempt finalizers
-        elif decision.action == "create_attempt" and spec is not None:
-            refusal = self._create_attempt(
-                obs, spec, status, record, recorded, decision.reason, now, result
-            )
-        elif decision.action == "stop_attempt":
-            self._stop_pods(obs.pods)
-        elif decision.action == "deactivate_workload":
-            self._deactivate_workload(namespace, obs.workload, obs.workload_version)
-        elif decision.action == "record_attempt" and spec is not None and record is not None:
-            if interruption.reason in (
-                Reason.KUEUE_PREEMPTED,
-                Reason.KUEUE_EVICTED,
-                Reason.PODS_NEVER_READY,
-            ):
-                self._deactivate_workload(namespace, obs.workload, obs.workload_version)
-            self._record_attempt(obs, spec, status, record, interruption, storage_view, now, result)
-            pods = list(obs.pods)
-            # The newest failed attempt's Job stays (its pods' logs) until the TrainingJob is
-            # deleted; preempted attempts' Jobs and older failed ones go.
-            jobs = [dict(j) for j in jobs_to_delete(obs.jobs, outcomes(status), obs.attempt)]
-            after_status.append(lambda: self._clean_up_later(namespace, name, pods, jobs))
-            result.requeue_after = 0.0  # the next attempt at once
-        elif decision.action in ("finish", "cleanup"):
-            leftovers = [p for pods in obs.pods_by_attempt.values() for p in pods]
-            held = [
-                p
-                for p in leftovers
-                if render.ATTEMPT_FINALIZER in (p["metadata"].get("finalizers") or [])
-            ]
-            if held:
-                after_status.append(lambda: self._release_pods(held))
-                result.requeue_after = 1.0  # confirm they were released
-            if decision.action == "finish" and status.phase not in ("Succeeded", "Failed"):
-                status.completion_time = status.completion_time or now
-                if decision.reason in (Reason.RESTARTS_EXHAUSTED, Reason.FAILED_BY_POLICY):
-                    status.conditions = cond.set_condition(
-                        status.conditions,
-                        cond.FAILED,
-                        "True",
-                        decision.reason,
-                        decision.message,
-                        now,
-                        generation,
-                    )
-                    result.events.append(("Warning", decision.reason, decision.message))
-        elif decision.action == "wait_backoff":
-            result.requeue_after = max(0.5, backoff_remaining)
+        done = action_status(decision, status, obs.invalid, now, generation)
+        status.conditions, status.completion_time = done.conditions, done.completion_time
+        status.message = done.message
+        if done.event is not None:
+            result.events.append(done.event)
+        refusal = self._act(
+            obs,
+            decision,
+            status,
+            record,
+            interruption,
+            storage_view,
+            inputs.backoff_remaining,
+            now,
+            result,
+            after_status,
+        )
 
         # ------------------------------------------------------------------ refusals
         if decision.action == "create_attempt" and refusal is None:
@@ -671,6 +616,29 @@ class Reconciler:
             self._escalate_unreachable(obs, spec, status, recorded, now, generation, result)
 
         # ------------------------------------------------------------------ status
+        new_phase = self._show(
+            obs, status, old_status, decision, inputs, record, now, result, after_status
+        )
+        if not self._write_and_post(obs, status, old_status, result, after_status):
+            return result  # conflict: the next pass re-reads and redoes this one
+        return self._schedule(obs, status, new_phase, inputs.deadline_remaining, result)
+
+    def _show(
+        self,
+        obs: Snapshot,
+        status: models.TrainingJobStatus,
+        old_status: dict[str, Any],
+        decision: Decision,
+        inputs: PhaseInputs,
+        record: models.AttemptRecord | None,
+        now: str,
+        result: PassResult,
+        after_status: list[Callable[[], None]],
+    ) -> str:
+        """What the status shows after the action (phase, its conditions, grace, checkpoint
+        interval, message); returns the new phase."""
+        spec = obs.spec
+        generation = obs.obj["metadata"].get("generation")
         shown, new_phase = shown_phase(decision, inputs, spec, status.attempt, status.phase)
         status.conditions = phase_conditions(status.conditions, new_phase, shown, now, generation)
         if spec is not None:
@@ -699,8 +667,22 @@ class Reconciler:
                 status.attempts_omitted = (status.attempts_omitted or 0) + dropped
         if self.config.priority_boost and spec is not None and new_phase == "Running":
             after_status.append(lambda: self._update_priority_boost(obs, spec, status, record))
+        return new_phase
+
+    def _write_and_post(
+        self,
+        obs: Snapshot,
+        status: models.TrainingJobStatus,
+        old_status: dict[str, Any],
+        result: PassResult,
+        after_status: list[Callable[[], None]],
+    ) -> bool:
+        """Write the status once (progress alone at most every status_progress_interval), then
+        count, post the Events and run what waited for the write. False: a conflict, nothing
+        done (``result`` asks for the pass to be redone)."""
+        meta = obs.obj["metadata"]
+        key = (meta["namespace"], meta["name"])
         new_status = status.to_k8s()
-        key = (namespace, name)
         write = new_status != old_status
         if write and _progress_only(old_status, new_status) and not result.events:
             # The runtime's step and timings alone: at most every status_progress_interval.
@@ -710,7 +692,7 @@ class Reconciler:
         if write:
             if not self._write_status(obs.obj, new_status, old_status):
                 result.requeue_after = 0.5
-                return result  # conflict: the next pass re-reads and redoes this one
+                return False
             with self._lock:
                 self._progress_written[key] = time.monotonic()
         # Counters of what this pass recorded: only now that the status holding it is written
@@ -721,7 +703,22 @@ class Reconciler:
             self._event(obs.obj, *event)
         for fn in after_status:
             fn()
+        return True
 
+    def _schedule(
+        self,
+        obs: Snapshot,
+        status: models.TrainingJobStatus,
+        new_phase: str,
+        deadline_left: float | None,
+        result: PassResult,
+    ) -> PassResult:
+        """When the next pass is due (decide.wake_after, the periodic timer, the deadline), or
+        the TrainingJob deleted once its TTL after finishing passed."""
+        meta = obs.obj["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        key = (namespace, name)
+        spec = obs.spec
         ttl = spec.ttl_seconds_after_finished if spec else None
         wake = wake_after(
             new_phase, status.completion_time, ttl, result.requeue_after, bool(obs.pods),
@@ -750,6 +747,71 @@ class Reconciler:
                 self._polled.discard(key)
         result.requeue_after = deadline_wake(result.requeue_after, new_phase, deadline_left)
         return result
+
+    def _act(
+        self,
+        obs: Snapshot,
+        decision: Decision,
+        status: models.TrainingJobStatus,
+        record: models.AttemptRecord | None,
+        interruption: Interruption,
+        storage_view: CheckpointView | None,
+        backoff_left: float,
+        now: str,
+        result: PassResult,
+        after_status: list[Callable[[], None]],
+    ) -> Refusal | None:
+        """The decided action's API calls. What must wait for the status write (releasing pods,
+        deleting an ended attempt's Jobs) goes to ``after_status``; a refused create is
+        returned (the status shows it)."""
+        meta = obs.obj["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        spec = obs.spec
+        recorded = record is not None and record.end_time is not None
+        # The attempt is over by its trainer containers, but a regular sidecar keeps a pod
+        # running: end those pods (their trainer's state stays readable, the finalizer holds
+        # them), or the attempt never ends.
+        ending = pods_to_end(obs.pods, interruption.over and not recorded)
+        if ending:
+            self._stop_pods([dict(p) for p in ending])
+        action = decision.action
+        if action == "fail_invalid":
+            if obs.job is not None and not recorded:
+                self._stop_pods(obs.pods)
+        elif action == "fail":
+            # The attempt's pods stop gracefully (JIT checkpoint) and its Job goes, so Kueue
+            # admits no queued one later.
+            if obs.job is not None and not recorded:
+                self._stop_pods(obs.pods)
+                self._delete_job(obs.job)
+            if obs.pods:
+                result.requeue_after = 1.0  # the next pass releases their attempt finalizers
+        elif action == "create_attempt" and spec is not None:
+            return self._create_attempt(
+                obs, spec, status, record, recorded, decision.reason, now, result
+            )
+        elif action == "stop_attempt":
+            self._stop_pods(obs.pods)
+        elif action == "deactivate_workload":
+            self._deactivate_workload(namespace, obs.workload, obs.workload_version)
+        elif action == "record_attempt" and spec is not None and record is not None:
+            if interruption.reason in DEACTIVATE_ON_RECORD:
+                self._deactivate_workload(namespace, obs.workload, obs.workload_version)
+            self._record_attempt(obs, spec, status, record, interruption, storage_view, now, result)
+            pods = list(obs.pods)
+            # The newest failed attempt's Job stays (its pods' logs) until the TrainingJob is
+            # deleted; preempted attempts' Jobs and older failed ones go.
+            jobs = [dict(j) for j in jobs_to_delete(obs.jobs, outcomes(status), obs.attempt)]
+            after_status.append(lambda: self._clean_up_later(namespace, name, pods, jobs))
+            result.requeue_after = 0.0  # the next attempt at once
+        elif action in ("finish", "cleanup"):
+            held = held_pods(obs.pods_by_attempt)
+            if held:
+                after_status.append(lambda: self._release_pods(held))
+                result.requeue_after = 1.0  # confirm they were released
+        elif action == "wait_backoff":
+            result.requeue_after = max(0.5, backoff_left)
+        return None
 
     def periodic_intervals(self) -> tuple[float, float]:
         """(poll, progress-only status write) period of one running job now: the configured

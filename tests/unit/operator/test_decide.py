@@ -12,6 +12,8 @@ from preemptible_operator.children import Refusal
 from preemptible_operator.classify import Interruption
 from preemptible_operator.conditions import Reason
 from preemptible_operator.decide import (
+    DEACTIVATE_ON_RECORD,
+    action_status,
     adopted_params,
     attempt_created_message,
     awaits_pods,
@@ -20,6 +22,7 @@ from preemptible_operator.decide import (
     deadline_wake,
     find_record,
     grace_status,
+    held_pods,
     interruption_of,
     no_pods_wait,
     phase_change_event,
@@ -1141,3 +1144,134 @@ def test_attempt_created_message() -> None:
     assert attempt_created_message("tj", params, "rule") == (
         f"attempt 3: Job {render.job_name('tj', 3)}, grace 45 s (rule), resume from 'scratch'"
     )
+
+
+# ------------------------------------------------------------------------------ the action's status
+ACTIONS = [
+    # (id, decision, phase before, invalid, failed condition, completion set, message, event)
+    (
+        "fail-invalid",
+        Decision("Failed", "fail_invalid", Reason.INVALID_SPEC),
+        None,
+        "spec.numNodes: too many",
+        (Reason.INVALID_SPEC, "spec.numNodes: too many"),
+        True,
+        "spec.numNodes: too many",
+        ("Warning", Reason.INVALID_SPEC, "spec.numNodes: too many"),
+    ),
+    (
+        "fail-deadline",
+        Decision("Failed", "fail", Reason.DEADLINE_EXCEEDED, "past 600 s"),
+        "Running",
+        None,
+        None,
+        True,
+        "old",
+        None,
+    ),
+    (
+        "finish-restarts-exhausted",
+        Decision("Failed", "finish", Reason.RESTARTS_EXHAUSTED, "3 of 3"),
+        "Running",
+        None,
+        (Reason.RESTARTS_EXHAUSTED, "3 of 3"),
+        True,
+        "old",
+        ("Warning", Reason.RESTARTS_EXHAUSTED, "3 of 3"),
+    ),
+    (
+        # Terminal already (a later pass releasing pods): nothing is written again.
+        "finish-already-terminal",
+        Decision("Failed", "finish", Reason.RESTARTS_EXHAUSTED, "3 of 3"),
+        "Failed",
+        None,
+        None,
+        False,
+        "old",
+        None,
+    ),
+    (
+        "finish-by-policy",
+        Decision("Failed", "finish", Reason.FAILED_BY_POLICY, "rule oom"),
+        "Running",
+        None,
+        (Reason.FAILED_BY_POLICY, "rule oom"),
+        True,
+        "old",
+        ("Warning", Reason.FAILED_BY_POLICY, "rule oom"),
+    ),
+    (
+        "finish-succeeded",
+        Decision("Succeeded", "finish", Reason.COMPLETED),
+        "Running",
+        None,
+        None,
+        True,
+        "old",
+        None,
+    ),
+    (
+        "none",
+        Decision("Running", "none", Reason.STARTED),
+        "Running",
+        None,
+        None,
+        False,
+        "old",
+        None,
+    ),
+    (
+        "create",
+        Decision("Pending", "create_attempt", Reason.STARTED),
+        None,
+        None,
+        None,
+        False,
+        "old",
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("decision", "phase", "invalid", "failed", "completed", "message", "event"),
+    [c[1:] for c in ACTIONS],
+    ids=[c[0] for c in ACTIONS],
+)
+def test_action_status(
+    decision: Decision,
+    phase: str | None,
+    invalid: str | None,
+    failed: tuple[str, str] | None,
+    completed: bool,
+    message: str | None,
+    event: tuple[str, str, str] | None,
+) -> None:
+    status = models.TrainingJobStatus(phase=phase, message="old")  # type: ignore[arg-type]
+    got = action_status(decision, status, invalid, T0_RFC, 2)
+    found = conds.find_condition(got.conditions, conds.FAILED)
+    assert ((found.reason, found.message) if found else None) == failed
+    assert got.completion_time == (T0_RFC if completed else None)
+    assert (got.message, got.event) == (message, event)
+    # A completion time already set is kept.
+    earlier = models.TrainingJobStatus(phase=phase, completion_time="2026-01-01T00:00:00Z")  # type: ignore[arg-type]
+    kept = action_status(decision, earlier, invalid, T0_RFC, 2).completion_time
+    assert kept == "2026-01-01T00:00:00Z"
+
+
+def test_deactivated_on_record() -> None:
+    """Kueue's evictions (and a start that never got all pods ready) end the Workload with the
+    attempt; a pod eviction or node loss does not (Kueue did not take the quota back)."""
+    assert {Reason.KUEUE_PREEMPTED, Reason.KUEUE_EVICTED, Reason.PODS_NEVER_READY} == set(
+        DEACTIVATE_ON_RECORD
+    )
+    assert Reason.POD_EVICTED not in DEACTIVATE_ON_RECORD
+
+
+def test_held_pods() -> None:
+    held = make_pod("held")
+    held["metadata"]["finalizers"] = ["other", render.ATTEMPT_FINALIZER]
+    released = make_pod("released")
+    released["metadata"]["finalizers"] = ["other"]
+    got = held_pods({1: [released, held], 2: [make_pod("bare")]})
+    assert [p["metadata"]["name"] for p in got] == ["held"]
