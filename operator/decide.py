@@ -9,9 +9,12 @@ decision has a table test (tests/unit/operator/test_decide.py).
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import ValidationError
 
 from preemptible_operator import conditions as cond
 from preemptible_operator import models, render
@@ -33,6 +36,7 @@ from preemptible_operator.conditions import Reason
 from preemptible_operator.failure_policy import counted_failures
 from preemptible_operator.grace import GraceDecision, grace_sufficiency, next_grace
 from preemptible_operator.interval import auto_save_interval
+from preemptible_operator.ownership import owned_by, pod_owned
 from preemptible_operator.phases import (
     TERMINAL_PHASES,
     Decision,
@@ -51,9 +55,11 @@ __all__ = [
     "DEACTIVATE_ON_RECORD",
     "ActionStatus",
     "AttemptPlan",
+    "Children",
     "Event",
     "GraceOutcome",
     "InterruptionView",
+    "PassSpec",
     "RefusalOutcome",
     "Snapshot",
     "Wake",
@@ -61,6 +67,7 @@ __all__ = [
     "adopted_params",
     "attempt_created_message",
     "awaits_pods",
+    "by_attempt",
     "cap_grace",
     "clear_refused",
     "current_record",
@@ -71,6 +78,9 @@ __all__ = [
     "interruption_of",
     "no_pods_wait",
     "outcomes",
+    "owned_children",
+    "parse_spec_tolerant",
+    "pass_spec",
     "phase_change_event",
     "phase_conditions",
     "phase_inputs",
@@ -80,6 +90,7 @@ __all__ = [
     "rejected_message",
     "running_pods",
     "shown_phase",
+    "spec_of_job",
     "start_attempt",
     "starts_now",
     "status_message",
@@ -865,3 +876,104 @@ def held_pods(pods_by_attempt: dict[int, list[dict[str, Any]]]) -> list[dict[str
         for p in pods
         if render.ATTEMPT_FINALIZER in (p["metadata"].get("finalizers") or [])
     ]
+
+
+# ------------------------------------------------------------------------------ what is ours
+def parse_spec_tolerant(
+    raw: dict[str, Any] | None,
+) -> tuple[models.TrainingJobSpec | None, str | None, str | None]:
+    """(spec, why it is invalid, note). Fields this operator does not know (a newer CRD: version
+    skew between CRD and operator) are dropped with a note rather than refused; anything else
+    invalid is reported with the field, value and fix."""
+    try:
+        return models.parse_spec(raw), None, None
+    except ValidationError as exc:
+        unknown = [e["loc"] for e in exc.errors() if e["type"] == "extra_forbidden"]
+        if not unknown or len(unknown) != len(exc.errors()):
+            return None, models.format_validation_error(exc), None
+    pruned = json.loads(json.dumps(raw or {}))
+    for loc in unknown:
+        parent: Any = pruned
+        for key in loc[:-1]:
+            parent = parent[key]
+        parent.pop(loc[-1], None)
+    try:
+        spec = models.parse_spec(pruned)
+    except ValidationError as exc:
+        return None, models.format_validation_error(exc), None
+    shown = ", ".join("spec." + ".".join(str(p) for p in loc) for loc in unknown)
+    return spec, None, f"ignored fields this operator does not know (a newer CRD?): {shown}"
+
+
+def spec_of_job(job: dict[str, Any] | None) -> models.TrainingJobSpec | None:
+    """The spec an attempt's Job was created from (its annotation), None when unknown."""
+    raw = ((job or {}).get("metadata", {}).get("annotations") or {}).get(render.ANNOTATION_SPEC)
+    if not raw:
+        return None
+    try:
+        return models.parse_spec(json.loads(raw))
+    except (ValueError, ValidationError):
+        return None
+
+
+def by_attempt(objs: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """Objects by the attempt number of their label (unlabelled ones left out)."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for obj in objs:
+        raw = (obj["metadata"].get("labels") or {}).get(render.LABEL_ATTEMPT, "")
+        if raw.isdigit():
+            out.setdefault(int(raw), []).append(obj)
+    return out
+
+
+@dataclass(frozen=True)
+class Children:
+    """The TrainingJob's children among those labelled with its name."""
+
+    jobs: dict[int, dict[str, Any]]
+    """Its Jobs by attempt."""
+    pods_by_attempt: dict[int, list[dict[str, Any]]]
+    foreign_pods: list[dict[str, Any]]
+    """Pods labelled with its name that are not its own: an earlier incarnation's."""
+
+
+def owned_children(
+    uid: str | None, jobs: list[dict[str, Any]], pods: list[dict[str, Any]]
+) -> Children:
+    """Children are ours only by owner uid: a TrainingJob re-created under the same name must
+    never adopt the previous incarnation's Jobs or pods (still being deleted)."""
+    owned_jobs = [j for j in jobs if owned_by(j, uid)]
+    job_uids = {j["metadata"].get("uid") for j in owned_jobs}
+    ours = [p for p in pods if pod_owned(p, uid, job_uids)]
+    return Children(
+        jobs={n: js[0] for n, js in by_attempt(owned_jobs).items()},
+        pods_by_attempt=by_attempt(ours),
+        foreign_pods=[p for p in pods if not pod_owned(p, uid, job_uids)],
+    )
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    """The spec a pass works with."""
+
+    spec: models.TrainingJobSpec | None
+    invalid: str | None
+    """Why the TrainingJob cannot run at all (its name, or a spec invalid before any attempt)."""
+    rejected: str | None
+    """Why an edit after the job ran is rejected (``spec`` is then the current attempt's)."""
+    note: str | None
+    """Fields this operator does not know, dropped (logged)."""
+
+
+def pass_spec(
+    raw: dict[str, Any] | None, name_invalid: str | None, attempt: int, job: dict[str, Any] | None
+) -> PassSpec:
+    """An invalid spec before any attempt fails the job; an invalid edit of a job that has run
+    is rejected, and the pass goes on with the spec the current attempt was created from (held
+    between attempts until the spec is fixed)."""
+    spec, spec_invalid, note = parse_spec_tolerant(raw)
+    if spec_invalid is None:
+        return PassSpec(spec, name_invalid, None, note)
+    if attempt:
+        return PassSpec(spec_of_job(job), name_invalid, spec_invalid, note)
+    return PassSpec(spec, name_invalid or spec_invalid, None, note)

@@ -25,7 +25,6 @@ from typing import Any
 
 import kubernetes
 from kubernetes.client.rest import ApiException
-from pydantic import ValidationError
 
 from preemptible_operator import metrics, models, render
 from preemptible_operator.budget import periodic_delay, spread_interval
@@ -51,6 +50,7 @@ from preemptible_operator.decide import (
     adopted_params,
     attempt_created_message,
     awaits_pods,
+    by_attempt,
     cap_grace,
     clear_refused,
     current_record,
@@ -61,6 +61,9 @@ from preemptible_operator.decide import (
     interruption_of,
     no_pods_wait,
     outcomes,
+    owned_children,
+    parse_spec_tolerant,
+    pass_spec,
     phase_change_event,
     phase_conditions,
     phase_inputs,
@@ -70,6 +73,7 @@ from preemptible_operator.decide import (
     rejected_message,
     running_pods,
     shown_phase,
+    spec_of_job,
     start_attempt,
     starts_now,
     status_message,
@@ -78,7 +82,7 @@ from preemptible_operator.decide import (
 )
 from preemptible_operator.interval import interval_status
 from preemptible_operator.node_notice import NodeNotice, node_notice, pod_notice_patch
-from preemptible_operator.ownership import owned_by, pod_owned, tj_uid_of
+from preemptible_operator.ownership import owned_by, tj_uid_of
 from preemptible_operator.phases import (
     Decision,
     PhaseInputs,
@@ -281,7 +285,7 @@ class Reconciler:
         return list(data.get("items", []))
 
     def _list_pods(self, namespace: str, name: str) -> dict[int, list[dict[str, Any]]]:
-        return _by_attempt(self._api_pods(namespace, name))
+        return by_attempt(self._api_pods(namespace, name))
 
     def _get_workload(
         self, namespace: str, job: dict[str, Any] | None, cached: Cached | None = None
@@ -412,32 +416,18 @@ class Reconciler:
         invalid = render.validate_name(name)
         raw_jobs = cached.jobs if cached is not None else self._api_jobs(namespace, name)
         raw_pods = cached.pods if cached is not None else self._api_pods(namespace, name)
-        # Children are ours only by owner uid: a TrainingJob re-created under the same name
-        # must never adopt the previous incarnation's Jobs or pods (still being deleted).
-        owned_jobs = [j for j in raw_jobs if owned_by(j, uid)]
-        job_uids = {j["metadata"].get("uid") for j in owned_jobs}
-        jobs = {n: js[0] for n, js in _by_attempt(owned_jobs).items()}
-        pods = _by_attempt([p for p in raw_pods if pod_owned(p, uid, job_uids)])
+        children = owned_children(uid, raw_jobs, raw_pods)
+        jobs, pods = children.jobs, children.pods_by_attempt
         now_s = self.clock()
         previous = [
-            p
-            for p in raw_pods
-            if not pod_owned(p, uid, job_uids) and not pod_finished(p, self._node_ready([p]), now_s)
+            p for p in children.foreign_pods if not pod_finished(p, self._node_ready([p]), now_s)
         ]
         attempt = max([status.attempt or 0, *jobs.keys()])
         job = jobs.get(attempt)
-        spec, spec_invalid, note = parse_spec_tolerant(obj.get("spec"))
-        rejected: str | None = None
-        if spec_invalid is not None:
-            if attempt:
-                # An edit of a job that has run: reject it and go on with the spec the current
-                # attempt was created from (held between attempts until the spec is fixed).
-                rejected = spec_invalid
-                spec = spec_of_job(job)
-            else:
-                invalid = invalid or spec_invalid
-        if note:
-            log.warning("%s/%s: %s", namespace, name, note)
+        chosen = pass_spec(obj.get("spec"), invalid, attempt, job)
+        spec, invalid, rejected = chosen.spec, chosen.invalid, chosen.rejected
+        if chosen.note:
+            log.warning("%s/%s: %s", namespace, name, chosen.note)
         workload, version = (None, None)
         if spec is not None and spec.queue_name:
             workload, version = self._get_workload(namespace, job, cached)
@@ -1494,52 +1484,6 @@ def _progress_only(old: dict[str, Any], new: dict[str, Any]) -> bool:
     """Whether two statuses differ only in what the runtime's /metrics refresh every pass."""
     strip = lambda d: {k: v for k, v in d.items() if k not in _PROGRESS_KEYS}  # noqa: E731
     return strip(old) == strip(new)
-
-
-def parse_spec_tolerant(
-    raw: dict[str, Any] | None,
-) -> tuple[models.TrainingJobSpec | None, str | None, str | None]:
-    """(spec, why it is invalid, note). Fields this operator does not know (a newer CRD: version
-    skew between CRD and operator) are dropped with a note rather than refused; anything else
-    invalid is reported with the field, value and fix."""
-    try:
-        return models.parse_spec(raw), None, None
-    except ValidationError as exc:
-        unknown = [e["loc"] for e in exc.errors() if e["type"] == "extra_forbidden"]
-        if not unknown or len(unknown) != len(exc.errors()):
-            return None, models.format_validation_error(exc), None
-    pruned = json.loads(json.dumps(raw or {}))
-    for loc in unknown:
-        parent: Any = pruned
-        for key in loc[:-1]:
-            parent = parent[key]
-        parent.pop(loc[-1], None)
-    try:
-        spec = models.parse_spec(pruned)
-    except ValidationError as exc:
-        return None, models.format_validation_error(exc), None
-    shown = ", ".join("spec." + ".".join(str(p) for p in loc) for loc in unknown)
-    return spec, None, f"ignored fields this operator does not know (a newer CRD?): {shown}"
-
-
-def spec_of_job(job: dict[str, Any] | None) -> models.TrainingJobSpec | None:
-    """The spec an attempt's Job was created from (its annotation), None when unknown."""
-    raw = ((job or {}).get("metadata", {}).get("annotations") or {}).get(render.ANNOTATION_SPEC)
-    if not raw:
-        return None
-    try:
-        return models.parse_spec(json.loads(raw))
-    except (ValueError, ValidationError):
-        return None
-
-
-def _by_attempt(objs: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
-    out: dict[int, list[dict[str, Any]]] = {}
-    for obj in objs:
-        raw = (obj["metadata"].get("labels") or {}).get(render.LABEL_ATTEMPT, "")
-        if raw.isdigit():
-            out.setdefault(int(raw), []).append(obj)
-    return out
 
 
 def jittered(seconds: float, spread: float = 0.2) -> float:

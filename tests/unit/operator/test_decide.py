@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from preemptible_operator.decide import (
     adopted_params,
     attempt_created_message,
     awaits_pods,
+    by_attempt,
     clear_refused,
     current_record,
     deadline_wake,
@@ -25,6 +27,8 @@ from preemptible_operator.decide import (
     held_pods,
     interruption_of,
     no_pods_wait,
+    owned_children,
+    pass_spec,
     phase_change_event,
     phase_conditions,
     phase_inputs,
@@ -1275,3 +1279,130 @@ def test_held_pods() -> None:
     released["metadata"]["finalizers"] = ["other"]
     got = held_pods({1: [released, held], 2: [make_pod("bare")]})
     assert [p["metadata"]["name"] for p in got] == ["held"]
+
+
+# ------------------------------------------------------------------------------ what is ours
+def _owned_job(attempt: int, owner: str, uid: str) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": f"tj-a{attempt}",
+            "uid": uid,
+            "labels": {render.LABEL_ATTEMPT: str(attempt)},
+            "ownerReferences": [{"uid": owner, "controller": True}],
+        }
+    }
+
+
+def _labelled_pod(
+    name: str, attempt: int, *, job_uid: str | None = None, tj_uid: str | None = None
+) -> dict[str, Any]:
+    pod = make_pod(name)
+    pod["metadata"]["labels"][render.LABEL_ATTEMPT] = str(attempt)
+    if job_uid is not None:
+        pod["metadata"]["ownerReferences"] = [{"uid": job_uid, "controller": True}]
+    if tj_uid is not None:
+        pod["metadata"]["annotations"][render.ANNOTATION_TJ_UID] = tj_uid
+    return pod
+
+
+def test_owned_children_only_by_owner_uid() -> None:
+    """A TrainingJob re-created under the same name never adopts the old incarnation's
+    children: Jobs by owner reference, pods by the uid annotation or through their Job."""
+    jobs = [
+        _owned_job(1, "new", "j-new-1"),
+        _owned_job(1, "old", "j-old-1"),
+        _owned_job(2, "new", "j-new-2"),
+    ]
+    pods = [
+        _labelled_pod("by-job", 1, job_uid="j-new-1"),
+        _labelled_pod("by-annotation", 2, tj_uid="new"),
+        _labelled_pod("old-by-job", 1, job_uid="j-old-1"),
+        _labelled_pod("old-by-annotation", 1, job_uid="j-new-1", tj_uid="old"),
+    ]
+    got = owned_children("new", jobs, pods)
+    assert {n: j["metadata"]["uid"] for n, j in got.jobs.items()} == {1: "j-new-1", 2: "j-new-2"}
+    assert {n: [p["metadata"]["name"] for p in ps] for n, ps in got.pods_by_attempt.items()} == {
+        1: ["by-job"],
+        2: ["by-annotation"],
+    }
+    assert [p["metadata"]["name"] for p in got.foreign_pods] == ["old-by-job", "old-by-annotation"]
+
+
+def test_by_attempt_skips_unlabelled() -> None:
+    unlabelled = make_pod("x")
+    del unlabelled["metadata"]["labels"][render.LABEL_ATTEMPT]
+    assert by_attempt([unlabelled, _labelled_pod("y", 3)]) == {3: [_labelled_pod("y", 3)]}
+
+
+VALID_RAW: dict[str, Any] = {"image": "img", "command": ["python"], "checkpoint": {"uri": "/c"}}
+ATTEMPT_JOB: dict[str, Any] = {
+    "metadata": {
+        "name": "tj-a1",
+        "annotations": {
+            render.ANNOTATION_SPEC: json.dumps({**VALID_RAW, "image": "old"}),
+        },
+    }
+}
+SPECS = [
+    # (id, raw spec, name invalid, attempt, job, spec image, invalid words, rejected words)
+    ("valid", VALID_RAW, None, 0, None, "img", None, None),
+    ("bad-name", VALID_RAW, "name too long", 0, None, "img", "name too long", None),
+    (
+        "invalid-before-any-attempt",
+        {**VALID_RAW, "numNodes": 0},
+        None,
+        0,
+        None,
+        None,
+        "numNodes",
+        None,
+    ),
+    # An edit after the job ran: rejected, the attempt's own spec goes on.
+    (
+        "invalid-edit-after-a-run",
+        {**VALID_RAW, "numNodes": 0},
+        None,
+        1,
+        ATTEMPT_JOB,
+        "old",
+        None,
+        "numNodes",
+    ),
+    (
+        "invalid-edit-no-attempt-spec",
+        {**VALID_RAW, "numNodes": 0},
+        None,
+        1,
+        None,
+        None,
+        None,
+        "numNodes",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("raw", "name_invalid", "attempt", "job", "image", "invalid", "rejected"),
+    [c[1:] for c in SPECS],
+    ids=[c[0] for c in SPECS],
+)
+def test_pass_spec(
+    raw: dict[str, Any],
+    name_invalid: str | None,
+    attempt: int,
+    job: dict[str, Any] | None,
+    image: str | None,
+    invalid: str | None,
+    rejected: str | None,
+) -> None:
+    got = pass_spec(raw, name_invalid, attempt, job)
+    assert (got.spec.image if got.spec else None) == image
+    for said, words in ((got.invalid, invalid), (got.rejected, rejected)):
+        assert (said is None) is (words is None)
+        assert words is None or (said is not None and words in said)
+
+
+def test_pass_spec_notes_unknown_fields() -> None:
+    got = pass_spec({**VALID_RAW, "newFeature": 1}, None, 0, None)
+    assert got.spec is not None and got.invalid is None
+    assert got.note is not None and "spec.newFeature" in got.note
