@@ -27,6 +27,7 @@ from preemptible_operator.children import (
     refusal_retry_seconds,
 )
 from preemptible_operator.classify import (
+    DEACTIVATED_BY_OPERATOR_ANNOTATION,
     Interruption,
     attempt_started,
     classify_interruption,
@@ -50,6 +51,7 @@ from preemptible_operator.resume import attempt_fence, resume_checkpoint
 from preemptible_operator.scrape import RuntimeMetrics
 from preemptible_operator.timestamps import parse_rfc3339
 from preemptible_operator.unreachable import stuck_on_unreachable_nodes
+from preemptible_operator.victims import BOOST_ANNOTATION
 
 __all__ = [
     "DEACTIVATE_ON_RECORD",
@@ -71,11 +73,13 @@ __all__ = [
     "cap_grace",
     "clear_refused",
     "current_record",
+    "deactivation_patch",
     "deadline_wake",
     "find_record",
     "grace_status",
     "held_pods",
     "interruption_of",
+    "left_by_earlier_incarnation",
     "no_pods_wait",
     "outcomes",
     "owned_children",
@@ -977,3 +981,25 @@ def pass_spec(
     if attempt:
         return PassSpec(spec_of_job(job), name_invalid, spec_invalid, note)
     return PassSpec(spec, name_invalid or spec_invalid, None, note)
+
+
+def left_by_earlier_incarnation(existing: dict[str, Any], tj_name: str) -> bool:
+    """A child name is taken by an object owned by a TrainingJob of the same name (another
+    uid): a deleted incarnation's, which garbage collection removes (waited for, never a
+    refusal)."""
+    refs = existing["metadata"].get("ownerReferences") or []
+    return any(r.get("kind") == models.KIND and r.get("name") == tj_name for r in refs)
+
+
+# ------------------------------------------------------------------------------ Workloads
+def deactivation_patch(workload: dict[str, Any]) -> dict[str, Any] | None:
+    """The merge patch that deactivates an attempt's Workload (None: inactive already). Marked
+    as ours: an inactive Workload without the mark is an administrator's (or Kueue's) and
+    suspends the TrainingJob (classify.workload_deactivated). A victim's priority boost must not
+    follow its Workload back into the queue."""
+    if (workload.get("spec") or {}).get("active") is False:
+        return None
+    annotations: dict[str, Any] = {DEACTIVATED_BY_OPERATOR_ANNOTATION: "true"}
+    if BOOST_ANNOTATION in (workload["metadata"].get("annotations") or {}):
+        annotations[BOOST_ANNOTATION] = None
+    return {"metadata": {"annotations": annotations}, "spec": {"active": False}}

@@ -37,7 +37,6 @@ from preemptible_operator.children import (
     pods_to_end,
 )
 from preemptible_operator.classify import (
-    DEACTIVATED_BY_OPERATOR_ANNOTATION,
     Interruption,
     is_kueue_admitted,
     pod_finished,
@@ -54,11 +53,13 @@ from preemptible_operator.decide import (
     cap_grace,
     clear_refused,
     current_record,
+    deactivation_patch,
     deadline_wake,
     find_record,
     grace_status,
     held_pods,
     interruption_of,
+    left_by_earlier_incarnation,
     no_pods_wait,
     outcomes,
     owned_children,
@@ -980,9 +981,8 @@ class Reconciler:
         """``existing`` holds the name a child of ``meta`` needs but is not ours: a refusal when
         someone else's (the user must delete or rename it); ChildConflict (a temporary error,
         retried) when a deleted TrainingJob of the same name left it."""
-        refs = existing["metadata"].get("ownerReferences") or []
         name = existing["metadata"]["name"]
-        if any(r.get("kind") == models.KIND and r.get("name") == meta["name"] for r in refs):
+        if left_by_earlier_incarnation(existing, meta["name"]):
             # Left by a deleted TrainingJob of the same name: garbage collection removes it (a
             # Job we delete at once; a Service needs no delete permission, it is only waited
             # for); ours is created on a later pass.
@@ -1206,18 +1206,9 @@ class Reconciler:
     ) -> None:
         if workload is None or version is None:
             return
-        if (workload.get("spec") or {}).get("active") is False:
+        patch = deactivation_patch(workload)
+        if patch is None:
             return
-        # Marked as ours: an inactive Workload without the mark is an administrator's (or
-        # Kueue's) and suspends the TrainingJob (classify.workload_deactivated).
-        annotations: dict[str, Any] = {DEACTIVATED_BY_OPERATOR_ANNOTATION: "true"}
-        if BOOST_ANNOTATION in (workload["metadata"].get("annotations") or {}):
-            # A victim's boost must not follow its Workload back into the queue.
-            annotations[BOOST_ANNOTATION] = None
-        patch: dict[str, Any] = {
-            "metadata": {"annotations": annotations},
-            "spec": {"active": False},
-        }
         try:
             self.custom.patch_namespaced_custom_object(
                 KUEUE_GROUP,

@@ -10,7 +10,7 @@ import pytest
 from preemptible_operator import conditions as conds
 from preemptible_operator import models, render
 from preemptible_operator.children import Refusal
-from preemptible_operator.classify import Interruption
+from preemptible_operator.classify import DEACTIVATED_BY_OPERATOR_ANNOTATION, Interruption
 from preemptible_operator.conditions import Reason
 from preemptible_operator.decide import (
     DEACTIVATE_ON_RECORD,
@@ -21,11 +21,13 @@ from preemptible_operator.decide import (
     by_attempt,
     clear_refused,
     current_record,
+    deactivation_patch,
     deadline_wake,
     find_record,
     grace_status,
     held_pods,
     interruption_of,
+    left_by_earlier_incarnation,
     no_pods_wait,
     owned_children,
     pass_spec,
@@ -45,6 +47,7 @@ from preemptible_operator.decide import (
 )
 from preemptible_operator.phases import Decision, PhaseInputs
 from preemptible_operator.resume import attempt_fence
+from preemptible_operator.victims import BOOST_ANNOTATION
 from tests.unit.operator.builders import cond, make_job, make_pod, make_snapshot, make_spec
 
 T0 = 1_780_000_000.0  # 2026-05-28T20:26:40Z
@@ -1406,3 +1409,44 @@ def test_pass_spec_notes_unknown_fields() -> None:
     got = pass_spec({**VALID_RAW, "newFeature": 1}, None, 0, None)
     assert got.spec is not None and got.invalid is None
     assert got.note is not None and "spec.newFeature" in got.note
+
+
+@pytest.mark.parametrize(
+    ("refs", "earlier"),
+    [
+        ([{"kind": "TrainingJob", "name": "tj", "uid": "old"}], True),
+        ([{"kind": "TrainingJob", "name": "other", "uid": "x"}], False),
+        ([{"kind": "ConfigMap", "name": "tj", "uid": "x"}], False),
+        ([], False),
+    ],
+    ids=["earlier-incarnation", "another-trainingjob", "another-kind", "unowned"],
+)
+def test_left_by_earlier_incarnation(refs: list[dict[str, str]], earlier: bool) -> None:
+    existing = {"metadata": {"name": "tj-a1", "ownerReferences": refs}}
+    assert left_by_earlier_incarnation(existing, "tj") is earlier
+
+
+# ------------------------------------------------------------------------------ Workloads
+MARK = DEACTIVATED_BY_OPERATOR_ANNOTATION
+
+
+@pytest.mark.parametrize(
+    ("workload", "patch"),
+    [
+        (
+            {"metadata": {"name": "w"}, "spec": {"active": True}},
+            {"metadata": {"annotations": {MARK: "true"}}, "spec": {"active": False}},
+        ),
+        (
+            {"metadata": {"name": "w", "annotations": {BOOST_ANNOTATION: "40"}}, "spec": {}},
+            {
+                "metadata": {"annotations": {MARK: "true", BOOST_ANNOTATION: None}},
+                "spec": {"active": False},
+            },
+        ),
+        ({"metadata": {"name": "w"}, "spec": {"active": False}}, None),
+    ],
+    ids=["active", "boosted-victim", "inactive-already"],
+)
+def test_deactivation_patch(workload: dict[str, Any], patch: dict[str, Any] | None) -> None:
+    assert deactivation_patch(workload) == patch
