@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import datetime as dt
 import json
 import logging
@@ -26,65 +25,80 @@ from typing import Any
 
 import kubernetes
 from kubernetes.client.rest import ApiException
-from pydantic import ValidationError
 
-from preemptible_operator import conditions as cond
 from preemptible_operator import metrics, models, render
-from preemptible_operator.accounting import attempt_end_step, attempt_lost_steps
-from preemptible_operator.attempts import (
-    fallback_message,
-    reported_checkpoint_step,
-    resumed_from,
-)
 from preemptible_operator.budget import periodic_delay, spread_interval
 from preemptible_operator.checkpoint_store import CheckpointView, PathMap, StorageReads
 from preemptible_operator.children import (
     Refusal,
     api_message,
-    attempt_pods_finished,
     create_refusal,
     jobs_to_delete,
-    pods_refused,
     pods_to_end,
-    refusal_retry_seconds,
 )
 from preemptible_operator.classify import (
-    DEACTIVATED_BY_OPERATOR_ANNOTATION,
-    ContainerEnd,
     Interruption,
-    attempt_started,
-    classify_interruption,
-    container_end,
     is_kueue_admitted,
-    killed_at_grace,
-    pending_detail,
     pod_finished,
 )
 from preemptible_operator.conditions import Reason
-from preemptible_operator.failure_policy import (
-    counted_failures,
-    decide_failure,
-    keep_failure_times,
+from preemptible_operator.decide import (
+    DEACTIVATE_ON_RECORD,
+    Snapshot,
+    action_status,
+    adopted_params,
+    attempt_created_message,
+    awaits_pods,
+    by_attempt,
+    cap_grace,
+    clear_refused,
+    current_record,
+    deactivation_patch,
+    deadline_wake,
+    find_record,
+    grace_status,
+    held_pods,
+    interruption_of,
+    left_by_earlier_incarnation,
+    no_pods_wait,
+    outcomes,
+    owned_children,
+    parse_spec_tolerant,
+    pass_spec,
+    phase_change_event,
+    phase_conditions,
+    phase_inputs,
+    plan_attempt,
+    pods_refusal,
+    refusal_outcome,
+    rejected_message,
+    running_pods,
+    shown_phase,
+    spec_of_job,
+    start_attempt,
+    starts_now,
+    status_message,
+    unreachable_condition,
+    wake_after,
 )
-from preemptible_operator.grace import GraceDecision, grace_sufficiency, next_grace
-from preemptible_operator.interval import auto_save_interval, interval_status
+from preemptible_operator.interval import interval_status
 from preemptible_operator.node_notice import NodeNotice, node_notice, pod_notice_patch
-from preemptible_operator.ownership import owned_by, pod_owned, tj_uid_of
+from preemptible_operator.ownership import owned_by, tj_uid_of
 from preemptible_operator.phases import (
     Decision,
     PhaseInputs,
-    backoff_seconds,
     bound_attempts,
-    deadline_remaining,
     estimate_progress,
     next_phase,
-    ttl_remaining,
 )
 from preemptible_operator.priority_classes import PriorityClassValues
-from preemptible_operator.resume import attempt_fence, resume_checkpoint
+from preemptible_operator.recording import (
+    apply_metrics,
+    apply_snapshot,
+    record_attempt_end,
+)
 from preemptible_operator.scrape import RuntimeMetrics, scrape
 from preemptible_operator.timestamps import now_rfc3339, parse_rfc3339
-from preemptible_operator.unreachable import stuck_on_unreachable_nodes
 from preemptible_operator.victims import (
     BOOST_ANNOTATION,
     band_top,
@@ -180,28 +194,8 @@ class Cached:
     """Kueue Workloads by the uid of the Job they stand for."""
 
 
-@dataclass
-class _Observed:
-    obj: dict[str, Any]
-    status: models.TrainingJobStatus
-    spec: models.TrainingJobSpec | None
-    invalid: str | None
-    jobs: dict[int, dict[str, Any]]
-    pods_by_attempt: dict[int, list[dict[str, Any]]]
-    attempt: int
-    job: dict[str, Any] | None
-    pods: list[dict[str, Any]]
-    workload: dict[str, Any] | None
-    workload_version: str | None
-    node_ready: dict[str, bool]
-    node_not_ready_since: dict[str, float] = field(default_factory=dict)
-    """When each NotReady node of the current attempt's pods went NotReady (its Ready
-    condition's lastTransitionTime), where the Node says."""
-    rejected: str | None = None
-    """Why the current spec was rejected (an invalid edit after the job ran); ``spec`` is then
-    the spec of the running attempt, or None."""
-    previous_pods: list[dict[str, Any]] = field(default_factory=list)
-    """Pods labelled with this name that belong to an earlier incarnation and still run."""
+_Observed = Snapshot
+"""The snapshot's former name (tests and callers that build one by hand)."""
 
 
 class Reconciler:
@@ -297,7 +291,7 @@ class Reconciler:
         return list(data.get("items", []))
 
     def _list_pods(self, namespace: str, name: str) -> dict[int, list[dict[str, Any]]]:
-        return _by_attempt(self._api_pods(namespace, name))
+        return by_attempt(self._api_pods(namespace, name))
 
     def _get_workload(
         self, namespace: str, job: dict[str, Any] | None, cached: Cached | None = None
@@ -408,7 +402,18 @@ class Reconciler:
             return written[1]  # the cache still holds the version our last write replaced
         return obj
 
-    def _observe(self, namespace: str, name: str, cached: Cached | None = None) -> _Observed | None:
+    def _observe(
+        self,
+        namespace: str,
+        name: str,
+        cached: Cached | None = None,
+        *,
+        scrape_metrics: bool = False,
+    ) -> Snapshot | None:
+        """Read everything a pass decides on into one snapshot (None: the TrainingJob is gone).
+        ``scrape_metrics``: read rank 0's /metrics too (periodic passes only: one woken by a
+        watch event keeps the last scraped values, in the status, so a slow pod never delays
+        the handling of an event)."""
         obj = self._current_tj(namespace, name, cached)
         if obj is None:
             return None
@@ -417,32 +422,18 @@ class Reconciler:
         invalid = render.validate_name(name)
         raw_jobs = cached.jobs if cached is not None else self._api_jobs(namespace, name)
         raw_pods = cached.pods if cached is not None else self._api_pods(namespace, name)
-        # Children are ours only by owner uid: a TrainingJob re-created under the same name
-        # must never adopt the previous incarnation's Jobs or pods (still being deleted).
-        owned_jobs = [j for j in raw_jobs if owned_by(j, uid)]
-        job_uids = {j["metadata"].get("uid") for j in owned_jobs}
-        jobs = {n: js[0] for n, js in _by_attempt(owned_jobs).items()}
-        pods = _by_attempt([p for p in raw_pods if pod_owned(p, uid, job_uids)])
+        children = owned_children(uid, raw_jobs, raw_pods)
+        jobs, pods = children.jobs, children.pods_by_attempt
         now_s = self.clock()
         previous = [
-            p
-            for p in raw_pods
-            if not pod_owned(p, uid, job_uids) and not pod_finished(p, self._node_ready([p]), now_s)
+            p for p in children.foreign_pods if not pod_finished(p, self._node_ready([p]), now_s)
         ]
         attempt = max([status.attempt or 0, *jobs.keys()])
         job = jobs.get(attempt)
-        spec, spec_invalid, note = parse_spec_tolerant(obj.get("spec"))
-        rejected: str | None = None
-        if spec_invalid is not None:
-            if attempt:
-                # An edit of a job that has run: reject it and go on with the spec the current
-                # attempt was created from (held between attempts until the spec is fixed).
-                rejected = spec_invalid
-                spec = spec_of_job(job)
-            else:
-                invalid = invalid or spec_invalid
-        if note:
-            log.warning("%s/%s: %s", namespace, name, note)
+        chosen = pass_spec(obj.get("spec"), invalid, attempt, job)
+        spec, invalid, rejected = chosen.spec, chosen.invalid, chosen.rejected
+        if chosen.note:
+            log.warning("%s/%s: %s", namespace, name, chosen.note)
         workload, version = (None, None)
         if spec is not None and spec.queue_name:
             workload, version = self._get_workload(namespace, job, cached)
@@ -454,7 +445,19 @@ class Reconciler:
                 for n, ok in node_ready.items()
                 if not ok and n in self._node_since
             }
-        return _Observed(
+        runtime_metrics: RuntimeMetrics | None = None
+        record = find_record(status, attempt)
+        recorded = record is not None and record.end_time is not None
+        if (
+            scrape_metrics
+            and self.config.scrape_metrics
+            and spec is not None
+            and attempt
+            and not recorded
+            and running_pods(current_pods)
+        ):
+            runtime_metrics = self._scrape_rank0(current_pods, spec)
+        return Snapshot(
             obj=obj,
             status=status,
             spec=spec,
@@ -470,6 +473,7 @@ class Reconciler:
             node_not_ready_since=not_ready_since,
             previous_pods=previous,
             rejected=rejected,
+            runtime_metrics=runtime_metrics,
         )
 
     # ------------------------------------------------------------------------------ the pass
@@ -495,7 +499,11 @@ class Reconciler:
     def _reconcile(
         self, namespace: str, name: str, cached: Cached | None, scrape_metrics: bool = True
     ) -> PassResult:
-        obs = self._observe(namespace, name, cached)
+        """Observe (``_observe``: one immutable Snapshot), decide (the pure functions of
+        decide.py, phases.next_phase, recording.py), act (``_act``: the API calls of the one
+        decided action), show and write the status once (``_show``, ``_write_and_post``) and
+        say when the next pass is due (``_schedule``)."""
+        obs = self._observe(namespace, name, cached, scrape_metrics=scrape_metrics)
         if obs is None:
             return PassResult(done=True)
         self._annotate_node_notice(obs.pods)
@@ -507,15 +515,7 @@ class Reconciler:
         spec = obs.spec
         generation = obs.obj["metadata"].get("generation")
 
-        record = _find_record(status, obs.attempt)
-        if obs.attempt and record is None and obs.job is not None:
-            # The Job exists but the pass that created it crashed before writing status.
-            record = _record_from_job(obs.job, obs.attempt)
-            status.attempts = [*(status.attempts or []), record]
-            status.next_attempt_after = None
-            gp = status.grace_period or models.GraceStatus()
-            gp.current = record.grace_seconds
-            status.grace_period = gp
+        record = current_record(status, obs.attempt, obs.job)
         status.attempt = obs.attempt or status.attempt
         if status.attempt:
             metrics.ATTEMPT.labels(namespace, name).set(status.attempt)
@@ -527,90 +527,21 @@ class Reconciler:
             status.checkpoint_storage_readable = storage_view.readable
 
         recorded = record is not None and record.end_time is not None
-        interruption = Interruption("Active", Reason.STARTED)
-        running = [p for p in obs.pods if (p.get("status") or {}).get("phase") == "Running"]
         if spec is not None and obs.attempt and not recorded:
-            # Started only once all its pods ran together: 15 of 16 running and one
-            # unschedulable is an attempt that could not start (classify_interruption).
-            expected = int(((obs.job or {}).get("spec") or {}).get("completions") or 0)
-            started = attempt_started(obs.pods, expected or spec.num_nodes)
-            if started and record is not None and record.running_time is None:
+            if record is not None and starts_now(obs, spec, record):
                 record.running_time = now
                 created_at = parse_rfc3339(record.start_time)
                 if created_at is not None:
                     wait = max(0.0, self.clock() - created_at)
                     result.on_written.append(lambda: metrics.QUEUE_WAIT_SECONDS.observe(wait))
-            if running and self.config.scrape_metrics and scrape_metrics:
-                # Periodic passes only: one woken by a watch event keeps the last scraped values
-                # (in the status), so a slow pod never delays the handling of an event.
-                m = self._scrape_rank0(obs.pods, spec)
-                _apply_metrics(status, m, spec, obs.attempt)
-            interruption = classify_interruption(
-                obs.job,
-                obs.pods,
-                obs.workload,
-                node_ready=obs.node_ready,
-                # Its pods exist only once Kueue admitted (unsuspended) its Job.
-                was_admitted=bool(obs.pods)
-                or (record is not None and record.running_time is not None),
-                was_started=record is not None and record.running_time is not None,
-                user_suspended=spec.suspend,
-            )
-            if interruption.reason == Reason.WORKLOAD_DEACTIVATED and not spec.suspend:
-                # Someone else deactivated the Workload: suspend the TrainingJob (as Kueue
-                # suspends a Job) rather than create a fresh, active Workload. The next pass
-                # reads the new spec and records the attempt.
-                self._suspend_for_deactivation(obs.obj, interruption.message)
-                return PassResult(phase=status.phase, requeue_after=0.0)
-            if obs.job is None and obs.pods and not interruption.over:
-                interruption = Interruption(
-                    "Preempted",
-                    Reason.KUEUE_EVICTED if spec.queue_name else Reason.JOB_FAILED,
-                    "the attempt's Job was deleted",
-                )
-
-        backoff_remaining = 0.0
-        next_after = parse_rfc3339(status.next_attempt_after)
-        if next_after is not None:
-            backoff_remaining = max(0.0, next_after - self.clock())
-        deadline_left = deadline_remaining(
-            status.start_time, spec.active_deadline_seconds if spec else None, self.clock()
-        )
-        window = (
-            spec.failure_policy.restart_window_seconds
-            if spec is not None and spec.failure_policy is not None
-            else None
-        )
-        inputs = PhaseInputs(
-            invalid=obs.invalid is not None,
-            current_phase=status.phase,
-            suspend=bool(spec and spec.suspend),
-            attempt=obs.attempt,
-            recorded_outcome=record.outcome if recorded and record else None,
-            recorded_reason=record.reason if recorded and record else None,
-            job_exists=obs.job is not None,
-            job_suspended=bool(obs.job and (obs.job.get("spec") or {}).get("suspend")),
-            interruption=interruption,
-            pods_finished=attempt_pods_finished(obs.job, obs.pods, obs.node_ready),
-            pods=len(obs.pods),
-            running_pods=len(running),
-            failures=counted_failures(
-                status.failures or 0, status.failure_times, self.clock(), window
-            ),
-            max_restarts=spec.max_restarts if spec else 0,
-            recorded_failure_action=record.failure_action if recorded and record else None,
-            recorded_failure_rule=record.failure_rule if recorded and record else None,
-            restart_window_seconds=window,
-            backoff_remaining=backoff_remaining,
-            kueue=bool(spec and spec.queue_name),
-            previous_pods_active=len(obs.previous_pods),
-            pending_detail=pending_detail(obs.pods) if obs.pods else None,
-            spec_rejected=obs.rejected is not None and spec is None,
-            active_deadline_seconds=spec.active_deadline_seconds if spec else None,
-            deadline_remaining=deadline_left,
-            preemptions=status.preemptions or 0,
-            max_preemptions=spec.max_preemptions if spec else None,
-        )
+            apply_metrics(status, obs.runtime_metrics, spec, obs.attempt)
+        seen = interruption_of(obs, spec, record, recorded)
+        interruption = seen.interruption
+        if seen.deactivated_by_other:
+            # The next pass reads the new spec and records the attempt.
+            self._suspend_for_deactivation(obs.obj, interruption.message)
+            return PassResult(phase=status.phase, requeue_after=0.0)
+        inputs = phase_inputs(obs, status, record, recorded, interruption, self.clock())
         decision = next_phase(inputs)
         result.action = decision.action
         result.phase = decision.phase
@@ -630,187 +561,100 @@ class Reconciler:
         )
 
         # ------------------------------------------------------------------ act
-        refusal: Refusal | None = None
-        # The attempt is over by its trainer containers, but a regular sidecar keeps a pod
-        # running: end those pods (their trainer's state stays readable, the finalizer holds
-        # them), or the attempt never ends.
-        ending = pods_to_end(obs.pods, interruption.over and not recorded)
-        if ending:
-            self._stop_pods([dict(p) for p in ending])
-        if decision.action == "fail_invalid":
-            status.message = obs.invalid
-            status.conditions = cond.set_condition(
-                status.conditions,
-                cond.FAILED,
-                "True",
-                Reason.INVALID_SPEC,
-                obs.invalid or "",
-                now,
-                generation,
-            )
-            status.completion_time = status.completion_time or now
-            result.events.append(("Warning", Reason.INVALID_SPEC, obs.invalid or ""))
-            if obs.job is not None and not recorded:
-                self._stop_pods(obs.pods)
-        elif decision.action == "fail":
-            # The attempt's pods stop gracefully (JIT checkpoint) and its Job goes, so Kueue
-            # admits no queued one later.
-            status.completion_time = status.completion_time or now
-            if obs.job is not None and not recorded:
-                self._stop_pods(obs.pods)
-                self._delete_job(obs.job)
-            if obs.pods:
-                result.requeue_after = 1.0  # the next pass releases their attempt finalizers
-        elif decision.action == "create_attempt" and spec is not None:
-            refusal = self._create_attempt(
-                obs, spec, status, record, recorded, decision.reason, now, result
-            )
-        elif decision.action == "stop_attempt":
-            self._stop_pods(obs.pods)
-        elif decision.action == "deactivate_workload":
-            self._deactivate_workload(namespace, obs.workload, obs.workload_version)
-        elif decision.action == "record_attempt" and spec is not None and record is not None:
-            if interruption.reason in (
-                Reason.KUEUE_PREEMPTED,
-                Reason.KUEUE_EVICTED,
-                Reason.PODS_NEVER_READY,
-            ):
-                self._deactivate_workload(namespace, obs.workload, obs.workload_version)
-            self._record_attempt(obs, spec, status, record, interruption, storage_view, now, result)
-            pods = list(obs.pods)
-            # The newest failed attempt's Job stays (its pods' logs) until the TrainingJob is
-            # deleted; preempted attempts' Jobs and older failed ones go.
-            jobs = [dict(j) for j in jobs_to_delete(obs.jobs, _outcomes(status), obs.attempt)]
-            after_status.append(lambda: self._clean_up_later(namespace, name, pods, jobs))
-            result.requeue_after = 0.0  # the next attempt at once
-        elif decision.action in ("finish", "cleanup"):
-            leftovers = [p for pods in obs.pods_by_attempt.values() for p in pods]
-            held = [
-                p
-                for p in leftovers
-                if render.ATTEMPT_FINALIZER in (p["metadata"].get("finalizers") or [])
-            ]
-            if held:
-                after_status.append(lambda: self._release_pods(held))
-                result.requeue_after = 1.0  # confirm they were released
-            if decision.action == "finish" and status.phase not in ("Succeeded", "Failed"):
-                status.completion_time = status.completion_time or now
-                if decision.reason in (Reason.RESTARTS_EXHAUSTED, Reason.FAILED_BY_POLICY):
-                    status.conditions = cond.set_condition(
-                        status.conditions,
-                        cond.FAILED,
-                        "True",
-                        decision.reason,
-                        decision.message,
-                        now,
-                        generation,
-                    )
-                    result.events.append(("Warning", decision.reason, decision.message))
-        elif decision.action == "wait_backoff":
-            result.requeue_after = max(0.5, backoff_remaining)
+        done = action_status(decision, status, obs.invalid, now, generation)
+        status.conditions, status.completion_time = done.conditions, done.completion_time
+        status.message = done.message
+        if done.event is not None:
+            result.events.append(done.event)
+        refusal = self._act(
+            obs,
+            decision,
+            status,
+            record,
+            interruption,
+            storage_view,
+            inputs.backoff_remaining,
+            now,
+            result,
+            after_status,
+        )
 
         # ------------------------------------------------------------------ refusals
         if decision.action == "create_attempt" and refusal is None:
-            status.conditions = _clear_refused(status.conditions, now, generation)
-        elif (
-            refusal is None
-            and decision.action == "none"
-            and decision.phase == "Pending"
-            and spec is not None
-            and obs.job is not None
-            and not recorded
-            and not (obs.job.get("spec") or {}).get("suspend")
-        ):
+            status.conditions = clear_refused(status.conditions, now, generation)
+        elif refusal is None and awaits_pods(decision, spec, obs.job, recorded):
+            assert obs.job is not None  # awaits_pods
             if obs.pods:
-                status.conditions = _clear_refused(status.conditions, now, generation)
+                status.conditions = clear_refused(status.conditions, now, generation)
             else:
                 # The Job exists and runs but has no pods: the Job controller may be refused
                 # them (a ResourceQuota, Pod Security Admission). It retries by itself; this
                 # shows why, and looks again later (no watch event comes for it).
-                why = pods_refused(obs.job, self._job_events(obs.job))
-                if why is not None:
-                    refusal = Refusal(
-                        Reason.PODS_REFUSED,
-                        f"the Job controller cannot create the pods of Job "
-                        f"{obs.job['metadata']['name']}: {why}",
-                        fatal=False,
-                    )
-                else:
-                    created = parse_rfc3339(obs.job["metadata"].get("creationTimestamp"))
-                    age = self.clock() - created if created is not None else 0.0
-                    result.requeue_after = refusal_retry_seconds(age)
+                refusal = pods_refusal(obs.job, self._job_events(obs.job))
+                if refusal is None:
+                    result.requeue_after = no_pods_wait(obs.job, self.clock())
         if refusal is not None:
-            before = cond.find_condition(status.conditions, cond.CREATE_REFUSED)
-            status.conditions = cond.set_condition(
-                status.conditions,
-                cond.CREATE_REFUSED,
-                "True",
-                refusal.reason,
-                refusal.message,
-                now,
-                generation,
+            refused = refusal_outcome(
+                status.conditions, refusal, decision, now, generation, self.clock()
             )
-            if (
-                before is None
-                or before.status != "True"
-                or (before.reason, before.message) != (refusal.reason, refusal.message)
-            ):
-                result.events.append(("Warning", refusal.reason, refusal.message))
-            decision = Decision(
-                "Failed" if refusal.fatal else decision.phase,
-                "none",
-                refusal.reason,
-                refusal.message,
-            )
+            status.conditions = refused.conditions
+            if refused.event is not None:
+                result.events.append(refused.event)
+            decision = refused.decision
             result.phase = decision.phase
             if refusal.fatal:
                 status.completion_time = status.completion_time or now
             else:
-                now_refused = cond.find_condition(status.conditions, cond.CREATE_REFUSED)
-                since = parse_rfc3339(now_refused.last_transition_time if now_refused else None)
-                refused_for = self.clock() - since if since is not None else 0.0
-                result.requeue_after = refusal_retry_seconds(refused_for)
+                result.requeue_after = refused.requeue_after
 
         # ------------------------------------------------------------------ unreachable nodes
         if spec is not None:
             self._escalate_unreachable(obs, spec, status, recorded, now, generation, result)
 
         # ------------------------------------------------------------------ status
-        shown = decision
-        if decision.action == "create_attempt" and spec is not None:
-            follow = _after_create(inputs, status.attempt or 1, spec)
-            if follow.action == "none":
-                shown = follow
-        new_phase = shown.phase
-        if shown.action == "create_attempt" and status.phase != new_phase:
-            new_phase = "Queued" if spec and spec.queue_name else "Pending"
-        _set_phase_conditions(status, new_phase, shown, record, now, generation)
+        new_phase = self._show(
+            obs, status, old_status, decision, inputs, record, now, result, after_status
+        )
+        if not self._write_and_post(obs, status, old_status, result, after_status):
+            return result  # conflict: the next pass re-reads and redoes this one
+        return self._schedule(obs, status, new_phase, inputs.deadline_remaining, result)
+
+    def _show(
+        self,
+        obs: Snapshot,
+        status: models.TrainingJobStatus,
+        old_status: dict[str, Any],
+        decision: Decision,
+        inputs: PhaseInputs,
+        record: models.AttemptRecord | None,
+        now: str,
+        result: PassResult,
+        after_status: list[Callable[[], None]],
+    ) -> str:
+        """What the status shows after the action (phase, its conditions, grace, checkpoint
+        interval, message); returns the new phase."""
+        spec = obs.spec
+        generation = obs.obj["metadata"].get("generation")
+        shown, new_phase = shown_phase(decision, inputs, spec, status.attempt, status.phase)
+        status.conditions = phase_conditions(status.conditions, new_phase, shown, now, generation)
         if spec is not None:
             self._update_grace(status, spec, obs, now, generation, result)
             status.checkpoint_interval, interval_event = interval_status(status, spec, self.clock())
             if interval_event:
                 result.events.append(("Normal", Reason.CHECKPOINT_INTERVAL, interval_event))
-        if status.phase != new_phase and decision.action != "create_attempt":
-            etype = "Warning" if new_phase == "Failed" else "Normal"
-            msg = decision.message or f"phase {status.phase or '-'} -> {new_phase}"
-            if not any(e[1] == decision.reason for e in result.events):
-                result.events.append((etype, decision.reason, msg))
+        changed = phase_change_event(status.phase, new_phase, decision, result.events)
+        if changed is not None:
+            result.events.append(changed)
         status.phase = new_phase
         if new_phase in ("Succeeded", "Failed") and status.completion_time is None:
             # Every way to the end (a success is recorded straight into Succeeded): the TTL
             # after finishing counts from here.
             status.completion_time = now
         status.progress = estimate_progress(status.progress, status.timings, new_phase)
-        if shown.message and new_phase not in ("Succeeded",):
-            status.message = shown.message if decision.action != "fail_invalid" else obs.invalid
-        elif new_phase == "Succeeded":
-            status.message = "training finished"
-        elif new_phase == "Running":
-            status.message = None
+        status.message = status_message(status.message, shown, decision, new_phase, obs.invalid)
         status.observed_generation = generation
         if obs.rejected is not None:
-            keep = "the running attempt goes on with its spec" if spec else "no new attempt"
-            status.message = f"spec change rejected ({keep}): {obs.rejected}"
+            status.message = rejected_message(obs.rejected, spec is not None)
             if old_status.get("observedGeneration") != generation:
                 result.events.append(("Warning", Reason.SPEC_CHANGE_REJECTED, status.message))
         if status.attempts:
@@ -819,8 +663,22 @@ class Reconciler:
                 status.attempts_omitted = (status.attempts_omitted or 0) + dropped
         if self.config.priority_boost and spec is not None and new_phase == "Running":
             after_status.append(lambda: self._update_priority_boost(obs, spec, status, record))
+        return new_phase
+
+    def _write_and_post(
+        self,
+        obs: Snapshot,
+        status: models.TrainingJobStatus,
+        old_status: dict[str, Any],
+        result: PassResult,
+        after_status: list[Callable[[], None]],
+    ) -> bool:
+        """Write the status once (progress alone at most every status_progress_interval), then
+        count, post the Events and run what waited for the write. False: a conflict, nothing
+        done (``result`` asks for the pass to be redone)."""
+        meta = obs.obj["metadata"]
+        key = (meta["namespace"], meta["name"])
         new_status = status.to_k8s()
-        key = (namespace, name)
         write = new_status != old_status
         if write and _progress_only(old_status, new_status) and not result.events:
             # The runtime's step and timings alone: at most every status_progress_interval.
@@ -830,7 +688,7 @@ class Reconciler:
         if write:
             if not self._write_status(obs.obj, new_status, old_status):
                 result.requeue_after = 0.5
-                return result  # conflict: the next pass re-reads and redoes this one
+                return False
             with self._lock:
                 self._progress_written[key] = time.monotonic()
         # Counters of what this pass recorded: only now that the status holding it is written
@@ -841,44 +699,115 @@ class Reconciler:
             self._event(obs.obj, *event)
         for fn in after_status:
             fn()
+        return True
 
-        terminal = new_phase in ("Succeeded", "Failed")
+    def _schedule(
+        self,
+        obs: Snapshot,
+        status: models.TrainingJobStatus,
+        new_phase: str,
+        deadline_left: float | None,
+        result: PassResult,
+    ) -> PassResult:
+        """When the next pass is due (decide.wake_after, the periodic timer, the deadline), or
+        the TrainingJob deleted once its TTL after finishing passed."""
+        meta = obs.obj["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        key = (namespace, name)
+        spec = obs.spec
         ttl = spec.ttl_seconds_after_finished if spec else None
-        ttl_left = ttl_remaining(new_phase, status.completion_time, ttl, self.clock())
-        if ttl_left is not None and ttl_left <= 0:
+        wake = wake_after(
+            new_phase, status.completion_time, ttl, result.requeue_after, bool(obs.pods),
+            self.clock(),
+        )  # fmt: skip
+        if wake.delete:
             self._delete_finished(obs.obj, ttl or 0)
             result.done = True
             self.forget(namespace, name, series=False)
             return result
-        if ttl_left is not None:
-            # Wake when the TTL runs out (sooner if something else is due).
-            due = result.requeue_after
-            result.requeue_after = ttl_left if due is None else min(due, ttl_left)
-        if terminal and result.requeue_after is None:
+        result.requeue_after = wake.requeue_after
+        if wake.done:
             result.done = True
             self.forget(namespace, name, series=False)
-        elif result.requeue_after is None:
-            # Watch events wake the next pass; a timer only where time itself matters: scraping
-            # a running attempt, pods that may be on a lost node.
-            busy = bool(obs.pods) and new_phase in ("Running", "Checkpointing", "Pending")
+        elif wake.periodic:
             with self._lock:
-                if busy:
+                if wake.busy:
                     self._polled.add(key)
                 else:
                     self._polled.discard(key)
             poll = self.periodic_intervals()[0]
-            delay = periodic_delay(new_phase, busy, poll, self.config.idle_resync)
+            delay = periodic_delay(new_phase, wake.busy, poll, self.config.idle_resync)
             result.requeue_after = None if delay is None else jittered(delay)
         else:
             with self._lock:
                 self._polled.discard(key)
-        if not terminal and deadline_left is not None:
-            # Wake at activeDeadlineSeconds even when nothing else happens (a job stuck Pending,
-            # a queued one with no timer of its own).
-            at_deadline = max(0.5, deadline_left + 0.5)
-            due = result.requeue_after
-            result.requeue_after = at_deadline if due is None else min(due, at_deadline)
+        result.requeue_after = deadline_wake(result.requeue_after, new_phase, deadline_left)
         return result
+
+    def _act(
+        self,
+        obs: Snapshot,
+        decision: Decision,
+        status: models.TrainingJobStatus,
+        record: models.AttemptRecord | None,
+        interruption: Interruption,
+        storage_view: CheckpointView | None,
+        backoff_left: float,
+        now: str,
+        result: PassResult,
+        after_status: list[Callable[[], None]],
+    ) -> Refusal | None:
+        """The decided action's API calls. What must wait for the status write (releasing pods,
+        deleting an ended attempt's Jobs) goes to ``after_status``; a refused create is
+        returned (the status shows it)."""
+        meta = obs.obj["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        spec = obs.spec
+        recorded = record is not None and record.end_time is not None
+        # The attempt is over by its trainer containers, but a regular sidecar keeps a pod
+        # running: end those pods (their trainer's state stays readable, the finalizer holds
+        # them), or the attempt never ends.
+        ending = pods_to_end(obs.pods, interruption.over and not recorded)
+        if ending:
+            self._stop_pods([dict(p) for p in ending])
+        action = decision.action
+        if action == "fail_invalid":
+            if obs.job is not None and not recorded:
+                self._stop_pods(obs.pods)
+        elif action == "fail":
+            # The attempt's pods stop gracefully (JIT checkpoint) and its Job goes, so Kueue
+            # admits no queued one later.
+            if obs.job is not None and not recorded:
+                self._stop_pods(obs.pods)
+                self._delete_job(obs.job)
+            if obs.pods:
+                result.requeue_after = 1.0  # the next pass releases their attempt finalizers
+        elif action == "create_attempt" and spec is not None:
+            return self._create_attempt(
+                obs, spec, status, record, recorded, decision.reason, now, result
+            )
+        elif action == "stop_attempt":
+            self._stop_pods(obs.pods)
+        elif action == "deactivate_workload":
+            self._deactivate_workload(namespace, obs.workload, obs.workload_version)
+        elif action == "record_attempt" and spec is not None and record is not None:
+            if interruption.reason in DEACTIVATE_ON_RECORD:
+                self._deactivate_workload(namespace, obs.workload, obs.workload_version)
+            self._record_attempt(obs, spec, status, record, interruption, storage_view, now, result)
+            pods = list(obs.pods)
+            # The newest failed attempt's Job stays (its pods' logs) until the TrainingJob is
+            # deleted; preempted attempts' Jobs and older failed ones go.
+            jobs = [dict(j) for j in jobs_to_delete(obs.jobs, outcomes(status), obs.attempt)]
+            after_status.append(lambda: self._clean_up_later(namespace, name, pods, jobs))
+            result.requeue_after = 0.0  # the next attempt at once
+        elif action in ("finish", "cleanup"):
+            held = held_pods(obs.pods_by_attempt)
+            if held:
+                after_status.append(lambda: self._release_pods(held))
+                result.requeue_after = 1.0  # confirm they were released
+        elif action == "wait_backoff":
+            result.requeue_after = max(0.5, backoff_left)
+        return None
 
     def periodic_intervals(self) -> tuple[float, float]:
         """(poll, progress-only status write) period of one running job now: the configured
@@ -939,41 +868,16 @@ class Reconciler:
         meta = obs.obj["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         attempt = obs.attempt + 1 if (recorded or obs.attempt == 0) else obs.attempt
-        # Earlier attempts' leftovers, cleaned up once this attempt's Job exists (in the
-        # background, like an ended attempt's, which usually did it already). Their pods have
-        # all finished (the decision waits for that; the Jobs fail on exit and never replace a
-        # pod), so nothing of theirs can write checkpoints any more.
-        # The newest failed attempt's Job is kept for its logs (jobs_to_delete).
-        old_jobs = [dict(j) for j in jobs_to_delete(obs.jobs, _outcomes(status), attempt - 1)]
-        old_pods = [p for n, ps in obs.pods_by_attempt.items() if n < attempt for p in ps]
-
-        last = (status.attempts or [])[-1] if status.attempts else None
-        killed_grace = last.grace_seconds if last is not None and last.killed else None
-        decision = cap_grace(
-            next_grace(spec.grace_period, status.timings, killed_grace),
-            self.config.max_grace_seconds,
-        )
         view = CheckpointView(spec.checkpoint.uri, self.config.path_map)
         # The look the pass recording the previous attempt took, when it was just now.
-        snapshot = self._storage.snapshot(view, (meta["uid"], attempt - 1))
+        storage = self._storage.snapshot(view, (meta["uid"], attempt - 1))
         reported = status.last_complete_checkpoint
-        if snapshot is not None:
-            _apply_snapshot(status, snapshot)
-        choice = resume_checkpoint(
-            snapshot is not None,
-            _snapshot_ref(snapshot),
-            reported,
+        if storage is not None:
+            apply_snapshot(status, storage)
+        plan = plan_attempt(
+            obs, spec, status, recorded, reported, storage, self.config.max_grace_seconds
         )
-        fence = attempt_fence(meta.get("creationTimestamp"), attempt)
-        params = render.AttemptParams(
-            attempt=attempt,
-            grace_seconds=decision.seconds,
-            resume_from=choice.resume_from,
-            suspended=bool(spec.queue_name),
-            start_step=choice.step,
-            fence=fence,
-            save_interval_seconds=auto_save_interval(spec, status),
-        )
+        params = plan.params
         if spec.num_nodes > 1:
             # Rendezvous (MASTER_ADDR) only: one pod needs no DNS name.
             refused = self._ensure_service(meta, spec)
@@ -997,48 +901,19 @@ class Reconciler:
             )
             if not owned_by(existing, meta["uid"]):
                 return self._replace_foreign(existing, "Job", meta)
-            ann = existing["metadata"].get("annotations") or {}
-            params = render.AttemptParams(
-                attempt=attempt,
-                grace_seconds=int(ann.get(render.ANNOTATION_GRACE, decision.seconds)),
-                resume_from=ann.get(render.ANNOTATION_RESUME_FROM, choice.resume_from),
-                suspended=params.suspended,
-                start_step=_int_or_none(ann.get(render.ANNOTATION_START_STEP)),
-                fence=fence,
-            )
-        self._clean_up_later(namespace, name, old_pods, old_jobs)
-        if _find_record(status, attempt) is None:
-            status.attempts = [
-                *(status.attempts or []),
-                models.AttemptRecord(
-                    attempt=attempt,
-                    job_name=render.job_name(name, attempt),
-                    start_time=now,
-                    start_step=params.start_step,
-                    resume_from=params.resume_from,
-                    grace_seconds=params.grace_seconds,
-                ),
-            ]
-        status.attempt = attempt
-        status.start_time = status.start_time or now
-        status.next_attempt_after = None
-        gp = status.grace_period or models.GraceStatus()
-        gp.current = params.grace_seconds
-        status.grace_period = gp
+            params = adopted_params(existing, params)
+        self._clean_up_later(namespace, name, plan.old_pods, plan.old_jobs)
+        start_attempt(status, name, params, now)
         metrics.GRACE_SECONDS.labels(namespace, name).set(params.grace_seconds)
         if created:
             # Posted now: the Job exists whatever happens to this pass's status write.
+            last = plan.previous
             if last is not None and last.end_time:
                 ended = parse_rfc3339(last.end_time)
                 if ended is not None:
                     metrics.REQUEUE_SECONDS.observe(max(0.0, self.clock() - ended))
             self._event(
-                obs.obj,
-                "Normal",
-                reason,
-                f"attempt {attempt}: Job {render.job_name(name, attempt)}, grace "
-                f"{params.grace_seconds} s ({decision.reason}), resume from "
-                f"{params.resume_from or 'scratch'!r}",
+                obs.obj, "Normal", reason, attempt_created_message(name, params, plan.grace.reason)
             )
         return None
 
@@ -1053,186 +928,29 @@ class Reconciler:
         now: str,
         result: PassResult,
     ) -> None:
+        """Look at storage (the look the next attempt's create reuses) and record the ended
+        attempt (recording.record_attempt_end) in the pass's status."""
         meta = obs.obj["metadata"]
-        ends: list[ContainerEnd] = [e for e in (container_end(p) for p in obs.pods) if e]
-        ends.sort(key=lambda e: (e.index is None, e.index or 0))
-        messages = [e.message for e in ends if e.message is not None]
-        rank0 = next((e for e in ends if e.index == 0 and e.sigterm_to_exit is not None), None)
-        timings = status.timings or models.Timings()
-        for end in ends:
-            # Ground truth for the grace rule: the runtime's measure or the pod object's (a
-            # launcher's teardown after its main worker measured), whichever is longer.
-            timings.sigterm_to_exit_seconds_max = _max(
-                timings.sigterm_to_exit_seconds_max, end.sigterm_to_exit
-            )
-        for msg in messages:
-            timings.step_seconds_max = _max(timings.step_seconds_max, msg.step_seconds.max)
-            timings.step_seconds_p99 = msg.step_seconds.p99 or timings.step_seconds_p99
-            timings.step_seconds_ema = msg.step_seconds.ema or timings.step_seconds_ema
-            timings.save_seconds_max = _max(timings.save_seconds_max, msg.save_seconds.max)
-            timings.save_seconds_last = msg.save_seconds.last or timings.save_seconds_last
-            if msg.micro_batch_seconds is not None:
-                timings.micro_batch_seconds_max = _max(
-                    timings.micro_batch_seconds_max, msg.micro_batch_seconds.max
-                )
-        # Only a kill at the grace deadline says the grace was too short: not an OOM kill, not
-        # ranks killed while they waited for a peer that failed for real.
-        killed = killed_at_grace(ends)
-        if killed and interruption.outcome != "Succeeded" and record.grace_seconds:
-            # It needed more than its grace: a lower bound of the true SIGTERM-to-exit time.
-            timings.sigterm_to_exit_seconds_max = _max(
-                timings.sigterm_to_exit_seconds_max, float(record.grace_seconds)
-            )
-        status.timings = timings
-
-        # What the runtime loaded (an earlier checkpoint after a corrupt one) is the start.
-        loaded = resumed_from(messages)
-        if loaded is not None:
-            fell_back = fallback_message(
-                record.attempt, record.resume_from, record.start_step, loaded
-            )
-            if fell_back is not None:
-                result.events.append(("Warning", Reason.RESUME_FELL_BACK, fell_back))
-            record.resumed_from = _pod_checkpoint_path(spec, loaded.path)
-            record.start_step = loaded.step
-        # Only this attempt's own reports (not the step an earlier attempt left in progress).
-        progress = status.progress or models.Progress()
-        end_step = attempt_end_step(
-            record.attempt,
-            record.start_step,
-            [m.step for m in messages],
-            progress.step,
-            progress.attempt,
-        )
         key = (meta["uid"], record.attempt)
         snapshot = self._storage.snapshot(view, key) if view is not None else None
-        if snapshot is not None:
-            _apply_snapshot(status, snapshot)
-        # The runtime's own report counts even when storage is readable: a listing can miss
-        # the JIT checkpoint just written (another mount, an eventually consistent store).
-        for msg in sorted(messages, key=lambda m: m.step):
-            if msg.checkpoint and msg.complete:
-                current = status.last_complete_checkpoint
-                step = reported_checkpoint_step(msg)
-                if current is None or step > current.step:
-                    status.last_complete_checkpoint = models.CheckpointRef(
-                        step=step,
-                        path=_pod_checkpoint_path(spec, msg.checkpoint),
-                        completed_at=now,
-                        save_seconds=msg.save_seconds.last,
-                    )
-        ckpt = status.last_complete_checkpoint
-        lost = attempt_lost_steps(
-            end_step,
-            record.start_step,
-            ckpt.step if ckpt else None,
-            interruption.outcome == "Succeeded",
+        generation = meta.get("generation")
+        end = record_attempt_end(
+            status, record, spec, obs.pods, interruption, snapshot, now, self.clock(), generation
         )
-        outcome = interruption.outcome if interruption.outcome != "Active" else "Failed"
-        record.end_time = now
-        record.reason = interruption.reason
-        record.message = interruption.message or None
-        record.outcome = outcome  # type: ignore[assignment]
-        record.end_step = end_step
-        record.checkpoint = ckpt.path if ckpt else None
-        record.exit_codes = [e.exit_code for e in ends if e.exit_code is not None] or None
-        record.killed = killed
-        record.lost_steps = lost
-        sigterm = rank0.sigterm_to_exit if rank0 is not None else None
-        if sigterm is None:
-            sigterm = _max(None, *(e.sigterm_to_exit for e in ends))
-        record.sigterm_to_exit_seconds = sigterm
-        if sigterm is not None:
-            metrics.SIGTERM_TO_EXIT_SECONDS.labels(meta["namespace"], meta["name"]).set(sigterm)
+        labels = (meta["namespace"], meta["name"])
+        if end.sigterm_to_exit is not None:
+            metrics.SIGTERM_TO_EXIT_SECONDS.labels(*labels).set(end.sigterm_to_exit)
         if record.grace_seconds is not None:
-            job_labels = (meta["namespace"], meta["name"])
-            metrics.ATTEMPT_GRACE_SECONDS.labels(*job_labels).set(record.grace_seconds)
-        if end_step is not None:
-            progress.step = max(progress.step or 0, end_step)
-            status.progress = progress
-        status.lost_steps = (status.lost_steps or 0) + lost
+            metrics.ATTEMPT_GRACE_SECONDS.labels(*labels).set(record.grace_seconds)
+        # Counted once the status that records it is written (a pass redone after a conflict
+        # records the same attempt again).
+        lost = end.lost_steps
         if lost:
-            # Counted once the status that records it is written (a pass redone after a
-            # conflict records the same attempt again).
-            tj_labels = (meta["namespace"], meta["name"])
-            result.on_written.append(lambda: metrics.LOST_STEPS.labels(*tj_labels).inc(lost))
-            result.events.append(
-                (
-                    "Warning",
-                    Reason.LOST_STEPS,
-                    f"attempt {record.attempt} reached step {end_step} but the newest complete "
-                    f"checkpoint is step {ckpt.step if ckpt else 0}: {lost} steps lost"
-                    + (
-                        f" (SIGKILLed at the {record.grace_seconds} s grace deadline)"
-                        if killed
-                        else ""
-                    ),
-                )
-            )
-        generation = obs.obj["metadata"].get("generation")
-        if outcome == "Preempted":
-            status.preemptions = (status.preemptions or 0) + 1
-            reason = interruption.reason
-            result.on_written.append(lambda: metrics.PREEMPTIONS.labels(reason).inc())
-            status.conditions = cond.set_condition(
-                status.conditions,
-                cond.PREEMPTED,
-                "True",
-                interruption.reason,
-                f"attempt {record.attempt}: {interruption.message}",
-                now,
-                generation,
-            )
-        elif outcome == "Failed":
-            # The failure policy sees only real failures, and only the exit codes of containers
-            # that failed on their own (never 75, a peer's end or a kill at a grace deadline).
-            codes = [e.exit_code for e in ends if e.real_failure and e.exit_code is not None]
-            policy = spec.failure_policy
-            verdict = decide_failure(outcome, interruption.reason, codes, policy)
-            record.failure_action = verdict.action if verdict else None
-            record.failure_rule = verdict.rule if verdict else None
-            if verdict is None or verdict.counts:
-                status.failures = (status.failures or 0) + 1
-                status.failure_times = keep_failure_times(
-                    status.failure_times, _rfc3339(self.clock()), spec.max_restarts
-                )
-            window = policy.restart_window_seconds if policy else None
-            counted = counted_failures(
-                status.failures or 0, status.failure_times, self.clock(), window
-            )
-            if verdict is not None and not verdict.counts:
-                delay = backoff_seconds(spec.restart_backoff_seconds, 1)
-                result.events.append(
-                    (
-                        "Normal",
-                        Reason.FAILURE_IGNORED,
-                        f"attempt {record.attempt} failed ({interruption.reason}) and "
-                        f"failurePolicy rule {verdict.rule} says Ignore: restart in {delay} s, "
-                        "not counted against maxRestarts",
-                    )
-                )
-            else:
-                delay = backoff_seconds(spec.restart_backoff_seconds, counted)
-            status.next_attempt_after = _rfc3339(self.clock() + delay)
-            restarts = verdict is not None and verdict.action == "Restart"
-            if restarts and counted <= spec.max_restarts:
-                result.events.append(
-                    (
-                        "Normal",
-                        Reason.BACKOFF,
-                        f"restart {counted} of {spec.max_restarts} in {delay} s",
-                    )
-                )
-        shown_sigterm = "-" if sigterm is None else f"{sigterm:.2f}"
-        result.events.append(
-            (
-                "Warning" if outcome == "Failed" else "Normal",
-                interruption.reason,
-                f"attempt {record.attempt} ended ({outcome}): {interruption.message}; step "
-                f"{end_step}, checkpoint {record.checkpoint}, SIGTERM->exit {shown_sigterm} s, "
-                f"grace {record.grace_seconds} s",
-            )
-        )
+            result.on_written.append(lambda: metrics.LOST_STEPS.labels(*labels).inc(lost))
+        preempted = end.preempted
+        if preempted is not None:
+            result.on_written.append(lambda: metrics.PREEMPTIONS.labels(preempted).inc())
+        result.events.extend(end.events)
 
     def _ensure_service(self, meta: dict[str, Any], spec: models.TrainingJobSpec) -> Refusal | None:
         """Create the rendezvous Service. AlreadyExists is success only when it is ours; one of
@@ -1268,9 +986,8 @@ class Reconciler:
         """``existing`` holds the name a child of ``meta`` needs but is not ours: a refusal when
         someone else's (the user must delete or rename it); ChildConflict (a temporary error,
         retried) when a deleted TrainingJob of the same name left it."""
-        refs = existing["metadata"].get("ownerReferences") or []
         name = existing["metadata"]["name"]
-        if any(r.get("kind") == models.KIND and r.get("name") == meta["name"] for r in refs):
+        if left_by_earlier_incarnation(existing, meta["name"]):
             # Left by a deleted TrainingJob of the same name: garbage collection removes it (a
             # Job we delete at once; a Service needs no delete permission, it is only waited
             # for); ours is created on a later pass.
@@ -1482,59 +1199,21 @@ class Reconciler:
         generation: int | None,
         result: PassResult,
     ) -> None:
-        """Condition NodeUnreachable (and one Warning Event when it turns True) while a pod of
-        the current attempt is stuck on a NotReady node past spec.unreachableNode's bound."""
-        stuck = None
-        if obs.pods and not recorded:
-            stuck = stuck_on_unreachable_nodes(
-                obs.pods,
-                obs.node_ready,
-                obs.node_not_ready_since,
-                self.clock(),
-                spec.unreachable_node.escalate_after_seconds,
-            )
-        before = cond.find_condition(status.conditions, cond.NODE_UNREACHABLE)
-        if stuck is not None:
-            message = stuck.message(self.clock())
-            status.conditions = cond.set_condition(
-                status.conditions,
-                cond.NODE_UNREACHABLE,
-                "True",
-                Reason.OUT_OF_SERVICE_NEEDED,
-                message,
-                now,
-                generation,
-            )
-            if before is None or before.status != "True":
-                result.events.append(("Warning", Reason.OUT_OF_SERVICE_NEEDED, message))
-        elif before is not None and before.status == "True":
-            status.conditions = cond.set_condition(
-                status.conditions,
-                cond.NODE_UNREACHABLE,
-                "False",
-                Reason.NODES_REACHABLE,
-                "no pod of the attempt is stuck on a NotReady node",
-                now,
-                generation,
-            )
+        """Condition NodeUnreachable (decide.unreachable_condition) applied to ``status``."""
+        status.conditions, event = unreachable_condition(
+            obs, spec, status.conditions, recorded, now, generation, self.clock()
+        )
+        if event is not None:
+            result.events.append(event)
 
     def _deactivate_workload(
         self, namespace: str, workload: dict[str, Any] | None, version: str | None
     ) -> None:
         if workload is None or version is None:
             return
-        if (workload.get("spec") or {}).get("active") is False:
+        patch = deactivation_patch(workload)
+        if patch is None:
             return
-        # Marked as ours: an inactive Workload without the mark is an administrator's (or
-        # Kueue's) and suspends the TrainingJob (classify.workload_deactivated).
-        annotations: dict[str, Any] = {DEACTIVATED_BY_OPERATOR_ANNOTATION: "true"}
-        if BOOST_ANNOTATION in (workload["metadata"].get("annotations") or {}):
-            # A victim's boost must not follow its Workload back into the queue.
-            annotations[BOOST_ANNOTATION] = None
-        patch: dict[str, Any] = {
-            "metadata": {"annotations": annotations},
-            "spec": {"active": False},
-        }
         try:
             self.custom.patch_namespaced_custom_object(
                 KUEUE_GROUP,
@@ -1636,53 +1315,14 @@ class Reconciler:
         generation: int | None,
         result: PassResult,
     ) -> None:
-        last = (status.attempts or [])[-1] if status.attempts else None
-        killed_grace = last.grace_seconds if last and last.killed and last.end_time else None
-        decision = cap_grace(
-            next_grace(spec.grace_period, status.timings, killed_grace),
-            self.config.max_grace_seconds,
-        )
-        gp = status.grace_period or models.GraceStatus()
-        gp.recommended = decision.seconds
-        gp.reason = decision.reason
-        gp.inputs = decision.inputs or None
-        status.grace_period = gp
+        """The grace recommendation and condition (decide.grace_status) applied to ``status``."""
+        grace = grace_status(status, spec, self.config.max_grace_seconds, now, generation)
+        status.grace_period = grace.grace_period
+        status.conditions = grace.conditions
         meta = obs.obj["metadata"]
-        metrics.GRACE_SECONDS.labels(meta["namespace"], meta["name"]).set(decision.seconds)
-        current = gp.current
-        if last is not None and last.end_time is None:
-            ok, message = grace_sufficiency(current, decision)
-            reason = Reason.GRACE_SUFFICIENT if ok else Reason.GRACE_TOO_SHORT
-        elif last is not None and last.reason == Reason.DEADLINE_TOO_SHORT:
-            ok, reason = False, Reason.DEADLINE_TOO_SHORT
-            message = (
-                f"attempt {last.attempt} did not start its JIT save: it could not finish before "
-                f"the deadline ({last.message}); the grace is not raised past what the node "
-                "gives: save more often (status.checkpointInterval, spec.checkpoint.interval: auto)"
-            )
-        elif last is not None and last.killed:
-            ok, reason = False, Reason.GRACE_KILLED
-            message = (
-                f"attempt {last.attempt} was SIGKILLed at its {last.grace_seconds} s grace "
-                f"deadline; the next attempt gets {decision.seconds} s"
-            )
-        else:
-            ok, message = grace_sufficiency(current, decision)
-            reason = Reason.GRACE_SUFFICIENT if ok else Reason.GRACE_TOO_SHORT
-        if decision.required is None and ok:
-            reason = Reason.NOT_MEASURED
-        before = cond.find_condition(status.conditions, cond.GRACE_PERIOD_SUFFICIENT)
-        status.conditions = cond.set_condition(
-            status.conditions,
-            cond.GRACE_PERIOD_SUFFICIENT,
-            "True" if ok else "False",
-            reason,
-            message,
-            now,
-            generation,
-        )
-        if not ok and (before is None or before.status != "False" or before.reason != reason):
-            result.events.append(("Warning", reason, message))
+        metrics.GRACE_SECONDS.labels(meta["namespace"], meta["name"]).set(grace.recommended)
+        if grace.event is not None:
+            result.events.append(grace.event)
 
     # ------------------------------------------------------------------------------ writing
     def _write_status(
@@ -1852,270 +1492,11 @@ def _progress_only(old: dict[str, Any], new: dict[str, Any]) -> bool:
     return strip(old) == strip(new)
 
 
-def parse_spec_tolerant(
-    raw: dict[str, Any] | None,
-) -> tuple[models.TrainingJobSpec | None, str | None, str | None]:
-    """(spec, why it is invalid, note). Fields this operator does not know (a newer CRD: version
-    skew between CRD and operator) are dropped with a note rather than refused; anything else
-    invalid is reported with the field, value and fix."""
-    try:
-        return models.parse_spec(raw), None, None
-    except ValidationError as exc:
-        unknown = [e["loc"] for e in exc.errors() if e["type"] == "extra_forbidden"]
-        if not unknown or len(unknown) != len(exc.errors()):
-            return None, models.format_validation_error(exc), None
-    pruned = json.loads(json.dumps(raw or {}))
-    for loc in unknown:
-        parent: Any = pruned
-        for key in loc[:-1]:
-            parent = parent[key]
-        parent.pop(loc[-1], None)
-    try:
-        spec = models.parse_spec(pruned)
-    except ValidationError as exc:
-        return None, models.format_validation_error(exc), None
-    shown = ", ".join("spec." + ".".join(str(p) for p in loc) for loc in unknown)
-    return spec, None, f"ignored fields this operator does not know (a newer CRD?): {shown}"
-
-
-def spec_of_job(job: dict[str, Any] | None) -> models.TrainingJobSpec | None:
-    """The spec an attempt's Job was created from (its annotation), None when unknown."""
-    raw = ((job or {}).get("metadata", {}).get("annotations") or {}).get(render.ANNOTATION_SPEC)
-    if not raw:
-        return None
-    try:
-        return models.parse_spec(json.loads(raw))
-    except (ValueError, ValidationError):
-        return None
-
-
-def _by_attempt(objs: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
-    out: dict[int, list[dict[str, Any]]] = {}
-    for obj in objs:
-        raw = (obj["metadata"].get("labels") or {}).get(render.LABEL_ATTEMPT, "")
-        if raw.isdigit():
-            out.setdefault(int(raw), []).append(obj)
-    return out
-
-
-def cap_grace(decision: GraceDecision, cap: int | None) -> GraceDecision:
-    """``decision`` with its seconds clamped to the operator's ``--max-grace-seconds``."""
-    if cap is None or decision.seconds <= cap:
-        return decision
-    return dataclasses.replace(
-        decision,
-        seconds=cap,
-        reason=f"{decision.reason}; capped at {cap} s by the operator (--max-grace-seconds)",
-    )
-
-
 def jittered(seconds: float, spread: float = 0.2) -> float:
     """``seconds`` +- ``spread`` (fraction), so periodic passes of many jobs spread out."""
     return seconds * (1.0 + random.uniform(-spread, spread))
 
 
-def _rfc3339(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _max(*values: float | None) -> float | None:
-    present = [v for v in values if v is not None]
-    return max(present) if present else None
-
-
-def _outcomes(status: models.TrainingJobStatus) -> dict[int, str | None]:
-    """Each recorded attempt's outcome (None while it runs)."""
-    return {rec.attempt: rec.outcome for rec in status.attempts or []}
-
-
-def _clear_refused(conditions: list[Any] | None, now: str, generation: int | None) -> Any:
-    """CreateRefused set False (the children exist now), where it was True."""
-    before = cond.find_condition(conditions, cond.CREATE_REFUSED)
-    if before is None or before.status != "True":
-        return conditions
-    return cond.set_condition(
-        conditions, cond.CREATE_REFUSED, "False", Reason.CREATED, "", now, generation
-    )
-
-
-def _find_record(status: models.TrainingJobStatus, attempt: int) -> models.AttemptRecord | None:
-    for rec in status.attempts or []:
-        if rec.attempt == attempt:
-            return rec
-    return None
-
-
-def _record_from_job(job: dict[str, Any], attempt: int) -> models.AttemptRecord:
-    ann = job["metadata"].get("annotations") or {}
-    return models.AttemptRecord(
-        attempt=attempt,
-        job_name=job["metadata"]["name"],
-        start_time=job["metadata"].get("creationTimestamp"),
-        resume_from=ann.get(render.ANNOTATION_RESUME_FROM),
-        start_step=_int_or_none(ann.get(render.ANNOTATION_START_STEP)),
-        grace_seconds=_int_or_none(ann.get(render.ANNOTATION_GRACE)),
-    )
-
-
 def _refusal(kind: str, name: str, exc: ApiException) -> Refusal | None:
     """The apiserver's refusal to create a child, when it is one that a retry cannot fix soon."""
     return create_refusal(kind, name, exc.status, api_message(exc.body, str(exc.reason or exc)))
-
-
-def _int_or_none(value: str | None) -> int | None:
-    return int(value) if value is not None and value.isdigit() else None
-
-
-def _pod_checkpoint_path(spec: models.TrainingJobSpec, reported: str) -> str:
-    """The runtime reports the path it wrote; keep it when it is under the URI, else join."""
-    uri = spec.checkpoint.uri.rstrip("/")
-    if reported.startswith(uri) or "/" in reported:
-        return reported
-    return f"{uri}/{reported}"
-
-
-def _snapshot_ref(snapshot: Any) -> models.CheckpointRef | None:
-    latest = snapshot.latest_complete if snapshot is not None else None
-    if latest is None:
-        return None
-    return models.CheckpointRef(step=latest.step, path=snapshot.latest_complete_path)
-
-
-def _apply_snapshot(status: models.TrainingJobStatus, snapshot: Any) -> None:
-    latest = snapshot.latest_complete
-    current = status.last_complete_checkpoint
-    # Never step back to an older checkpoint than one already known (reported by the runtime).
-    if latest is not None and (current is None or latest.step >= current.step):
-        status.last_complete_checkpoint = models.CheckpointRef(
-            step=latest.step,
-            path=snapshot.latest_complete_path,
-            completed_at=latest.created_at,
-            save_seconds=latest.save_seconds,
-        )
-        timings = status.timings or models.Timings()
-        if latest.save_seconds is not None:
-            timings.save_seconds_max = _max(timings.save_seconds_max, latest.save_seconds)
-            status.timings = timings
-    status.incomplete_checkpoints = [
-        models.IncompleteCheckpoint(step=info.step, path=path, reason=info.reason)
-        for info, path in snapshot.incomplete
-    ] or None
-
-
-def _apply_metrics(
-    status: models.TrainingJobStatus,
-    m: RuntimeMetrics | None,
-    spec: models.TrainingJobSpec,
-    attempt: int,
-) -> None:
-    if m is None:
-        return
-    progress = status.progress or models.Progress()
-    if m.int("step") is not None:
-        progress.step = m.int("step")
-        progress.attempt = attempt  # whose step it is: see accounting.attempt_end_step
-    if m.int("max_steps"):
-        progress.max_steps = m.int("max_steps")
-    if m.get("epoch") is not None:
-        progress.epoch = round(m.get("epoch") or 0.0, 4)
-    status.progress = progress
-    t = status.timings or models.Timings()
-
-    def measured(key: str) -> float | None:
-        value = m.get(key)  # the runtime exports 0 before its first step / save
-        return value if value is not None and value > 0 else None
-
-    t.step_seconds_max = _max(t.step_seconds_max, measured("step_seconds_max"))
-    t.step_seconds_p99 = measured("step_seconds_p99") or t.step_seconds_p99
-    t.step_seconds_ema = measured("step_seconds_ema") or t.step_seconds_ema
-    t.save_seconds_max = _max(t.save_seconds_max, measured("save_seconds_max"))
-    t.save_seconds_last = measured("save_seconds_last") or t.save_seconds_last
-    t.micro_batch_seconds_max = _max(t.micro_batch_seconds_max, measured("micro_batch_seconds_max"))
-    status.timings = t
-    ckpt_step = m.int("last_complete_checkpoint_step")
-    if ckpt_step is not None and ckpt_step > 0:
-        current = status.last_complete_checkpoint
-        if current is None or ckpt_step > current.step:
-            status.last_complete_checkpoint = models.CheckpointRef(
-                step=ckpt_step,
-                path=f"{spec.checkpoint.uri.rstrip('/')}/checkpoint-{ckpt_step}",
-            )
-
-
-def _after_create(inputs: PhaseInputs, attempt: int, spec: models.TrainingJobSpec) -> Decision:
-    """What the next pass decides once the attempt just created is seen (its Job, no pods
-    yet): the status is written with that at once, so the pass the new Job's watch event
-    wakes finds nothing to write."""
-    return next_phase(
-        dataclasses.replace(
-            inputs,
-            current_phase=None,
-            attempt=attempt,
-            recorded_outcome=None,
-            job_exists=True,
-            job_suspended=bool(spec.queue_name),
-            interruption=Interruption("Active", Reason.STARTED),
-            pods_finished=True,
-            pods=0,
-            running_pods=0,
-            pending_detail=None,
-            previous_pods_active=0,
-            backoff_remaining=0.0,
-        )
-    )
-
-
-def _set_phase_conditions(
-    status: models.TrainingJobStatus,
-    phase: str,
-    decision: Any,
-    record: models.AttemptRecord | None,
-    now: str,
-    generation: int | None,
-) -> None:
-    c = status.conditions
-    msg = decision.message or ""
-    admitted = phase in ("Running", "Checkpointing", "Succeeded")
-    if phase == "Queued":
-        c = cond.set_condition(c, cond.ADMITTED, "False", Reason.QUEUED, msg, now, generation)
-    elif admitted:
-        c = cond.set_condition(c, cond.ADMITTED, "True", Reason.ADMITTED, "", now, generation)
-    c = cond.set_condition(
-        c,
-        cond.RUNNING,
-        "True" if phase == "Running" else "False",
-        Reason.STARTED if phase == "Running" else decision.reason,
-        msg,
-        now,
-        generation,
-    )
-    c = cond.set_condition(
-        c,
-        cond.CHECKPOINTING,
-        "True" if phase == "Checkpointing" else "False",
-        decision.reason,
-        msg,
-        now,
-        generation,
-    )
-    if phase == "Running":
-        pre = cond.find_condition(c, cond.PREEMPTED)
-        if pre is not None and pre.status == "True":
-            c = cond.set_condition(
-                c,
-                cond.PREEMPTED,
-                "False",
-                Reason.RESUMED,
-                "resumed after the preemption",
-                now,
-                generation,
-            )
-    if phase == "Succeeded":
-        c = cond.set_condition(
-            c, cond.SUCCEEDED, "True", Reason.COMPLETED, "training finished", now, generation
-        )
-    if phase == "Failed":
-        existing = cond.find_condition(c, cond.FAILED)
-        if existing is None or existing.status != "True":
-            c = cond.set_condition(c, cond.FAILED, "True", decision.reason, msg, now, generation)
-    status.conditions = cond.lifecycle_conditions(c, phase, now, generation)

@@ -69,3 +69,25 @@ def cond(ctype: str, reason: str = "", message: str = "", status: str = "True") 
 
 
 META = {"name": "tj", "namespace": "ns", "uid": "uid-1"}
+
+
+def make_snapshot(**overrides: Any) -> Any:
+    """A reconcile pass's snapshot (decide.Snapshot): a valid spec, no attempt yet."""
+    from preemptible_operator.decide import Snapshot
+
+    fields: dict[str, Any] = {
+        "obj": {"metadata": {**META, "generation": 1}},
+        "status": models.TrainingJobStatus(),
+        "spec": make_spec(),
+        "invalid": None,
+        "jobs": {},
+        "pods_by_attempt": {},
+        "attempt": 0,
+        "job": None,
+        "pods": [],
+        "workload": None,
+        "workload_version": None,
+        "node_ready": {"node-1": True},  # make_pod's node
+    }
+    fields.update(overrides)
+    return Snapshot(**fields)

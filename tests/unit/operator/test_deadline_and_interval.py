@@ -21,7 +21,7 @@ from preemptible_operator.interval import (
     running_seconds,
 )
 from preemptible_operator.phases import bound_attempts
-from preemptible_operator.reconcile import _apply_metrics
+from preemptible_operator.recording import apply_metrics as _apply_metrics
 from preemptible_operator.render import AttemptParams, render_job
 from preemptible_operator.scrape import parse_metrics
 from tests.unit.operator.builders import cond, make_job, make_pod
