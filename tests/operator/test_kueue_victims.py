@@ -104,18 +104,23 @@ def _start(tj: TJClient, op: OperatorProcess, body: dict[str, Any], min_step: in
     )
 
 
+def _create_high(control_plane: ControlPlane, kueue: Kueue, tj: TJClient, seconds: int) -> None:
+    """A high-priority batch Job that needs one CPU for ``seconds``."""
+    high = job_manifest(
+        "high",
+        [python_container(f"import time; time.sleep({seconds})", cpu="1")],
+        labels=kueue.job_labels(kueue.high_priority),
+        suspend=True,
+    )
+    kubernetes.client.BatchV1Api(control_plane.api_client()).create_namespaced_job(tj.ns, high)
+
+
 def _preempt_one(
     control_plane: ControlPlane, kueue: Kueue, tj: TJClient, op: OperatorProcess
 ) -> str:
     """A high-priority Job that needs one of the two CPUs: Kueue preempts one TrainingJob; its
     name."""
-    high = job_manifest(
-        "high",
-        [python_container("import time; time.sleep(20)", cpu="1")],
-        labels=kueue.job_labels(kueue.high_priority),
-        suspend=True,
-    )
-    kubernetes.client.BatchV1Api(control_plane.api_client()).create_namespaced_job(tj.ns, high)
+    _create_high(control_plane, kueue, tj, seconds=20)
 
     def preempted() -> list[str]:
         return [
@@ -248,13 +253,7 @@ def test_a_band_wider_than_the_class_gap_never_lifts_a_job_level_with_a_higher_c
         timeout=60,
         on_timeout=lambda: f"boost {_boost(kueue, tj, 'a')}\n" + op.tail(),
     )
-    high = job_manifest(
-        "high",
-        [python_container("import time; time.sleep(5)", cpu="1")],
-        labels=kueue.job_labels(kueue.high_priority),
-        suspend=True,
-    )
-    kubernetes.client.BatchV1Api(control_plane.api_client()).create_namespaced_job(tj.ns, high)
+    _create_high(control_plane, kueue, tj, seconds=5)
     wait_for(
         "a preempted by the higher class despite its protection",
         lambda: any(

@@ -62,26 +62,36 @@ def _port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_two_gloo_ranks_exit_with_the_code_and_flushed_output(tmp_path: Path) -> None:
-    script = tmp_path / "entry.py"
-    script.write_text(SCRIPT)
+def _two_ranks(command: list[str], cwd: Path) -> list[tuple[int, str]]:
+    """Run ``command`` as ranks 0 and 1 of a gloo world; each rank's exit code and output."""
     port = _port()
     procs = []
     for rank in range(2):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        env.update(WORLD_SIZE="2", RANK=str(rank))
+        env.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank))
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-P", str(script), "dist", "75"],
+                command,
+                cwd=cwd,  # not the repository root: its operator/ shadows the stdlib's
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
             )
         )
-    for proc in procs:
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 75, out
+    return [_finish(proc) for proc in procs]
+
+
+def _finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=120)
+    return proc.returncode, out
+
+
+def test_two_gloo_ranks_exit_with_the_code_and_flushed_output(tmp_path: Path) -> None:
+    script = tmp_path / "entry.py"
+    script.write_text(SCRIPT)
+    for code, out in _two_ranks([sys.executable, "-P", str(script), "dist", "75"], tmp_path):
+        assert code == 75, out
         assert "trained" in out and "atexit ran" in out, out
 
 
@@ -117,22 +127,8 @@ def test_a_stock_scripts_process_group_is_destroyed_before_exit(
 ) -> None:
     script = tmp_path / "stock.py"
     script.write_text(STOCK_SCRIPT)
-    port = _port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        env.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank))
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", entry, str(script), str(code)],
-                cwd=tmp_path,  # not the repository root: its operator/ shadows the stdlib's
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    for proc in procs:
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == code, out
+    for exit_code, out in _two_ranks(
+        [sys.executable, "-m", entry, str(script), str(code)], tmp_path
+    ):
+        assert exit_code == code, out
         assert "trained" in out and "process group destroyed" in out, out
