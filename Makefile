@@ -24,7 +24,7 @@ cluster-binaries: setup
 	bash tests/cluster/build.sh
 
 test: setup lint cluster-binaries
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=30  # the slowest 30: where a fresh machine's time goes
 
 test-unit: setup
 	$(PY) -m pytest tests/unit
