@@ -5,8 +5,9 @@
 
 It trains a small MLP with dropout (so the RNG state must survive a resume) on a synthetic
 classification set generated from ``--seed`` with :class:`trainer_runtime.Trainer` and
-``enable_jit_checkpoint=True``. It follows the operator's environment contract: the output dir
-defaults to $PREEMPTIBLE_OUTPUT_DIR and the Trainer resumes per $PREEMPTIBLE_RESUME_FROM.
+``enable_jit_checkpoint=True`` (``--jit-checkpoint false`` turns it off). It follows the
+operator's environment contract: the output dir defaults to $PREEMPTIBLE_OUTPUT_DIR and the
+Trainer resumes per $PREEMPTIBLE_RESUME_FROM.
 
 Test hooks: ``--step-sleep`` makes every optimizer step slow (the sleep happens inside the forward
 pass, so a signal lands in a step in flight); ``--save-sleep`` routes checkpoints through the
@@ -192,6 +193,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument(
+        "--jit-checkpoint",
+        choices=("true", "false"),
+        default="true",
+        help="TrainingArguments.enable_jit_checkpoint; false: a SIGTERM ends the process with no "
+        "save (periodic checkpoints only, as benchmarks/goodput.py's policy (b))",
+    )
+    p.add_argument(
         "--full-determinism",
         action="store_true",
         help="TrainingArguments.full_determinism (bit-identical resume with 3+ DDP ranks)",
@@ -347,7 +355,7 @@ def build_trainer(args: argparse.Namespace) -> Any:
         logging_steps=args.logging_steps,
         seed=args.seed,
         full_determinism=args.full_determinism,
-        enable_jit_checkpoint=True,
+        enable_jit_checkpoint=args.jit_checkpoint == "true",
         use_cpu=True,
         report_to="none",
         fsdp=args.fsdp,

@@ -41,3 +41,13 @@ def test_dataset_is_a_pure_function_of_the_seed() -> None:
     assert a.x.equal(b.x) and a.labels.equal(b.labels)
     assert not a.x.equal(c.x)
     assert set(a[0]) == {"x", "labels"}
+
+
+@pytest.mark.parametrize(("flag", "enabled"), [([], True), (["--jit-checkpoint", "false"], False)])
+def test_jit_checkpoint_flag(flag: list[str], enabled: bool, tmp_path: object) -> None:
+    """benchmarks/goodput.py's periodic-only policy runs the toy with no JIT save on SIGTERM;
+    the default stays on."""
+    from trainer_runtime.toy import build_trainer
+
+    args = parse_args(["--output-dir", str(tmp_path), "--max-steps", "2", *flag])
+    assert build_trainer(args).args.enable_jit_checkpoint is enabled

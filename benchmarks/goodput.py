@@ -1,0 +1,556 @@
+"""Goodput under Kueue preemptions, three checkpoint policies on one arrival trace (``python -P
+benchmarks/goodput.py``; issue 32).
+
+Starts the real control plane of the cluster test tier (etcd, kube-apiserver, controller-manager,
+scheduler), Kueue (PriorityBoost gate on) with a ClusterQueue of K CPUs, the stand-in node agent
+with ONE node of K CPUs (a preemptor needs its victim's quota and its place on the node), and
+then, per policy, the operator and M low-priority TrainingJobs of 1 CPU each (K run, the rest
+queue). Their pods run ``trainer_runtime.toy`` (the real trainer_runtime Trainer on a tiny MLP,
+``--step-sleep`` seconds per step, every checkpoint file written with ``--save-sleep`` of delay,
+saves synchronous). High-priority batch Jobs of 1 CPU (the preemptors, each holding its CPU for
+``--hold`` seconds) arrive at seeded random times; Kueue preempts a TrainingJob for each. The same
+arrival trace is replayed under each policy:
+
+(a) ours: JIT checkpoint on SIGTERM, the measured (automatic) grace period (initial 30 s,
+    min 5 s), checkpoint-aware victims (operator ``--priority-boost``,
+    ``spec.preemption.minRunSeconds: 0``) and ``spec.checkpoint.interval: auto``;
+(b) periodic checkpoints only: the toy's ``--jit-checkpoint false`` (a SIGTERM ends the process
+    with no save, as a Trainer without a SIGTERM handler), a pinned 30 s grace, no boost;
+(c) transformers-style JIT: a JIT save on SIGTERM, the pinned 30 s grace, no boost (Kueue's own
+    victim order) and no interval: auto. transformers' own Trainer is not run here: its JIT save
+    on SIGTERM is emulated by our runtime's (see docs/operator.md, "Goodput benchmark").
+
+All three keep the script's periodic schedule (``--save-steps``).
+
+Per policy it prints: goodput (steps kept / steps computed), lost steps per preemption, GPU (here
+CPU slot) seconds held after SIGTERM, the preemptor's wait until its pod runs, preemptions per
+job, and the grace the preempted attempts had. Steps come from the toy's events file (one
+``train_begin`` and one ``step_end`` line per step, per process), which is exact even where a
+process dies without a termination message (policy b); the operator's own ``status.lostSteps``
+is printed next to it as a cross-check. The pure parts (the trace, the step accounting, the
+summary) are table-tested in tests/unit/benchmarks/test_goodput.py.
+
+    python -P benchmarks/goodput.py [--k 2] [--m 3] [--arrivals 6] [--duration 240] [--seed 1]
+        [--hold 30] [--step-sleep 0.5] [--save-steps 20] [--save-sleep 0.1]
+        [--policies a,b,c]
+
+docs/operator.md ("Goodput benchmark") records a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+POLL = 0.2
+POLICIES = ("a", "b", "c")
+POLICY_NAMES = {
+    "a": "ours: JIT + measured grace + checkpoint-aware victims + interval auto",
+    "b": "periodic checkpoints only, fixed 30 s grace",
+    "c": "JIT on SIGTERM, fixed 30 s grace, no victim choice",
+}
+FIXED_GRACE = 30
+
+
+# ------------------------------------------------------------------------- pure computations
+def arrival_trace(seed: int, count: int, duration: float, margin: float) -> list[float]:
+    """``count`` arrival times (seconds from the start), uniform in [margin, duration - margin]
+    from ``random.Random(seed)``, sorted, rounded to 0.1 s: the same trace for every policy."""
+    if count < 0 or duration <= 2 * margin:
+        raise ValueError(f"count {count} must be >= 0 and duration {duration} > 2 x {margin}")
+    rng = random.Random(seed)
+    return sorted(round(rng.uniform(margin, duration - margin), 1) for _ in range(count))
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One training process (one attempt's rank 0) as its events file tells it."""
+
+    pid: int
+    start_step: int
+    """Step it began at (``train_begin``: the checkpoint it resumed from, 0 fresh)."""
+    end_step: int
+    """Last step it finished (``step_end``); its start when it finished none."""
+    first_time: float
+    last_time: float
+    step_seconds: tuple[float, ...] = ()
+    """Wall seconds between its consecutive ``step_end`` events."""
+
+
+def segments_from_events(lines: Iterable[str]) -> list[Segment]:
+    """The processes of one job in the order they started, from the toy's JSON event lines."""
+    by_pid: dict[int, dict[str, Any]] = {}
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        ev = json.loads(line)
+        seg = by_pid.setdefault(
+            ev["pid"], {"start": None, "end": None, "first": ev["time"], "ends": []}
+        )
+        seg["last"] = ev["time"]
+        if ev["event"] == "train_begin" and seg["start"] is None:
+            seg["start"] = int(ev["step"])
+        elif ev["event"] == "step_end":
+            seg["end"] = max(seg["end"] or 0, int(ev["step"]))
+            seg["ends"].append(ev["time"])
+    out = []
+    for pid, seg in by_pid.items():
+        if seg["start"] is None:  # never began training (killed while loading): no steps
+            continue
+        ends = seg["ends"]
+        out.append(
+            Segment(
+                pid=pid,
+                start_step=seg["start"],
+                end_step=max(seg["start"], seg["end"] or 0),
+                first_time=seg["first"],
+                last_time=seg["last"],
+                step_seconds=tuple(b - a for a, b in itertools.pairwise(ends)),
+            )
+        )
+    return sorted(out, key=lambda s: s.first_time)
+
+
+@dataclass(frozen=True)
+class JobSteps:
+    computed: int
+    """Steps its processes finished, counting each step each time it was trained."""
+    lost: int
+    """Steps trained again (or, at the end, not in the checkpoint the job would resume from)."""
+
+
+def job_steps(
+    segments: Sequence[Segment], running_at_end: bool, checkpoint_step: int | None
+) -> JobSteps:
+    """Each process computes ``end - start`` steps; the steps a process reached beyond the step
+    the next one resumed from are lost. The last process, when it is no longer running at the
+    end (preempted, waiting to be readmitted), loses what is beyond ``checkpoint_step`` (the
+    newest complete checkpoint, what it will resume from)."""
+    computed = sum(s.end_step - s.start_step for s in segments)
+    lost = sum(max(0, a.end_step - b.start_step) for a, b in itertools.pairwise(segments))
+    if segments and not running_at_end:
+        lost += max(0, segments[-1].end_step - (checkpoint_step or 0))
+    return JobSteps(computed=computed, lost=lost)
+
+
+def goodput_at_rate(
+    lost_per_preemption: float, step_seconds: float, seconds_between: float = 600.0
+) -> float:
+    """Goodput at one preemption per ``seconds_between`` of running: a preemption costs
+    ``lost_per_preemption`` of the ``seconds_between / step_seconds`` steps computed."""
+    computed = seconds_between / step_seconds
+    return max(0.0, 1.0 - lost_per_preemption / computed)
+
+
+def _stats(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "min": None, "max": None, "n": 0}
+    return {"mean": round(statistics.fmean(values), 2), "min": round(min(values), 2),
+            "max": round(max(values), 2), "n": len(values)}  # fmt: skip
+
+
+def summarize(
+    jobs: Sequence[JobSteps],
+    preemptions_per_job: Sequence[int],
+    held_seconds: Sequence[float],
+    preemptor_waits: Sequence[float],
+    graces: Sequence[float],
+    step_seconds: float | None,
+) -> dict[str, Any]:
+    """The figures of one policy (held seconds: one per preempted pod, SIGTERM to exit)."""
+    computed = sum(j.computed for j in jobs)
+    lost = sum(j.lost for j in jobs)
+    preemptions = sum(preemptions_per_job)
+    per = lost / preemptions if preemptions else None
+    return {
+        "steps_computed": computed,
+        "steps_kept": computed - lost,
+        "steps_lost": lost,
+        "goodput": round((computed - lost) / computed, 4) if computed else None,
+        "preemptions": preemptions,
+        "lost_steps_per_preemption": round(per, 2) if per is not None else None,
+        "held_seconds_after_sigterm": round(sum(held_seconds), 1),
+        "held_seconds_per_preemption": _stats(held_seconds),
+        "preemptor_wait_seconds": _stats(preemptor_waits),
+        "grace_seconds_used": _stats(graces),
+        "preemptions_per_job": _stats([float(p) for p in preemptions_per_job]),
+        "step_seconds": round(step_seconds, 3) if step_seconds else None,
+        "goodput_at_1_per_10min": (
+            round(goodput_at_rate(per, step_seconds), 4)
+            if per is not None and step_seconds
+            else None
+        ),
+    }
+
+
+# ------------------------------------------------------------------------------- the cluster
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _wait(what: str, fn: Any, timeout: float = 300.0, poll: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(poll)
+    raise TimeoutError(what)
+
+
+@dataclass
+class PodMarks:
+    job: str
+    created: float | None = None
+    terminating: float | None = None
+    exited: float | None = None
+    running: float | None = None
+
+
+@dataclass
+class Monitor:
+    """Polls the namespace's pods every POLL seconds from a thread: when each one ran, got its
+    deletionTimestamp (SIGTERM) and exited (or vanished)."""
+
+    client: Any
+    ns: str
+    pods: dict[str, PodMarks] = field(default_factory=dict)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, daemon=True)
+        thread.start()
+        return thread
+
+    def _run(self) -> None:
+        import kubernetes
+
+        core = kubernetes.client.CoreV1Api(self.client)
+        while not self.stop.is_set():
+            now = time.monotonic()
+            try:
+                items = core.list_namespaced_pod(self.ns).items
+            except Exception:  # a slow apiserver: try again next poll
+                time.sleep(POLL)
+                continue
+            seen = set()
+            for p in items:
+                uid = p.metadata.uid
+                seen.add(uid)
+                marks = self.pods.setdefault(
+                    uid, PodMarks(job=(p.metadata.labels or {}).get("job-name", ""))
+                )
+                states = p.status.container_statuses or []
+                if marks.running is None and any(s.state.running for s in states):
+                    marks.running = now
+                if marks.terminating is None and p.metadata.deletion_timestamp is not None:
+                    marks.terminating = now
+                if marks.exited is None and any(s.state.terminated for s in states):
+                    marks.exited = now
+                    if marks.running is None:  # ran and ended between two polls
+                        marks.running = now
+            for uid, marks in self.pods.items():
+                if uid not in seen and marks.exited is None and marks.terminating is not None:
+                    marks.exited = now
+            time.sleep(POLL)
+
+
+def policy_spec(policy: str, name: str, root: Path, kueue: Any, args: argparse.Namespace) -> dict:
+    from tests.operator.harness import toy_training_job
+
+    events = root / f"events-{name}.jsonl"
+    extra = ["--save-sleep", str(args.save_sleep), "--save-async", "false"]
+    extra += ["--events-file", str(events), "--logging-steps", "1000"]
+    spec: dict[str, Any] = {}
+    if policy == "a":
+        grace = {"initialSeconds": FIXED_GRACE, "min": 5, "max": 120}
+        spec["checkpoint"] = {"uri": f"{root}/{name}", "interval": "auto"}
+        spec["preemption"] = {"minRunSeconds": 0}
+    else:
+        grace = {"seconds": FIXED_GRACE}
+        if policy == "b":
+            extra += ["--jit-checkpoint", "false"]
+    return toy_training_job(
+        name,
+        root,
+        max_steps=1_000_000,
+        step_sleep=args.step_sleep,
+        save_steps=args.save_steps,
+        extra_args=tuple(extra),
+        grace=grace,
+        cpu="1",
+        queueName=kueue.local_queue,
+        priorityClass=kueue.low_priority,
+        **spec,
+    )
+
+
+def run_policy(
+    cp: Any, kueue: Any, policy: str, ckpt_root: Path, workdir: Path, args: argparse.Namespace,
+    trace: list[float],
+) -> dict[str, Any]:  # fmt: skip
+    import kubernetes
+
+    from benchmarks.operator_scale import Operator
+    from preemptible_operator import models
+    from tests.cluster.helpers import job_manifest, python_container
+
+    ns = f"goodput-{policy}"
+    root = ckpt_root / policy
+    root.mkdir(parents=True)
+    with cp.api_client() as client:
+        kubernetes.client.CoreV1Api(client).create_namespace({"metadata": {"name": ns}})
+    kueue.create_local_queue(ns)
+    extra = ["--checkpoint-path-map", f"{ckpt_root}={ckpt_root}"]
+    if policy == "a":
+        extra.append("--priority-boost")
+    op = Operator(cp.kubeconfig, workdir / f"operator-{policy}.log", extra)
+    names = [f"job-{i}" for i in range(args.m)]
+    try:
+        with cp.api_client() as client:
+            custom = kubernetes.client.CustomObjectsApi(client)
+            batch = kubernetes.client.BatchV1Api(client)
+            core = kubernetes.client.CoreV1Api(client)
+            tj = (models.GROUP, models.VERSION, ns, models.PLURAL)
+
+            def status(name: str) -> dict[str, Any]:
+                return custom.get_namespaced_custom_object(*tj, name).get("status") or {}
+
+            for name in names:
+                custom.create_namespaced_custom_object(
+                    *tj[:3], tj[3], policy_spec(policy, name, root, kueue, args)
+                )
+            # Warm-up: K jobs training before the first arrival's clock starts.
+            _wait(
+                "K jobs training",
+                lambda: (
+                    sum((status(n).get("progress") or {}).get("step", 0) >= 1 for n in names)
+                    >= min(args.k, args.m)
+                ),
+                timeout=600,
+            )
+            monitor = Monitor(client, ns)
+            thread = monitor.start()
+            t0 = time.monotonic()
+            created: dict[str, float] = {}
+            for i, at in enumerate(trace):
+                time.sleep(max(0.0, t0 + at - time.monotonic()))
+                pre = f"pre-{i}"
+                body = job_manifest(
+                    pre,
+                    [python_container(f"import time; time.sleep({args.hold})", cpu="1")],
+                    labels=kueue.job_labels(kueue.high_priority),
+                    suspend=True,
+                )
+                created[pre] = time.monotonic()
+                batch.create_namespaced_job(ns, body)
+                _say(f"  [{policy}] t={at:6.1f} s preemptor {pre} created")
+            time.sleep(max(0.0, t0 + args.duration - time.monotonic()))
+
+            # Settle: every preemptor ran; no training pod is still stopping.
+            def settled() -> bool:
+                ran = all(
+                    any(m.job == pre and m.running for m in monitor.pods.values())
+                    for pre in created
+                )
+                stopping = any(
+                    m.terminating and not m.exited
+                    for m in monitor.pods.values()
+                    if not m.job.startswith("pre-")
+                )
+                return ran and not stopping
+
+            with contextlib.suppress(TimeoutError):
+                _wait("settled", settled, timeout=args.hold + 120)
+            time.sleep(2 * POLL)
+            monitor.stop.set()
+            thread.join()
+            statuses = {n: status(n) for n in names}
+    finally:
+        # Delete while the operator runs (it holds the finalizers), then stop it.
+        with contextlib.suppress(Exception), cp.api_client() as client:
+            custom = kubernetes.client.CustomObjectsApi(client)
+            batch = kubernetes.client.BatchV1Api(client)
+            core = kubernetes.client.CoreV1Api(client)
+            tj = (models.GROUP, models.VERSION, ns, models.PLURAL)
+            for name in names:
+                with contextlib.suppress(Exception):
+                    custom.delete_namespaced_custom_object(*tj, name)
+            for job in batch.list_namespaced_job(ns).items:
+                with contextlib.suppress(Exception):
+                    batch.delete_namespaced_job(
+                        job.metadata.name, ns, propagation_policy="Background"
+                    )
+            _wait(
+                "policy cleaned up",
+                lambda: (
+                    not core.list_namespaced_pod(ns).items
+                    and not custom.list_namespaced_custom_object(*tj)["items"]
+                ),
+                timeout=180,
+            )
+        op.stop()
+
+    jobs, preemptions, graces, sigterm = [], [], [], []
+    step_times: list[float] = []
+    for name in names:
+        st = statuses[name]
+        events = root / f"events-{name}.jsonl"
+        segs = segments_from_events(events.read_text().splitlines() if events.exists() else [])
+        attempts = st.get("attempts") or []
+        running = (
+            st.get("phase") == "Running" and bool(attempts) and not attempts[-1].get("outcome")
+        )
+        ckpt = (st.get("lastCompleteCheckpoint") or {}).get("step")
+        jobs.append(job_steps(segs, running, ckpt))
+        preemptions.append(int(st.get("preemptions") or 0))
+        for a in attempts:
+            if a.get("outcome") == "Preempted":
+                if a.get("graceSeconds") is not None:
+                    graces.append(float(a["graceSeconds"]))
+                if a.get("sigtermToExitSeconds") is not None:
+                    sigterm.append(float(a["sigtermToExitSeconds"]))
+        for s in segs:
+            step_times.extend(s.step_seconds)
+    held = [
+        m.exited - m.terminating
+        for m in monitor.pods.values()
+        if not m.job.startswith("pre-") and m.terminating and m.exited
+    ]
+    waits = []
+    for pre, at in created.items():
+        ran = [m.running for m in monitor.pods.values() if m.job == pre and m.running]
+        if ran:
+            waits.append(min(ran) - at)
+    summary = summarize(
+        jobs,
+        preemptions,
+        held,
+        waits,
+        graces,
+        statistics.median(step_times) if step_times else None,
+    )
+    summary["operator_lost_steps"] = sum(int(s.get("lostSteps") or 0) for s in statuses.values())
+    summary["sigterm_to_exit_seconds_records"] = _stats(sigterm)
+    summary["per_job"] = {
+        n: {"computed": j.computed, "lost": j.lost, "preemptions": p, "phase": statuses[n].get(
+            "phase")}
+        for n, j, p in zip(names, jobs, preemptions, strict=True)
+    }  # fmt: skip
+    return summary
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    """The Markdown table the docs keep."""
+
+    def fmt(v: Any) -> str:
+        return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+
+    rows = [
+        "| policy | goodput | steps kept / computed | preemptions | lost steps / preemption "
+        "| held after SIGTERM, s (total; mean, max per pod) | preemptor wait, s (mean; max) "
+        "| grace used, s (mean) | preemptions per job (mean; max) | goodput at 1 per 10 min |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p, r in results.items():
+        h, w, g, j = (r["held_seconds_per_preemption"], r["preemptor_wait_seconds"],
+                      r["grace_seconds_used"], r["preemptions_per_job"])  # fmt: skip
+        rows.append(
+            f"| ({p}) | {fmt(r['goodput'])} | {r['steps_kept']} / {r['steps_computed']} "
+            f"| {r['preemptions']} | {fmt(r['lost_steps_per_preemption'])} "
+            f"| {fmt(r['held_seconds_after_sigterm'])}; {fmt(h['mean'])}, {fmt(h['max'])} "
+            f"| {fmt(w['mean'])}; {fmt(w['max'])} | {fmt(g['mean'])} "
+            f"| {fmt(j['mean'])}; {fmt(j['max'])} | {fmt(r['goodput_at_1_per_10min'])} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--k", type=int, default=2, help="quota: jobs that run at once")
+    parser.add_argument("--m", type=int, default=3, help="low-priority TrainingJobs")
+    parser.add_argument("--arrivals", type=int, default=6, help="high-priority preemptors")
+    parser.add_argument("--duration", type=float, default=240.0, help="seconds per policy")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--hold", type=float, default=30.0, help="seconds a preemptor runs")
+    parser.add_argument("--step-sleep", type=float, default=0.5, help="seconds per toy step")
+    parser.add_argument("--save-steps", type=int, default=20, help="periodic checkpoint every N")
+    parser.add_argument("--save-sleep", type=float, default=0.1, help="delay per checkpoint file")
+    parser.add_argument("--policies", default="a,b,c")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    policies = [p for p in args.policies.split(",") if p]
+    if unknown := set(policies) - set(POLICIES):
+        parser.error(f"unknown policies {sorted(unknown)}: choose from {POLICIES}")
+    trace = arrival_trace(args.seed, args.arrivals, args.duration, margin=10.0)
+    _say(f"trace (seed {args.seed}): preemptors at {trace} s, each holding 1 CPU {args.hold} s")
+
+    from benchmarks.operator_scale import AgentProcess
+    from tests.cluster.binaries import find_binaries
+    from tests.cluster.controlplane import ControlPlane
+    from tests.cluster.kueue import Kueue
+    from tests.operator.harness import install_crd
+
+    workdir = Path(tempfile.mkdtemp(prefix="preemptible-goodput-"))
+    ckpt_root = workdir / "ckpt"
+    ckpt_root.mkdir()
+    binaries = find_binaries()
+    cp = ControlPlane(binaries, workdir / "cluster")
+    kueue = agent = None
+    results: dict[str, dict[str, Any]] = {}
+    t_start = time.monotonic()
+    try:
+        cp.start()
+        kueue = Kueue(cp, quota_cpu=str(args.k), quota_memory="8Gi")
+        kueue.start()
+        agent = AgentProcess(
+            cp,
+            workdir / "node-agent",
+            nodes=["bench-0"],
+            capacity={"cpu": str(args.k), "memory": "16Gi", "pods": "64",
+                      "ephemeral-storage": "20Gi"},
+            k8s_version=binaries.k8s_version,
+        )  # fmt: skip
+        with cp.api_client() as client:
+            install_crd(client)
+        for policy in policies:
+            _say(f"policy ({policy}): {POLICY_NAMES[policy]} ...")
+            t = time.monotonic()
+            results[policy] = run_policy(cp, kueue, policy, ckpt_root, workdir, args, trace)
+            _say(f"policy ({policy}) in {time.monotonic() - t:.0f} s: "
+                 f"{json.dumps(results[policy])}")  # fmt: skip
+    finally:
+        if agent is not None:
+            agent.stop()
+        if kueue is not None:
+            kueue.stop()
+        cp.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    out = {"args": vars(args) | {"json": None}, "trace": trace, "results": results,
+           "seconds": round(time.monotonic() - t_start)}  # fmt: skip
+    print(json.dumps(out, indent=2))
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The figures benchmarks/goodput.py prints (issue 32): the seeded arrival trace, the step
+accounting from the toy's events (steps computed, lost across a preemption, at the end), and the
+per-policy summary."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "goodput.py"
+
+
+def load_benchmark() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("goodput_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+gp = load_benchmark()
+
+
+def _ev(event: str, pid: int, t: float, step: int) -> str:
+    return json.dumps({"event": event, "pid": pid, "time": t, "step": step})
+
+
+def _process(pid: int, t0: float, start: int, end: int, step_s: float = 0.5) -> list[str]:
+    """One process: train_begin at ``start``, then step_end for start+1..end."""
+    lines = [_ev("train_begin", pid, t0, start)]
+    for i, step in enumerate(range(start + 1, end + 1)):
+        lines.append(_ev("step_begin", pid, t0 + i * step_s, step))
+        lines.append(_ev("step_end", pid, t0 + (i + 1) * step_s, step))
+    return lines
+
+
+def test_arrival_trace_is_seeded_sorted_and_inside_the_window() -> None:
+    trace = gp.arrival_trace(1, 6, 180.0, margin=10.0)
+    assert trace == gp.arrival_trace(1, 6, 180.0, margin=10.0)
+    assert trace != gp.arrival_trace(2, 6, 180.0, margin=10.0)
+    assert trace == sorted(trace) and len(trace) == 6
+    assert all(10.0 <= t <= 170.0 for t in trace)
+    assert gp.arrival_trace(1, 0, 180.0, margin=10.0) == []
+    with pytest.raises(ValueError):
+        gp.arrival_trace(1, 3, 20.0, margin=10.0)
+
+
+def test_segments_follow_processes_in_start_order() -> None:
+    # A second process interleaves nothing here, but starts later; a third never began training
+    # (killed while loading: events without train_begin) and counts for nothing.
+    lines = (
+        _process(20, 100.0, 8, 12) + _process(10, 0.0, 0, 10) + [_ev("step_begin", 30, 200.0, 13)]
+    )
+    segs = gp.segments_from_events(lines)
+    assert [(s.pid, s.start_step, s.end_step) for s in segs] == [(10, 0, 10), (20, 8, 12)]
+    assert segs[0].step_seconds == pytest.approx((0.5,) * 9)
+
+
+def test_a_process_that_finished_no_step_ends_where_it_began() -> None:
+    (seg,) = gp.segments_from_events([_ev("train_begin", 1, 0.0, 40)])
+    assert (seg.start_step, seg.end_step, seg.step_seconds) == (40, 40, ())
+
+
+@pytest.mark.parametrize(
+    ("processes", "running", "ckpt", "computed", "lost"),
+    [
+        # JIT save at the step reached: the next attempt resumes there, nothing lost.
+        ([(0, 10), (10, 25)], True, 20, 25, 0),
+        # No JIT: reached 17, resumed from the periodic checkpoint at 10: 7 trained again.
+        ([(0, 17), (10, 30)], True, 20, 37, 7),
+        # Two preemptions, the last one still waiting to be readmitted at the end: 23 - 20.
+        ([(0, 17), (10, 23)], False, 20, 30, 7 + 3),
+        # Preempted before any checkpoint: all of it lost at the end.
+        ([(0, 9)], False, None, 9, 9),
+        ([], False, None, 0, 0),
+    ],
+)
+def test_job_steps(
+    processes: list[tuple[int, int]], running: bool, ckpt: int | None, computed: int, lost: int
+) -> None:
+    lines: list[str] = []
+    for i, (start, end) in enumerate(processes):
+        lines += _process(100 + i, 1000.0 * i, start, end)
+    steps = gp.job_steps(gp.segments_from_events(lines), running, ckpt)
+    assert (steps.computed, steps.lost) == (computed, lost)
+
+
+@pytest.mark.parametrize(
+    ("lost", "step_s", "expected"),
+    [(0.0, 0.5, 1.0), (10.0, 0.5, 1 - 10 / 1200), (6.0, 1.0, 0.99), (5000.0, 1.0, 0.0)],
+)
+def test_goodput_at_one_preemption_per_ten_minutes(
+    lost: float, step_s: float, expected: float
+) -> None:
+    assert gp.goodput_at_rate(lost, step_s) == pytest.approx(expected)
+
+
+def test_summary() -> None:
+    jobs = [gp.JobSteps(computed=300, lost=0), gp.JobSteps(computed=100, lost=8)]
+    out: dict[str, Any] = gp.summarize(
+        jobs,
+        preemptions_per_job=[1, 3],
+        held_seconds=[2.0, 3.0, 4.0, 3.0],
+        preemptor_waits=[3.0, 5.0],
+        graces=[10.0, 12.0],
+        step_seconds=0.5,
+    )
+    assert out["steps_computed"] == 400 and out["steps_kept"] == 392
+    assert out["goodput"] == 0.98
+    assert out["preemptions"] == 4 and out["lost_steps_per_preemption"] == 2.0
+    assert out["held_seconds_after_sigterm"] == 12.0
+    assert out["held_seconds_per_preemption"] == {"mean": 3.0, "min": 2.0, "max": 4.0, "n": 4}
+    assert out["preemptor_wait_seconds"] == {"mean": 4.0, "min": 3.0, "max": 5.0, "n": 2}
+    assert out["preemptions_per_job"] == {"mean": 2.0, "min": 1.0, "max": 3.0, "n": 2}
+    assert out["goodput_at_1_per_10min"] == pytest.approx(1 - 2 / 1200, abs=1e-4)
+    empty = gp.summarize([], [], [], [], [], None)
+    assert empty["goodput"] is None and empty["lost_steps_per_preemption"] is None
+    table = gp.table({"a": out})
+    assert table.splitlines()[2].startswith("| (a) | 0.98 | 392 / 400 | 4 | 2 |")
