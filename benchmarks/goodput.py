@@ -205,14 +205,10 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def _wait(what: str, fn: Any, timeout: float = 300.0, poll: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(poll)
-    raise TimeoutError(what)
+def _wait(what: str, fn: Any, timeout: float = 300.0) -> Any:
+    from benchmarks.preemptor_wait import wait_until  # the cluster's modules: only when run
+
+    return wait_until(what, fn, timeout, poll=0.5)
 
 
 @dataclass

@@ -51,17 +51,19 @@ from tests.operator.harness import install_crd, toy_training_job  # noqa: E402
 POLL = 0.05
 
 
-def _say(msg: str) -> None:
+def say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def _wait(what: str, fn: Any, timeout: float = 300.0) -> Any:
+def wait_until(what: str, fn: Any, timeout: float = 300.0, poll: float = POLL) -> Any:
+    """``fn()``'s first truthy value, polled every ``poll`` seconds; TimeoutError(what) after
+    ``timeout`` (shared by the benchmarks on the control plane)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = fn()
         if value:
             return value
-        time.sleep(POLL)
+        time.sleep(poll)
     raise TimeoutError(what)
 
 
@@ -97,7 +99,7 @@ def one_run(
         )
         return obj.get("status") or {}
 
-    _wait("victim training", lambda: (tj_status().get("progress") or {}).get("step", 0) >= 3)
+    wait_until("victim training", lambda: (tj_status().get("progress") or {}).get("step", 0) >= 3)
     (victim_pod,) = [
         p
         for p in core.list_namespaced_pod(ns, label_selector=f"job-name={victim}-a1").items
@@ -143,15 +145,15 @@ def one_run(
             states = p.status.container_statuses or []
             mark("running", any(s.state.running or s.state.terminated for s in states))
         time.sleep(POLL)
-    record = _wait(
+    record = wait_until(
         "victim's attempt recorded",
         lambda: next((a for a in tj_status().get("attempts") or [] if a.get("outcome")), None),
     )
     timings = tj_status().get("timings") or {}
     custom.delete_namespaced_custom_object(models.GROUP, models.VERSION, ns, models.PLURAL, victim)
-    _wait("preemptor done", lambda: batch.read_namespaced_job(preemptor, ns).status.succeeded)
+    wait_until("preemptor done", lambda: batch.read_namespaced_job(preemptor, ns).status.succeeded)
     batch.delete_namespaced_job(preemptor, ns, propagation_policy="Background")
-    _wait("quota free", lambda: not core.list_namespaced_pod(ns).items, timeout=120)
+    wait_until("quota free", lambda: not core.list_namespaced_pod(ns).items, timeout=120)
     return {
         **marks,
         "victim_sigterm_to_exit": record.get("sigtermToExitSeconds"),
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         with cp.api_client() as client:
             for run in range(args.runs):
                 result = one_run(client, kueue, ns, root, run, args.grace, args.save_sleep)
-                _say(f"run {run}: {json.dumps(result)}")
+                say(f"run {run}: {json.dumps(result)}")
                 runs.append(result)
     finally:
         if op is not None:
