@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The checkpoint path's checks for one GPU machine, in one run of under 8 minutes:
+# The checkpoint path's checks for one GPU machine, in one run of under 10 minutes:
 #   1. tests/gpu (marker cuda): the staging ring, pinned buffers and snapshots on a CUDA device;
 #   2. benchmarks/gpu_d2h.py: a JIT save (real SIGTERM through our Trainer) of a 1.5B-parameter
 #      bf16 model from CUDA with its bytes, seconds and GB/s; device-to-host GB/s of the staging
 #      ring against a plain .to("cpu", non_blocking=True) into pinned memory; the pinned host
 #      memory a background snapshot holds before / during / after its write;
 #   3. benchmarks/jit_scaling.py --ranks 1 --device cuda (skipped, with a message, where the
-#      file is not there).
+#      file is not there);
+#   4. the same JIT save at 7B parameters (42 GB written), where the disk and the time allow.
 # Without CUDA it runs green: step 1 skips, step 2 is a CPU smoke run of the same harness at
 # small sizes, step 3 is skipped.
 #
@@ -102,6 +103,25 @@ elif [ "$CUDA" != 1 ]; then
   echo "==> [jit-scaling] skipped: --device cuda needs CUDA"
 else
   step jit-scaling 120 "$PY" -P benchmarks/jit_scaling.py --ranks 1 --device cuda
+fi
+
+# 4. a JIT save at 7B (the size docs/checkpoints.md projects): 6 bytes a parameter on disk (bf16
+#    weights and AdamW's two bf16 moments, 42 GB), only where the disk has room for it and the
+#    run has time left (GPU_CHECK_BUDGET seconds in all, 570 by default)
+budget=${GPU_CHECK_BUDGET:-570}
+left=$((budget - ($(date +%s) - started)))
+free_gb=$(df -Pk "${TMPDIR:-/tmp}" | awk 'NR == 2 {print int($4 / 1048576)}')
+if [ "$CUDA" != 1 ]; then
+  echo
+  echo "==> [jit-7b] skipped: needs CUDA"
+elif [ "${free_gb:-0}" -lt 50 ]; then
+  echo
+  echo "==> [jit-7b] skipped: ${free_gb} GB free under ${TMPDIR:-/tmp}, a 7B save needs 42 GB"
+elif [ "$left" -lt 90 ]; then
+  echo
+  echo "==> [jit-7b] skipped: ${left} s left of the ${budget} s budget"
+else
+  step jit-7b $((left < 200 ? left : 200)) "$PY" -P benchmarks/gpu_d2h.py --device cuda --only jit --params 7B
 fi
 
 rm -rf "$SRC"
