@@ -20,7 +20,7 @@ from typing import Any
 import kopf
 import kubernetes
 
-from preemptible_operator import metrics, models, projection, render
+from preemptible_operator import metrics, models, projection, render, trim
 from preemptible_operator.reconcile import (
     KUEUE_GROUP,
     KUEUE_JOB_UID_LABEL,
@@ -115,6 +115,29 @@ def _attempt_workload(body: kopf.Body, **_: Any) -> bool:
     return projection.attempt_workload(body)
 
 
+def _cached(
+    key: tuple[str, str],
+    body: Any,
+    tj_jobs: Any,
+    tj_pods: Any,
+    tj_workloads: Any | None,
+) -> Cached:
+    """What a pass reads from the watch caches, copied for that pass alone (a daemon that
+    kept it while asleep would hold a second copy of its TrainingJob for its whole life)."""
+    namespace = key[0]
+    jobs = [dict(j) for j in tj_jobs.get(key, [])]
+    return Cached(
+        obj=_plain(body),
+        jobs=jobs,
+        pods=[dict(p) for p in tj_pods.get(key, [])],
+        workloads={
+            uid: next(iter(tj_workloads[(namespace, uid)]))
+            for uid in (j["metadata"].get("uid") for j in jobs)
+            if uid and tj_workloads is not None and (namespace, uid) in tj_workloads
+        },
+    )
+
+
 def _has_finalizer(body: Any) -> bool:
     meta = body.get("metadata", {})
     return bool(meta.get("deletionTimestamp")) or FINALIZER in (meta.get("finalizers") or [])
@@ -130,6 +153,7 @@ def _wake(namespace: str | None, name: str | None) -> None:
 def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegistry:
     """Register the handlers on ``registry`` (a fresh one by default) and return it."""
     registry = registry or kopf.OperatorRegistry()
+    trim.install()  # kopf keeps every watched body: without their managedFields
     selector = {"labels": {render.LABEL_TRAINING_JOB: kopf.PRESENT}}
 
     @kopf.on.startup(registry=registry)
@@ -240,25 +264,20 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
         try:
             while not stopped:
                 wake.clear()  # events during the pass trigger the next one
-                jobs = [dict(j) for j in tj_jobs.get(key, [])]
-                cached = Cached(
-                    obj=_plain(body),
-                    jobs=jobs,
-                    pods=[dict(p) for p in tj_pods.get(key, [])],
-                    workloads={
-                        uid: next(iter(tj_workloads[(namespace, uid)]))
-                        for uid in (j["metadata"].get("uid") for j in jobs)
-                        if uid and tj_workloads is not None and (namespace, uid) in tj_workloads
-                    },
-                )
                 try:
-                    result = await _run_pass(urgent, wake, namespace, name, cached)
-                    if result is None:
+                    outcome = await _run_pass(
+                        urgent, wake, namespace, name,
+                        _cached(key, body, tj_jobs, tj_pods, tj_workloads),
+                    )  # fmt: skip
+                    if outcome is None:
                         urgent = True  # a watch event came first: pass again on fresh caches
                         continue
-                    delay = result.requeue_after
+                    # Only the delay and the end are kept while asleep: the pass's copies of
+                    # the object and its children go with it (memory at thousands of jobs).
+                    delay, done = outcome.requeue_after, outcome.done
+                    del outcome
                     failures = 0
-                    if result.done:
+                    if done:
                         # Terminal: no more passes (a restart re-checks it once).
                         forget_series_later(namespace, name)
                         return
@@ -280,6 +299,8 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
         # Our own status writes (and kopf's finalizer) leave the generation as it was.
         key = (namespace, name)
         meta = body.get("metadata", {})
+        if _state["reconciler"] is not None:
+            _state["reconciler"].cache_saw(namespace, name, meta.get("resourceVersion"))
         seen = (meta.get("generation"), meta.get("deletionTimestamp"))
         if _generations.get(key) != seen:
             _generations[key] = seen

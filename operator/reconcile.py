@@ -387,6 +387,17 @@ class Reconciler:
                      meta["name"], node_name, hit[2].seconds if hit[2] else None,
                      hit[2].source if hit[2] else "none")  # fmt: skip
 
+    def cache_saw(self, namespace: str, name: str, resource_version: str | None) -> None:
+        """The watch delivered ``resource_version`` of the TrainingJob: once it is not a version
+        our last status write replaced, the copy of that write is not needed any more. Called
+        on every watch event, so a job with no further pass (finished, queued) holds no copy."""
+        if resource_version is None:
+            return
+        with self._lock:
+            written = self._written.get((namespace, name))
+            if written is not None and resource_version not in written[0]:
+                del self._written[(namespace, name)]
+
     def _current_tj(
         self, namespace: str, name: str, cached: Cached | None
     ) -> dict[str, Any] | None:

@@ -1,19 +1,22 @@
 """What idle TrainingJobs cost the operator (issue 30): a sleeping daemon schedules no timer, a
 finished job's metric series go, and the copy of our last status write goes once the watch
-cache has it."""
+cache has it, and a sleeping daemon holds no copy of its objects."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from typing import Any
 
+import kopf
 import kubernetes
 import pytest
 from kopf._cogs.aiokits.aioenums import AsyncFlagWaiter, FlagSetter
 from prometheus_client.metrics import MetricWrapperBase
 
 from preemptible_operator import handlers, metrics
-from preemptible_operator.reconcile import Cached, Reconciler
+from preemptible_operator.reconcile import Cached, PassResult, Reconciler
 
 
 def _timers(loop: asyncio.AbstractEventLoop) -> list[Any]:
@@ -157,3 +160,57 @@ def test_the_copy_of_our_status_write_goes_once_the_cache_has_it() -> None:
         "resourceVersion"
     ] == ("11")
     assert ("ns", "tj") not in r._written
+
+
+def test_the_copy_of_our_status_write_goes_when_the_watch_delivers_it() -> None:
+    """A job with no further pass (finished, or queued with nothing to wake it) must not hold
+    the copy: the TrainingJob's watch event that carries our write drops it."""
+    r = Reconciler(kubernetes.client.ApiClient())
+    r._put_status = lambda obj, status: _tj("11")  # type: ignore[method-assign]
+    assert r._write_status(_tj("10"), {"phase": "Succeeded"}, {})
+    r.cache_saw("ns", "tj", "10")  # the version our write replaced: still needed
+    assert ("ns", "tj") in r._written
+    r.cache_saw("ns", "other", "11")
+    r.cache_saw("ns", "tj", None)
+    assert ("ns", "tj") in r._written
+    r.cache_saw("ns", "tj", "11")
+    assert ("ns", "tj") not in r._written
+
+
+def _reconcile_daemon() -> Any:
+    registry = handlers.register(kopf.OperatorRegistry())
+    (daemon,) = [h.fn for h in registry._spawning.get_all_handlers() if h.id == "reconcile"]
+    return daemon
+
+
+def test_a_sleeping_daemon_holds_no_copy_of_its_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between passes a daemon keeps only the delay: the pass's copy of the TrainingJob and of
+    its children goes with the pass (a second copy of every TrainingJob, for its whole life)."""
+    seen: list[weakref.ref[Cached]] = []
+
+    async def one_pass(urgent: bool, wake: Any, ns: str, name: str, cached: Cached) -> Any:
+        seen.append(weakref.ref(cached))
+        return PassResult(phase="Queued", requeue_after=None)
+
+    monkeypatch.setattr(handlers, "_run_pass", one_pass)
+    body = {"metadata": {"name": "tj", "namespace": "ns", "uid": "u",
+                         "finalizers": [handlers.FINALIZER]}, "spec": {"numNodes": 1}}  # fmt: skip
+    job = {"metadata": {"name": "tj-a1", "uid": "j"}, "status": {}}
+
+    async def run() -> None:
+        stopper = FlagSetter[Any]()
+        task = await _started(
+            _reconcile_daemon()(
+                namespace="ns", name="tj", body=body, stopped=AsyncFlagWaiter(stopper),
+                tj_jobs={("ns", "tj"): [job]}, tj_pods={}, tj_workloads={},
+            )
+        )  # fmt: skip
+        try:
+            assert len(seen) == 1 and not task.done()  # asleep, no delay
+            gc.collect()
+            assert seen[0]() is None
+        finally:
+            stopper.set()
+            await asyncio.wait_for(task, 2)
+
+    asyncio.run(run())
