@@ -194,8 +194,11 @@ def no_pod_can_follow(job: Mapping[str, Any], pods: Iterable[Mapping[str, Any]])
     pod could only be one of an index with no holding pod seen, which this refuses. Pods on a
     lost node, deleted while unbound or still terminating are not terminal: the count decides.
     A suspended Job is left to the count too, while the controller's deletions are under way.
-    Left open: a pod seen in a version older than a whole suspend-resume cycle of its Job (its
-    finalizer stripped and a new pod started since), as with any stale cache."""
+    Left open, both needing the Job to be suspended just as its pods end, then resumed before
+    the operator deletes it (or before the pod cache catches up): a pod seen between the
+    controller's finalizer removal and its delete, and a pod that ended as the Job was
+    suspended, stripped by a controller that still saw it active (its end is then never
+    counted, in Kubernetes too)."""
     spec = job.get("spec") or {}
     completions = spec.get("completions")
     if spec.get("suspend") or job_condition(job, "Suspended") is not None:
