@@ -14,9 +14,10 @@ from typing import Any
 
 from preemptible_operator.classify import job_condition, pod_finished
 from preemptible_operator.conditions import Reason
-from preemptible_operator.render import CONTAINER_NAME
+from preemptible_operator.render import CONTAINER_NAME, JOB_COMPLETION_INDEX_ANNOTATION
 
 __all__ = [
+    "JOB_TRACKING_FINALIZER",
     "REFUSAL_RETRY_MAX",
     "REFUSAL_RETRY_MIN",
     "Refusal",
@@ -26,6 +27,7 @@ __all__ = [
     "job_terminal",
     "jobs_to_delete",
     "kept_failed_attempt",
+    "no_pod_can_follow",
     "pods_refused",
     "pods_to_end",
     "refusal_retry_seconds",
@@ -115,28 +117,99 @@ def _count(job: Mapping[str, Any] | None, key: str) -> int:
     return int(value) if isinstance(value, int) else 0
 
 
+JOB_TRACKING_FINALIZER = "batch.kubernetes.io/job-tracking"
+"""The Job controller's finalizer on each pod it creates, removed once it has counted the pod's
+end in the Job's status, or just before it deletes an active pod of a suspended Job (whose end
+it then never counts)."""
+
+
 def attempt_pods_finished(
     job: Mapping[str, Any] | None,
     pods: Iterable[Mapping[str, Any]],
     node_ready: Mapping[str, bool] | None = None,
 ) -> bool:
     """Whether nothing of the attempt can run or write any more: every pod seen is finished
-    (classify.pod_finished) and the Job counts no pod beyond them. The watch cache may lag
-    behind the Job controller (a pod created just before an eviction, not seen yet): a Job
-    whose ``status.active`` + ``status.terminating`` (``ready`` is part of ``active``) exceed
-    the pods seen that are finished but not in a terminal phase (the only ones it may still
-    count: containers ended, deleted while unbound or on a removed node) has a pod we do not
-    see, which could write beside the next attempt."""
+    (classify.pod_finished) and the Job has no pod we do not see, now or later.
+
+    The watch cache may lag behind the Job controller (a pod created just before an eviction,
+    not seen yet), and such a pod could write beside the next attempt. Either no pod can follow
+    those seen (no_pod_can_follow: decided from the pods alone, as soon as they end), or else
+    the Job's ``status.active`` + ``status.terminating`` (``ready`` is part of ``active``) must
+    not exceed the pods seen that are finished but not in a terminal phase (the only ones it
+    may still count: containers ended, deleted while unbound or on a removed node). The Job
+    controller writes that status about 1 s after a pod ends (it batches pod updates)."""
     pods = list(pods)
     if not all(pod_finished(p, node_ready) for p in pods):
         return False
     if job is None:
+        return True
+    if no_pod_can_follow(job, pods):
         return True
     counted = max(_count(job, "active"), _count(job, "ready")) + _count(job, "terminating")
     explained = sum(
         1 for p in pods if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
     )
     return counted <= explained
+
+
+def _completion_index(pod: Mapping[str, Any]) -> int | None:
+    meta = pod.get("metadata") or {}
+    for where in ("annotations", "labels"):
+        raw = (meta.get(where) or {}).get(JOB_COMPLETION_INDEX_ANNOTATION)
+        if raw is not None:
+            try:
+                return int(raw)
+            except ValueError:
+                return None
+    return None
+
+
+def _holds_index(pod: Mapping[str, Any]) -> bool:
+    """A terminal pod whose end the Job controller counts (or has counted), so its index never
+    gets another pod: it still holds the tracking finalizer, or it lost it without being
+    deleted (only counting removes it then). A pod deleted without the finalizer may be one the
+    controller deleted when the Job was suspended: not counted, its index runs again on resume."""
+    if (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+        return False
+    meta = pod.get("metadata") or {}
+    return JOB_TRACKING_FINALIZER in (meta.get("finalizers") or []) or not meta.get(
+        "deletionTimestamp"
+    )
+
+
+def no_pod_can_follow(job: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether the Job controller cannot have, nor ever create, a pod beyond ``pods`` (the
+    attempt's pods seen): the Job is not suspended, every pod seen is in a terminal phase and
+    every completion index has a pod seen that holds it (_holds_index).
+
+    Why no other pod can exist (render_job: Indexed, completions = parallelism, backoffLimit 0,
+    podReplacementPolicy Failed, FailJob on the trainer's exit 75 and on DisruptionTarget, no
+    Ignore rule): the controller creates a pod for an index only while none of its pods is
+    active or not yet terminal, the index has not succeeded and the Job is not failing. A
+    counted failure fails the whole Job (FailJob or the backoff limit of 0) and a counted
+    success completes its index, so after a pod that holds its index nothing is created for
+    that index (a failure: for none). The only ends it never counts are of the active pods it
+    deletes when the Job is suspended: it strips their finalizer before the delete, so they are
+    seen deleted without it and hold nothing (their index runs again on resume). So a hidden
+    pod could only be one of an index with no holding pod seen, which this refuses. Pods on a
+    lost node, deleted while unbound or still terminating are not terminal: the count decides.
+    A suspended Job is left to the count too, while the controller's deletions are under way.
+    Left open, both needing the Job to be suspended just as its pods end, then resumed before
+    the operator deletes it (or before the pod cache catches up): a pod seen between the
+    controller's finalizer removal and its delete, and a pod that ended as the Job was
+    suspended, stripped by a controller that still saw it active (its end is then never
+    counted, in Kubernetes too)."""
+    spec = job.get("spec") or {}
+    completions = spec.get("completions")
+    if spec.get("suspend") or job_condition(job, "Suspended") is not None:
+        return False
+    if not isinstance(completions, int) or completions < 1:
+        return False
+    pods = list(pods)
+    if not all((p.get("status") or {}).get("phase") in ("Succeeded", "Failed") for p in pods):
+        return False
+    held = {_completion_index(p) for p in pods if _holds_index(p)}
+    return all(i in held for i in range(completions))
 
 
 def _trainer_terminated(pod: Mapping[str, Any]) -> bool:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from preemptible_operator.children import (
+    JOB_TRACKING_FINALIZER,
     REFUSAL_RETRY_MAX,
     REFUSAL_RETRY_MIN,
     api_message,
@@ -21,13 +22,24 @@ from preemptible_operator.children import (
     refusal_retry_seconds,
 )
 from preemptible_operator.conditions import Reason
+from preemptible_operator.render import ATTEMPT_FINALIZER, JOB_COMPLETION_INDEX_ANNOTATION
 from tests.unit.operator.builders import cond, make_job, make_pod
 
 
 def _job(
-    *, active: int | None = None, terminating: int | None = None, ready: int | None = None
+    *,
+    active: int | None = None,
+    terminating: int | None = None,
+    ready: int | None = None,
+    completions: int | None = 1,
+    suspend: bool = False,
+    conditions: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    job = make_job()
+    job = make_job(suspend=suspend, conditions=conditions)
+    if completions is None:
+        del job["spec"]["completions"]
+    else:
+        job["spec"]["completions"] = job["spec"]["parallelism"] = completions
     for key, value in (("active", active), ("terminating", terminating), ("ready", ready)):
         if value is not None:
             job["status"][key] = value
@@ -40,6 +52,55 @@ RUNNING = make_pod(phase="Running")
 # Deleted before it was bound: finished, though its phase is still Pending (the Job counts it
 # as terminating while our finalizer holds it).
 UNBOUND_DELETED = make_pod(phase="Pending", node=None, deleting=True)
+
+
+def _ended(
+    index: int = 0,
+    *,
+    phase: str = "Failed",
+    exit_code: int = 75,
+    tracked: bool = True,
+    deleting: bool = False,
+    disrupted: bool = False,
+    index_in: str = "annotations",
+) -> dict[str, Any]:
+    """An attempt pod in a terminal phase. ``tracked``: it still holds the Job controller's
+    tracking finalizer (not counted yet); ``disrupted``: DisruptionTarget=True."""
+    pod = make_pod(
+        f"tj-a1-{index}-x",
+        index=index,
+        phase=phase,
+        exit_code=exit_code,
+        deleting=deleting,
+        conditions=[cond("DisruptionTarget", "EvictionByEvictionAPI")] if disrupted else None,
+    )
+    meta = pod["metadata"]
+    if index_in != "annotations":
+        raw = meta["annotations"].pop(JOB_COMPLETION_INDEX_ANNOTATION)
+        if index_in == "labels":
+            meta["labels"][JOB_COMPLETION_INDEX_ANNOTATION] = raw
+        else:
+            meta["annotations"][JOB_COMPLETION_INDEX_ANNOTATION] = index_in
+    meta["finalizers"] = [ATTEMPT_FINALIZER, *([JOB_TRACKING_FINALIZER] if tracked else [])]
+    return pod
+
+
+# The runtime's exit 75 (a JIT checkpoint on a node notice): the pod ended on its own.
+EXIT_75 = _ended()
+# Counted by the Job controller (finalizer removed), though the Job seen does not show it yet.
+EXIT_75_COUNTED = _ended(tracked=False)
+# Evicted (a drain, the scheduler's preemption): not counted yet.
+EVICTED = _ended(exit_code=143, deleting=True, disrupted=True)
+# Deleted by someone other than the Job controller (the operator, a user): it is counted.
+DELETED_TRACKED = _ended(deleting=True)
+# Deleted by the Job controller when the Job was suspended: finalizer stripped first, never
+# counted; its index gets a new pod once the Job is resumed.
+SUSPEND_VICTIM = _ended(tracked=False, deleting=True)
+# The same, then marked Failed with DisruptionTarget by the pod garbage collector (its node was
+# removed): still never counted.
+SUSPEND_VICTIM_DISRUPTED = _ended(tracked=False, deleting=True, disrupted=True)
+# Being deleted on a node that is gone (not in node_ready): finished, not terminal.
+ON_LOST_NODE = make_pod("tj-a1-1-x", index=1, phase="Running", node="node-gone", deleting=True)
 
 
 # --------------------------------------------------------------------------- defect 7
@@ -55,7 +116,7 @@ UNBOUND_DELETED = make_pod(phase="Pending", node=None, deleting=True)
         pytest.param(_job(ready=1), [], False, id="ready-only"),
         pytest.param(_job(terminating=1), [], False, id="cache-lags-job-terminating"),
         # An eviction right after admission: one pod seen terminal, a second one not seen.
-        pytest.param(_job(active=1), [FAILED], False, id="one-seen-one-unseen"),
+        pytest.param(_job(active=1, completions=2), [FAILED], False, id="one-seen-one-unseen"),
         pytest.param(_job(active=0, terminating=0), [FAILED, SUCCEEDED], True, id="all-terminal"),
         pytest.param(_job(active=0), [RUNNING], False, id="seen-pod-running"),
         # Pods finished by the operator's rule but not terminal: the Job may still count them.
@@ -63,6 +124,98 @@ UNBOUND_DELETED = make_pod(phase="Pending", node=None, deleting=True)
         pytest.param(
             _job(terminating=2), [UNBOUND_DELETED], False, id="more-terminating-than-seen"
         ),
+        # ---- no pod can follow (issue 30, requeue p50): the Job's status still counts the
+        # ended pods (the controller writes it about 1 s later), yet nothing else can run.
+        pytest.param(_job(active=1, ready=1), [EXIT_75], True, id="exit-75-job-not-updated"),
+        pytest.param(_job(active=1), [EXIT_75_COUNTED], True, id="exit-75-counted"),
+        pytest.param(_job(active=0, terminating=1), [EVICTED], True, id="evicted"),
+        pytest.param(_job(terminating=1), [DELETED_TRACKED], True, id="deleted-not-by-job"),
+        pytest.param(
+            _job(active=2, completions=2),
+            [EXIT_75, _ended(1, exit_code=143, deleting=True)],
+            True,
+            id="multinode-rank-ended-peer-stopped",
+        ),
+        pytest.param(
+            _job(active=1, completions=2),
+            [_ended(phase="Succeeded", exit_code=0), _ended(1, exit_code=1)],
+            True,
+            id="multinode-one-failed-one-done",
+        ),
+        pytest.param(
+            _job(active=2, completions=2),
+            [_ended(phase="Succeeded", exit_code=0), _ended(1, phase="Succeeded", exit_code=0)],
+            True,
+            id="all-indexes-succeeded",
+        ),
+        pytest.param(_job(active=1), [_ended(index_in="labels")], True, id="index-from-label"),
+        # Resumed by Kueue earlier (Suspended False): only a True condition means suspended.
+        pytest.param(
+            _job(active=1, conditions=[cond("Suspended", "JobResumed", status="False")]),
+            [EXIT_75],
+            True,
+            id="resumed-job",
+        ),
+        # A victim of an earlier suspension and the pod that replaced it, both seen.
+        pytest.param(
+            _job(active=1), [SUSPEND_VICTIM, EXIT_75], True, id="victim-and-its-replacement"
+        ),
+        # ---- still waits for the count:
+        # Index 1 has no pod seen: one may run (created, not in the cache yet).
+        pytest.param(_job(active=2, completions=2), [EXIT_75], False, id="index-missing"),
+        # The Job already counts index 0 as failed and still counts a pod we do not see.
+        pytest.param(
+            _job(active=1, completions=2), [EXIT_75_COUNTED], False, id="job-counts-unseen"
+        ),
+        pytest.param(_job(active=1, suspend=True), [EXIT_75], False, id="job-suspended"),
+        pytest.param(
+            _job(active=1, conditions=[cond("Suspended", "JobSuspended")]),
+            [EXIT_75],
+            False,
+            id="job-shows-suspended",
+        ),
+        # Deleted at a suspension (no finalizer): not counted, so its index ran again on resume
+        # and the replacement is not seen yet.
+        pytest.param(_job(active=1), [SUSPEND_VICTIM], False, id="suspend-victim"),
+        pytest.param(
+            _job(active=1), [SUSPEND_VICTIM_DISRUPTED], False, id="suspend-victim-disrupted"
+        ),
+        pytest.param(
+            _job(active=0, terminating=1, suspend=True),
+            [SUSPEND_VICTIM],
+            False,
+            id="suspend-victim-job-suspended",
+        ),
+        pytest.param(
+            _job(active=1, conditions=[cond("Suspended", "JobSuspended")]),
+            [SUSPEND_VICTIM],
+            False,
+            id="suspend-victim-job-shows-suspended",
+        ),
+        # A pod on a removed node: finished, not terminal; the Job counts one more.
+        pytest.param(
+            _job(active=1, terminating=1, completions=2),
+            [EXIT_75, ON_LOST_NODE],
+            False,
+            id="pod-on-lost-node",
+        ),
+        pytest.param(
+            _job(terminating=1, completions=2),
+            [EXIT_75, ON_LOST_NODE],
+            True,
+            id="pod-on-lost-node-counted",
+        ),
+        # Every index is held, but another pod seen is not terminal yet: the count decides.
+        pytest.param(
+            _job(terminating=2),
+            [EXIT_75, make_pod("tj-a1-0-y", phase="Running", node="node-gone", deleting=True)],
+            False,
+            id="other-pod-not-terminal",
+        ),
+        pytest.param(_job(active=1, completions=None), [EXIT_75], False, id="no-completions"),
+        pytest.param(_job(active=1), [_ended(index_in="x")], False, id="index-unreadable"),
+        pytest.param(_job(active=1), [_ended(1)], False, id="index-out-of-range"),
+        pytest.param(_job(active=1), [_ended(index_in="none")], False, id="no-index"),
     ],
 )
 def test_attempt_pods_finished(job: dict[str, Any] | None, pods: list[Any], finished: bool) -> None:
