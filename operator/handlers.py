@@ -20,7 +20,7 @@ from typing import Any
 import kopf
 import kubernetes
 
-from preemptible_operator import metrics, models, projection, render, trim
+from preemptible_operator import heap, metrics, models, projection, render, trim
 from preemptible_operator.reconcile import (
     KUEUE_GROUP,
     KUEUE_JOB_UID_LABEL,
@@ -40,6 +40,7 @@ _state: dict[str, Any] = {
     "kubeconfig": None,
     "urgent": None,
     "periodic": None,
+    "heap_trim": None,
 }
 _wakeups: dict[tuple[str, str], asyncio.Event] = {}
 _uids: dict[tuple[str, str], str] = {}
@@ -176,6 +177,9 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
         settings.watching.server_timeout = 300
         settings.networking.request_timeout = 60
         _reconciler()
+        trimming = _state.get("heap_trim")
+        if trimming is None or not trimming.is_alive():  # one per process, whatever the runs
+            _state["heap_trim"] = heap.start_trimming(_state["config"].heap_trim_interval)
 
     @kopf.on.login(registry=registry)
     def _login(**kwargs: Any) -> kopf.ConnectionInfo | None:

@@ -162,6 +162,9 @@ class OperatorConfig:
     low-priority job cannot keep its GPUs for hours after Kueue preempts it."""
     workers: int = 32
     """Threads running reconcile passes (each blocks on API requests)."""
+    heap_trim_interval: float = 60.0
+    """Seconds between trims of the operator's heap (glibc ``malloc_trim``: memory freed after
+    a burst goes back to the OS instead of holding RSS at the burst's high-water mark). 0: off."""
     node_cache_seconds: float = 10.0
     """How long one read of a node's readiness is reused (by every job on that node)."""
     component: str = "preemptible-operator"
