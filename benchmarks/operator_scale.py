@@ -70,6 +70,9 @@ from tests.cluster.processes import ManagedProcess, wait_until  # noqa: E402
 from tests.operator.harness import free_port, install_crd, read_metrics  # noqa: E402
 from trainer_runtime.protocol import METRIC_NAMES  # noqa: E402
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+from stub_runtime import build_c_stub, metrics_template  # noqa: E402
+
 TJ_ARGS = (models.GROUP, models.VERSION)
 CLK = os.sysconf("SC_CLK_TCK")
 # Requests only the operator sends here (the node agent writes pods/status, controllers write
@@ -229,14 +232,23 @@ def queued_spec(root: Path, queue: str) -> dict[str, Any]:
     }
 
 
-def stub_spec(root: Path, control: Path) -> dict[str, Any]:
+def stub_command(kind: str) -> list[str]:
+    """The running jobs' command: the Python stub, or the C one (``--stub c``: about 1 MB a
+    process instead of about 15, so thousands fit one machine), built here on first use."""
+    if kind == "c":
+        cache = Path(os.environ.get("PREEMPTIBLE_CACHE", Path.home() / ".cache" / "preemptible"))
+        return [str(build_c_stub(cache / "bench"))]
+    return ["python", "-P", str(REPO / "benchmarks" / "stub_runtime.py")]
+
+
+def stub_spec(root: Path, control: Path, command: list[str] | None = None) -> dict[str, Any]:
     return {
         "image": "preemptible:bench",
-        "command": ["python", "-P", str(REPO / "benchmarks" / "stub_runtime.py")],
+        "command": command or stub_command("python"),
         "checkpoint": {"uri": str(root)},
         "resourcesPerNode": {"requests": {"cpu": "10m", "memory": "16Mi"}},
         "env": [
-            {"name": "STUB_METRIC_NAMES", "value": json.dumps(METRIC_NAMES)},
+            {"name": "STUB_METRICS_TEMPLATE", "value": metrics_template(METRIC_NAMES)},
             {"name": "STUB_CONTROL_DIR", "value": str(control)},
             {"name": "STUB_STEP_SECONDS", "value": "1"},
         ],
@@ -496,12 +508,21 @@ def bench_idle(op: Operator, jobs: int, window: float) -> dict[str, float]:
 
 
 def bench_running(
-    cp: ControlPlane, op: Operator, n: int, root: Path, control: Path, window: float
+    cp: ControlPlane,
+    op: Operator,
+    n: int,
+    root: Path,
+    control: Path,
+    window: float,
+    stub: str = "python",
 ) -> dict[str, float]:
     ns = "bench-running"
+    command = stub_command(stub)
     with cp.api_client() as client:
         kubernetes.client.CoreV1Api(client).create_namespace({"metadata": {"name": ns}})
-        bodies = [training_job(f"r{i}", stub_spec(root / f"r{i}", control)) for i in range(n)]
+        bodies = [
+            training_job(f"r{i}", stub_spec(root / f"r{i}", control, command)) for i in range(n)
+        ]
         t0 = time.monotonic()
         create_all(client, ns, bodies)
         eventually(
@@ -674,6 +695,13 @@ def main(argv: list[str] | None = None) -> int:
         help="(i) seconds of operator CPU with the queued and finished jobs idle (0: skip)",
     )
     parser.add_argument("--running", type=int, default=500, help="(b) running stub jobs (0: skip)")
+    parser.add_argument(
+        "--stub",
+        choices=("python", "c"),
+        default="python",
+        help="(b) the running jobs' stand-in: benchmarks/stub_runtime.py, or its C twin "
+        "stub_runtime.c (about 1 MB a pod instead of 15: for thousands of running jobs)",
+    )
     parser.add_argument("--requeues", type=int, default=50, help="(c) stubs that exit 75")
     parser.add_argument("--requeue-spacing", type=float, default=0.5, help="seconds between exits")
     parser.add_argument("--window", type=float, default=60.0, help="steady-state window, seconds")
@@ -745,7 +773,9 @@ def main(argv: list[str] | None = None) -> int:
             _say(f"    {json.dumps(results['idle'])}")
         if args.running:
             _say(f"(b) {args.running} running stub jobs ...")
-            results["running"] = bench_running(cp, op, args.running, root, control, args.window)
+            results["running"] = bench_running(
+                cp, op, args.running, root, control, args.window, args.stub
+            )
             _say(f"    {json.dumps(results['running'])}")
             if args.requeues:
                 _say(f"(c) {args.requeues} requeues (exit 75 -> next Job) ...")
