@@ -11,7 +11,8 @@ operator process (``preemptible-operator run``, default settings, admin credenti
     TrainingJobs are created first and the operator started after them (a restart with a
     backlog: the seconds count from its start).
 (b) running: M TrainingJobs whose pods run ``benchmarks/stub_runtime.py`` (no torch: it serves the
-    runtime's /metrics and advances its step every second). At steady state, over a window:
+    runtime's /metrics and advances its step every second; ``--stub c``: its C twin
+    ``stub_runtime.c``, about 1.8 MB a pod, for thousands of running jobs). At steady state, over a window:
     API requests per second per running job (the apiserver's ``apiserver_request_total`` with
     the operator running, minus the same window with the operator stopped by SIGSTOP; the
     operator's own request counter as a cross-check), operator CPU (cores) and RSS.
@@ -26,7 +27,7 @@ operator process (``preemptible-operator run``, default settings, admin credenti
     TrainingJobs) and RSS over ``--idle-window`` seconds (0: skip).
 
 The operator's RSS at the end (every TrainingJob of every scenario still there) is printed
-last. Scale (issue 30): ``--queued 2700 --finished 300 --running 2000`` is the 5,000 mix.
+last. Scale (issue 30): ``--queued 2700 --finished 300 --running 2000 --stub c`` is the 5,000 mix.
 
 The node agent runs in a process of its own, so its pods' threads do not share an interpreter
 with the benchmark's watches, whose clocks are the measurement.
