@@ -12,10 +12,11 @@ operator process (``preemptible-operator run``, default settings, admin credenti
     backlog: the seconds count from its start).
 (b) running: M TrainingJobs whose pods run ``benchmarks/stub_runtime.py`` (no torch: it serves the
     runtime's /metrics and advances its step every second; ``--stub c``: its C twin
-    ``stub_runtime.c``, about 1.8 MB a pod, for thousands of running jobs). At steady state, over a window:
-    API requests per second per running job (the apiserver's ``apiserver_request_total`` with
-    the operator running, minus the same window with the operator stopped by SIGSTOP; the
-    operator's own request counter as a cross-check), operator CPU (cores) and RSS.
+    ``stub_runtime.c``, about 1.8 MB a pod, for thousands of running jobs). At steady state,
+    over a window: API requests per second per running job (the apiserver's
+    ``apiserver_request_total`` with the operator running, minus the same window with the
+    operator stopped by SIGSTOP; the operator's own request counter as a cross-check), operator
+    CPU (cores) and RSS.
 (c) requeue: stubs exit 75 one by one (a trigger file, spaced out) while the others keep
     running; the time from each exit to the next attempt's Job appearing in a watch (p50, p90,
     max), and the segments in between: the exit in the pod's status (the node agent), the
