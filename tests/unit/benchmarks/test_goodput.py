@@ -4,28 +4,14 @@ per-policy summary."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "goodput.py"
+from tests.unit.benchmark_modules import load_benchmark
 
-
-def load_benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("goodput_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-gp = load_benchmark()
+gp = load_benchmark("goodput.py")
 
 
 def _ev(event: str, pid: int, t: float, step: int) -> str:

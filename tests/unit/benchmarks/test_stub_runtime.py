@@ -4,7 +4,6 @@ step, a stop on SIGTERM or on the control file, the termination message and exit
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -20,17 +19,14 @@ from types import ModuleType
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.unit.benchmark_modules import BENCHMARKS, load_benchmark
 from trainer_runtime.protocol import METRIC_NAMES
 
-STUB = Path(__file__).resolve().parents[3] / "benchmarks" / "stub_runtime.py"
+STUB = BENCHMARKS / "stub_runtime.py"
 
 
 def _module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("stub_runtime_bench", STUB)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("stub_runtime.py")
 
 
 def _free_port() -> int:

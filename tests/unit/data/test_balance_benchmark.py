@@ -4,21 +4,9 @@ than group_by_length's), pads far less than random and has a much lower peak."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "sampling_balance.py"
-
-
-def load_benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sampling_balance", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.unit.benchmark_modules import load_benchmark
 
 
 @pytest.mark.parametrize(
@@ -28,7 +16,7 @@ def load_benchmark() -> ModuleType:
 def test_batch_rebalance_cost_spread_is_clearly_lower(
     distribution: str, world: int, accum: int
 ) -> None:
-    bench = load_benchmark()
+    bench = load_benchmark("sampling_balance.py", "sampling_balance")
     lengths = bench.make_lengths(4000, 1, distribution)
     figures = {}
     for name, make in {
