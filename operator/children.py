@@ -249,17 +249,22 @@ def job_terminal(job: Mapping[str, Any] | None) -> bool:
 
 
 def kept_failed_attempt(
-    jobs: Mapping[int, Mapping[str, Any]], outcomes: Mapping[int, str | None]
+    jobs: Mapping[int, Mapping[str, Any]],
+    outcomes: Mapping[int, str | None],
+    pods_by_attempt: Mapping[int, Iterable[Mapping[str, Any]]] | None = None,
 ) -> int | None:
     """The attempt whose Job (and pods) is kept for its logs: the newest attempt recorded as
-    Failed whose Job is terminal, so it can never start a pod again (no second writer beside a
-    later attempt). A failed attempt whose Job is not terminal (Kueue evicted it before its
-    pods ran: a suspended Job can be admitted again) is not kept."""
+    Failed whose Job can never start a pod again (no second writer beside a later attempt):
+    the Job is terminal, or its pods (``pods_by_attempt``) show that no pod can follow them
+    (no_pod_can_follow: the attempt is recorded as soon as its pods end, before the Job
+    controller marks the Job Failed). A failed attempt whose Job is not terminal (Kueue evicted
+    it before its pods ran: a suspended Job can be admitted again) is not kept."""
+    pods_by_attempt = pods_by_attempt or {}
     failed = [
         n
         for n, job in jobs.items()
         if outcomes.get(n) == "Failed"
-        and job_terminal(job)
+        and (job_terminal(job) or no_pod_can_follow(job, pods_by_attempt.get(n) or []))
         and not (job.get("metadata") or {}).get("deletionTimestamp")
     ]
     return max(failed) if failed else None
@@ -269,12 +274,13 @@ def jobs_to_delete(
     jobs: Mapping[int, Mapping[str, Any]],
     outcomes: Mapping[int, str | None],
     up_to: int,
+    pods_by_attempt: Mapping[int, Iterable[Mapping[str, Any]]] | None = None,
 ) -> list[Mapping[str, Any]]:
     """Ended attempts' Jobs (attempt <= ``up_to``; an attempt whose record was dropped counts as
     ended) the operator deletes: every one but a Succeeded one (the final result) and the kept
     failed one (kept_failed_attempt). Preempted and suspended attempts' Jobs go at once: a
     preempted Job may be unsuspended by Kueue. Jobs already being deleted are left out."""
-    keep = kept_failed_attempt(jobs, outcomes)
+    keep = kept_failed_attempt(jobs, outcomes, pods_by_attempt)
     out = []
     for n, job in sorted(jobs.items()):
         if n > up_to or n == keep or outcomes.get(n) == "Succeeded":

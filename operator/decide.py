@@ -745,7 +745,10 @@ def plan_attempt(
     # background, like an ended attempt's, which usually did it already). Their pods have
     # all finished (the decision waits for that; the Jobs fail on exit and never replace a
     # pod), so nothing of theirs can write checkpoints any more.
-    old_jobs = [dict(j) for j in jobs_to_delete(snap.jobs, outcomes(status), attempt - 1)]
+    old_jobs = [
+        dict(j)
+        for j in jobs_to_delete(snap.jobs, outcomes(status), attempt - 1, snap.pods_by_attempt)
+    ]
     old_pods = [p for n, ps in snap.pods_by_attempt.items() if n < attempt for p in ps]
     last = (status.attempts or [])[-1] if status.attempts else None
     killed_grace = last.grace_seconds if last is not None and last.killed else None

@@ -811,7 +811,12 @@ class Reconciler:
             pods = list(obs.pods)
             # The newest failed attempt's Job stays (its pods' logs) until the TrainingJob is
             # deleted; preempted attempts' Jobs and older failed ones go.
-            jobs = [dict(j) for j in jobs_to_delete(obs.jobs, outcomes(status), obs.attempt)]
+            jobs = [
+                dict(j)
+                for j in jobs_to_delete(
+                    obs.jobs, outcomes(status), obs.attempt, obs.pods_by_attempt
+                )
+            ]
             after_status.append(lambda: self._clean_up_later(namespace, name, pods, jobs))
             result.requeue_after = 0.0  # the next attempt at once
         elif action in ("finish", "cleanup"):

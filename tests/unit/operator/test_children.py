@@ -398,3 +398,24 @@ def test_failed_attempt_job_kept(
 ) -> None:
     assert kept_failed_attempt(jobs, outcomes) == kept
     assert jobs_to_delete(jobs, outcomes, up_to) == [jobs[n] for n in deleted]
+
+
+@pytest.mark.parametrize(
+    ("pods", "kept"),
+    [
+        # The attempt is recorded as soon as its pod ended (no_pod_can_follow), before the Job
+        # controller marks the Job Failed: its Job and pod stay for their logs all the same.
+        pytest.param([_ended(0, exit_code=1)], 1, id="pod-ended-job-not-failed-yet"),
+        pytest.param([], None, id="no-pod-seen"),
+        # Deleted without the tracking finalizer (a suspension's victim): the Job may run again.
+        pytest.param(
+            [_ended(0, exit_code=1, tracked=False, deleting=True)], None, id="suspension-victim"
+        ),
+    ],
+)
+def test_a_failed_attempt_is_kept_once_no_pod_can_follow(
+    pods: list[dict[str, Any]], kept: int | None
+) -> None:
+    jobs = {1: _attempt_job(1)}  # no Failed condition yet
+    assert kept_failed_attempt(jobs, {1: "Failed"}, {1: pods}) == kept
+    assert jobs_to_delete(jobs, {1: "Failed"}, 1, {1: pods}) == ([] if kept else [jobs[1]])
