@@ -407,12 +407,11 @@ class Reconciler:
         obj = cached.obj if cached is not None and cached.obj is not None else None
         if obj is None:
             return self._get_tj(namespace, name)
+        # The cache has our write (or newer): the copy is not needed any more.
+        self.cache_saw(namespace, name, obj["metadata"].get("resourceVersion"))
         with self._lock:
             written = self._written.get((namespace, name))
-            if written is not None and obj["metadata"].get("resourceVersion") not in written[0]:
-                # The cache has our write (or newer): the copy is not needed any more.
-                del self._written[(namespace, name)]
-        if written is not None and obj["metadata"].get("resourceVersion") in written[0]:
+        if written is not None:
             return written[1]  # the cache still holds the version our last write replaced
         return obj
 
