@@ -11,6 +11,13 @@ one (an all-reduce MAX of :class:`Action`):
   once; under ``finish_step`` only when the rest of the step plus the save would miss the deadline;
 - before the save (:func:`save_action`): when even the longest save seen cannot finish in the time
   left, do not start it (a save SIGKILLed half-way is worth nothing) and exit at once.
+
+Every one of these keeps back the exit reserve (:func:`exit_reserve`): what must still run after
+the commit (rotation deletes, a barrier, ``on_save`` callbacks, the termination message, the
+process group's teardown, the launcher's merge). A save that fits only without it is not started:
+a checkpoint committed so late that the pod is SIGKILLed before its message is written reads as a
+grace kill, not a preemption. A periodic save that falls due once a SIGTERM arrived is the JIT
+save (:func:`periodic_save_is_jit`): one save, on the JIT path, counted as the stop's.
 """
 
 from __future__ import annotations
@@ -20,12 +27,23 @@ from enum import IntEnum
 from typing import Literal
 
 __all__ = [
+    "EXIT_TEARDOWN_SECONDS",
+    "UNMEASURED_POST_COMMIT_SECONDS",
     "Action",
     "StopPolicy",
     "deadline_budget",
+    "exit_reserve",
     "micro_batch_action",
+    "periodic_save_is_jit",
     "save_action",
 ]
+
+# What the exit after a commit takes that no save measures: the termination message, the process
+# group's teardown, the interpreter's exit, the launcher's merge of its workers' messages.
+EXIT_TEARDOWN_SECONDS = 1.0
+# The post-commit work (rotation deletes, the barrier, on_save callbacks) before any save of this
+# run was measured: a floor, replaced by the longest measured once there is one.
+UNMEASURED_POST_COMMIT_SECONDS = 1.0
 
 StopPolicy = Literal["finish_step", "micro_batch"]
 
@@ -51,6 +69,26 @@ def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
+def exit_reserve(post_commit_seconds: float | None) -> float:
+    """Seconds kept back before the deadline for what follows a commit: the longest post-commit
+    work measured (rotation, barrier, ``on_save``; None: nothing measured yet, the floor
+    ``UNMEASURED_POST_COMMIT_SECONDS``) plus the teardown no save measures."""
+    measured = _finite(post_commit_seconds)
+    post = UNMEASURED_POST_COMMIT_SECONDS if measured is None else max(0.0, measured)
+    return post + EXIT_TEARDOWN_SECONDS
+
+
+def periodic_save_is_jit(
+    *, jit_enabled: bool, save_due: bool, sigterm_seen: bool, training_finished: bool = False
+) -> bool:
+    """A periodic save due at this step boundary runs as the JIT save (and the stop happens now)
+    when a SIGTERM arrived on any rank (``sigterm_seen``, agreed), even within ``kill_wait``: the
+    run would stop within seconds anyway and save again; one JIT save (sharded, no full gather,
+    checked against the deadline) replaces both. Not at the last step (``training_finished``):
+    that save ends a completed run, which exits 0."""
+    return jit_enabled and save_due and sigterm_seen and not training_finished
+
+
 def micro_batch_action(
     *,
     policy: StopPolicy,
@@ -59,12 +97,14 @@ def micro_batch_action(
     micro_batches_left: int,
     micro_batch_seconds: float | None,
     save_seconds: float | None,
+    exit_seconds: float = 0.0,
 ) -> Action:
     """The decision at a micro-batch boundary, ``micro_batches_left`` (>= 1) before the step ends.
 
     ``acting``: a SIGTERM arrived on this rank and kill_wait has passed. ``seconds_left``: until
     the deadline (None: no deadline known). ``micro_batch_seconds``: the longest micro-batch seen
-    (None: none measured yet); ``save_seconds``: the longest save seen (None: unknown, counted 0).
+    (None: none measured yet); ``save_seconds``: the longest save seen (None: unknown, counted 0);
+    ``exit_seconds``: the exit reserve kept back after the commit (:func:`exit_reserve`).
     """
     if not acting or micro_batches_left <= 0:
         return Action.CONTINUE
@@ -76,16 +116,19 @@ def micro_batch_action(
     per_batch = _finite(micro_batch_seconds)
     if per_batch is None:
         return Action.CONTINUE  # nothing to estimate the rest of the step with
-    rest = micro_batches_left * per_batch + (_finite(save_seconds) or 0.0)
+    rest = micro_batches_left * per_batch + (_finite(save_seconds) or 0.0) + exit_seconds
     return Action.DROP_STEP if rest > left else Action.CONTINUE
 
 
-def save_action(*, seconds_left: float | None, save_seconds: float | None) -> Action:
-    """SKIP_SAVE when the longest save seen cannot finish before the deadline, else CONTINUE.
+def save_action(
+    *, seconds_left: float | None, save_seconds: float | None, exit_seconds: float = 0.0
+) -> Action:
+    """SKIP_SAVE when the longest save seen, plus the exit reserve ``exit_seconds`` kept back for
+    what follows its commit, cannot finish before the deadline, else CONTINUE.
 
     Unknown save time or no deadline: save (nothing says it cannot fit).
     """
     left, save = _finite(seconds_left), _finite(save_seconds)
     if left is None or save is None:
         return Action.CONTINUE
-    return Action.SKIP_SAVE if save > left else Action.CONTINUE
+    return Action.SKIP_SAVE if save + exit_seconds > left else Action.CONTINUE

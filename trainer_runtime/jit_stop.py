@@ -8,9 +8,10 @@
 - Inside an evaluation during training, at every batch, all ranks agree whether to abandon it (an
   evaluation does not change the training state); the JIT checkpoint is written with the RNG state
   from before the evaluation and records it as pending, and the resumed run evaluates first.
-- Before a JIT save, all ranks agree whether the longest save seen can finish before the deadline;
-  when it cannot, nothing is written (a save SIGKILLed half-way is worth nothing) and the process
-  exits at once with termination reason ``deadline_too_short``.
+- Before a JIT save, all ranks agree whether the longest save seen can finish before the deadline
+  with the exit reserve kept back (the longest post-commit work measured, plus the teardown:
+  ``deadline.exit_reserve``); when it cannot, nothing is written (a save SIGKILLed half-way is
+  worth nothing) and the process exits at once with termination reason ``deadline_too_short``.
 
 The signal handler still only sets the latch (signals.py); everything here runs in the loop.
 """
@@ -26,7 +27,13 @@ import torch
 
 from trainer_runtime.checkpoint.rng import capture_rng_state
 from trainer_runtime.data.arguments import has_dataset_state
-from trainer_runtime.deadline import Action, micro_batch_action, save_action
+from trainer_runtime.deadline import (
+    Action,
+    exit_reserve,
+    micro_batch_action,
+    periodic_save_is_jit,
+    save_action,
+)
 from trainer_runtime.distributed import collectives
 from trainer_runtime.protocol import ENV_SAVE_INTERVAL_SECONDS
 from trainer_runtime.signals import float_from_env
@@ -34,10 +41,6 @@ from trainer_runtime.signals import float_from_env
 __all__ = ["EvaluationAbandoned", "JitStopMixin", "StepSnapshot", "save_interval_from_env"]
 
 logger = logging.getLogger(__name__)
-
-# Seconds kept before the deadline when waiting for a background write without a JIT save:
-# the commit, the termination message and the exit still have to happen.
-_DEADLINE_MARGIN = 2.0
 
 # Key of the runtime record (preemptible_state.json) that marks an abandoned evaluation.
 PENDING_EVALUATION = "pending_evaluation"
@@ -77,6 +80,10 @@ class JitStopMixin:
     _deadline_message: str | None = None
     _save_interval: float | None = None
     _interval_anchor: tuple[int | None, float] | None = None
+    # The longest post-commit work measured (rotation, barrier, on_save), earlier attempts too.
+    _post_commit_seconds: float | None = None
+    # A periodic save fell due after a SIGTERM: the stop happens at this step boundary.
+    _save_became_jit = False
 
     # -- the operator's checkpoint interval ----------------------------------------------------
     def _maybe_save_on_interval(self) -> None:
@@ -134,6 +141,7 @@ class JitStopMixin:
             micro_batches_left=micro_batches_left,
             micro_batch_seconds=max(estimate or 0.0, per_batch) or None,
             save_seconds=self._save_estimate(),
+            exit_seconds=self._exit_reserve(),
         )
         if snapshot.epoch != self._position.epoch:  # type: ignore[attr-defined]
             # The step's data started a new epoch (an iterable dataset ran out at the step
@@ -164,9 +172,43 @@ class JitStopMixin:
         training (earlier attempts included; background writes not), or None before any."""
         return self.save_timer.jit_estimate  # type: ignore[attr-defined]
 
+    def _exit_reserve(self) -> float:
+        """Seconds kept back before the deadline for what follows the commit."""
+        return exit_reserve(self._post_commit_seconds)
+
+    def _record_post_commit(self, seconds: float) -> None:
+        """The post-commit work of a save just measured: the reserve follows the longest."""
+        if self._post_commit_seconds is None or seconds > self._post_commit_seconds:
+            self._post_commit_seconds = seconds
+
+    def _periodic_save_becomes_jit(self) -> bool:
+        """A periodic save is due at this step boundary: when a SIGTERM arrived on any rank (all
+        agree; one collective, on save steps only) it is not written here; the stop that follows
+        at once (:meth:`should_stop`) writes it as the JIT save."""
+        if self._save_became_jit:
+            return True  # already agreed at this boundary (an epoch end's save after a step's)
+        args: Any = self.args  # type: ignore[attr-defined]
+        control = self.control  # type: ignore[attr-defined]
+        finished = bool(control.should_training_stop)
+        if not args.enable_jit_checkpoint or not control.should_save or finished:
+            return False  # the same on every rank: no collective
+        latch = self.sigterm_latch  # type: ignore[attr-defined]
+        seen = collectives.agree_to_stop(bool(latch and latch.triggered))
+        if not periodic_save_is_jit(
+            jit_enabled=True, save_due=True, sigterm_seen=seen, training_finished=finished
+        ):
+            return False
+        logger.warning(
+            "a periodic save is due at step %d after SIGTERM: written as the JIT checkpoint",
+            self.state.global_step,  # type: ignore[attr-defined]
+        )
+        self._save_became_jit = True
+        return True
+
     def _save_fits_deadline(self) -> bool:
-        """All ranks agree whether the JIT save can finish before the deadline. A step that is
-        already saved needs no save: it always fits."""
+        """All ranks agree whether the JIT save, and the exit reserve after its commit, can
+        finish before the deadline. A step that is already saved needs no save: it always
+        fits."""
         last = self.last_checkpoint  # type: ignore[attr-defined]
         if last is not None and last.step == self.state.global_step:  # type: ignore[attr-defined]
             return True
@@ -174,6 +216,7 @@ class JitStopMixin:
         action = save_action(
             seconds_left=latch.seconds_left() if latch else None,
             save_seconds=self._save_estimate(),
+            exit_seconds=self._exit_reserve(),
         )
         return collectives.agree_max(int(action)) < Action.SKIP_SAVE
 
@@ -184,7 +227,8 @@ class JitStopMixin:
         last = self.last_checkpoint  # type: ignore[attr-defined]
         self._jit_stop_kind = "no_save"
         self._deadline_message = (
-            f"deadline too short: the longest save took {self._save_estimate() or 0:.2f} s but "
+            f"deadline too short: the longest save took {self._save_estimate() or 0:.2f} s and "
+            f"{self._exit_reserve():.2f} s are kept back for the exit after its commit, but "
             + (f"{left:.2f} s" if left is not None else "no time")
             + f" remained before the deadline (grace {latch.grace_seconds if latch else None} s, "
             f"node notice {latch.node_notice_seconds if latch else None} s); exited without "
@@ -203,7 +247,7 @@ class JitStopMixin:
         save = getattr(self, "_async_save", None)
         if save is None:
             return
-        budget = None if seconds_left is None else max(0.0, seconds_left - _DEADLINE_MARGIN)
+        budget = None if seconds_left is None else max(0.0, seconds_left - self._exit_reserve())
         save.wait(budget)
         if collectives.agree_to_stop(not save.done()):
             logger.warning(

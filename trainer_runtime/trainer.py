@@ -412,6 +412,7 @@ class Trainer(
         latch = self.sigterm_latch
         self._latch_used = True
         self._jit_stop_kind = None
+        self._save_became_jit = False
         self._rng_for_checkpoint = None
         self._save_interval = save_interval_from_env()
         self._interval_anchor = None
@@ -988,6 +989,11 @@ class Trainer(
         # should_training_stop is the same on every rank (it follows the step count), so skipping
         # the collective below when it is set keeps the ranks in step. A finished run is
         # "completed" even if a SIGTERM arrived during its last step.
+        if self._save_became_jit and not self.preempted:
+            # A periodic save fell due after SIGTERM and was left to this stop (every rank
+            # agreed): the JIT save writes this step now, before the last step's "finished".
+            self._stop_for_preemption()
+            return True
         if self.control.should_training_stop:
             return True
         if not self.args.enable_jit_checkpoint:
@@ -1405,6 +1411,8 @@ class Trainer(
             # Sets should_save when save_strategy="best" and the metric improved.
             self._evaluate_during_training()
         self._poll_async_save()
+        if self.control.should_save and self._periodic_save_becomes_jit():
+            self.control.should_save = False
         if self.control.should_save and self._stop_while_async_save_pending():
             # The JIT stop (should_stop, next) saves this step and supersedes the write in flight.
             self.control.should_save = False
@@ -1537,6 +1545,8 @@ class Trainer(
             # how this save was written: its time (the manifest's) is a JIT estimate only when
             # it blocked training, not for a background write
             "save_kind": "jit" if jit else ("background" if background else "blocking"),
+            # the longest post-commit work so far: the next attempt's exit reserve starts there
+            "post_commit_seconds": self._post_commit_seconds,
         }
 
     def _data_layout(self) -> dict[str, Any]:
@@ -1671,7 +1681,9 @@ class Trainer(
         self, info: CheckpointInfo, seconds: float, *, blocking: bool = True
     ) -> None:
         """Every rank, once a checkpoint is committed: timings, rotation, on_save.
-        ``blocking=False``: a background write (it does not set the JIT save estimate)."""
+        ``blocking=False``: a background write (it does not set the JIT save estimate). The time
+        this takes is measured: the exit reserve of a JIT stop keeps it back (deadline.py)."""
+        post_commit = time.perf_counter()
         self.save_timer.record(seconds, blocking=blocking)
         self.last_checkpoint = info
         logger.info("saved %s in %.3f s", info.path, self.save_timer.last or 0.0)
@@ -1686,6 +1698,7 @@ class Trainer(
             # consume this step's own save
             self.control.should_save = pending
         self._publish_metrics()
+        self._record_post_commit(time.perf_counter() - post_commit)
 
     # -- asynchronous periodic checkpoints (save_async) --------------------------------------------
     def _save_async_active(self) -> bool:
@@ -2030,6 +2043,9 @@ class Trainer(
         self.step_timer.load(record.get("step_seconds"))
         self.save_timer.load(record.get("save_seconds"))
         self.micro_batch_timer.load(record.get("micro_batch_seconds"))
+        post_commit = record.get("post_commit_seconds")
+        if isinstance(post_commit, int | float) and not isinstance(post_commit, bool):
+            self._record_post_commit(float(post_commit))
         if info.save_seconds is not None:
             # our record is written before its own save is timed; the manifest knows.
             blocking = record.get("save_kind") != "background"

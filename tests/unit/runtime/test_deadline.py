@@ -6,7 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from trainer_runtime.deadline import Action, deadline_budget, micro_batch_action, save_action
+from trainer_runtime.deadline import (
+    EXIT_TEARDOWN_SECONDS,
+    UNMEASURED_POST_COMMIT_SECONDS,
+    Action,
+    deadline_budget,
+    exit_reserve,
+    micro_batch_action,
+    periodic_save_is_jit,
+    save_action,
+)
 from trainer_runtime.signals import SigtermLatch
 
 DROP, GO = Action.DROP_STEP, Action.CONTINUE
@@ -70,6 +79,87 @@ def test_micro_batch_action(
 )
 def test_save_action(left: float | None, save: float | None, expected: Action) -> None:
     assert save_action(seconds_left=left, save_seconds=save) == expected
+
+
+@pytest.mark.parametrize(
+    ("post_commit", "expected"),
+    [
+        # nothing measured yet: the floor (post-commit guess + teardown)
+        (None, UNMEASURED_POST_COMMIT_SECONDS + EXIT_TEARDOWN_SECONDS),
+        (float("nan"), UNMEASURED_POST_COMMIT_SECONDS + EXIT_TEARDOWN_SECONDS),
+        # measured: the longest post-commit work plus the teardown no save measures
+        (0.2, 0.2 + EXIT_TEARDOWN_SECONDS),
+        (6.0, 6.0 + EXIT_TEARDOWN_SECONDS),  # slow rotation deletes on an object store
+        (-1.0, EXIT_TEARDOWN_SECONDS),
+    ],
+)
+def test_exit_reserve(post_commit: float | None, expected: float) -> None:
+    assert exit_reserve(post_commit) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("left", "save", "exit_s", "expected"),
+    [
+        # the save fits, and so does what follows its commit
+        (10.0, 3.0, 2.0, Action.CONTINUE),
+        (5.0, 3.0, 2.0, Action.CONTINUE),  # exactly
+        # fits only without the exit reserve: not started (the pod would die before its message)
+        (4.0, 3.0, 2.0, Action.SKIP_SAVE),
+        (3.0, 3.0, 0.5, Action.SKIP_SAVE),
+        # a measured slow post-commit (6 s of rotation) weighs as much as the save
+        (8.0, 1.0, 7.0, Action.CONTINUE),
+        (7.9, 1.0, 7.0, Action.SKIP_SAVE),
+        # unknown save or no deadline: nothing says it cannot fit
+        (1.0, None, 2.0, Action.CONTINUE),
+        (None, 3.0, 2.0, Action.CONTINUE),
+    ],
+)
+def test_save_action_keeps_the_exit_reserve(
+    left: float | None, save: float | None, exit_s: float, expected: Action
+) -> None:
+    assert save_action(seconds_left=left, save_seconds=save, exit_seconds=exit_s) == expected
+
+
+@pytest.mark.parametrize(
+    ("left", "exit_s", "expected"),
+    [
+        (12.0, 2.0, GO),  # 3 x 2 + 3 + 2 = 11 <= 12
+        (10.0, 2.0, DROP),  # 11 > 10: the step fits with the save, not with the exit
+        (9.0, 0.0, GO),  # without a reserve the old answer
+    ],
+)
+def test_micro_batch_action_keeps_the_exit_reserve(
+    left: float, exit_s: float, expected: Action
+) -> None:
+    got = micro_batch_action(
+        policy="finish_step",
+        acting=True,
+        seconds_left=left,
+        micro_batches_left=3,
+        micro_batch_seconds=2.0,
+        save_seconds=3.0,
+        exit_seconds=exit_s,
+    )
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    ("jit", "due", "seen", "finished", "expected"),
+    [
+        (True, True, True, False, True),  # due after SIGTERM: the JIT save, the stop now
+        (True, True, False, False, False),  # no SIGTERM: the periodic save
+        (True, False, True, False, False),  # nothing due: the stop decides on its own
+        (False, True, True, False, False),  # JIT off: a periodic save as before
+        (True, True, True, True, False),  # the last step: the run completes (exit 0)
+    ],
+)
+def test_periodic_save_is_jit(
+    jit: bool, due: bool, seen: bool, finished: bool, expected: bool
+) -> None:
+    got = periodic_save_is_jit(
+        jit_enabled=jit, save_due=due, sigterm_seen=seen, training_finished=finished
+    )
+    assert got is expected
 
 
 def test_actions_are_ordered_by_urgency() -> None:
