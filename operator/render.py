@@ -14,6 +14,7 @@ from typing import Any
 
 from preemptible_operator import models, node_notice, shape
 from trainer_runtime import protocol
+from trainer_runtime.deadline import torchrun_shutdown_timeout
 
 __all__ = [
     "ANNOTATION_GRACE",
@@ -196,9 +197,13 @@ def _runtime_env(
         {"name": protocol.ENV_OUTPUT_DIR, "value": spec.checkpoint.uri},
         {"name": protocol.ENV_RESUME_FROM, "value": params.resume_from},
         {"name": protocol.ENV_GRACE_SECONDS, "value": str(params.grace_seconds)},
-        # torchrun SIGKILLs its workers this long after SIGTERM (default 30 s): give them the
-        # pod's whole grace period when the user's command launches through torchrun.
-        {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(params.grace_seconds)},
+        # torchrun SIGKILLs its workers this long after SIGTERM (default 30 s): the pod's grace
+        # less the margin in which the pod's termination message is written (the same value
+        # `trainer-runtime launch` uses; the workers read it as their deadline).
+        {
+            "name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+            "value": str(torchrun_shutdown_timeout(params.grace_seconds)),
+        },
         {
             "name": protocol.ENV_KILL_WAIT_SECONDS,
             "value": f"{spec.grace_period.kill_wait_seconds:g}",

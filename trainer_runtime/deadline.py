@@ -28,14 +28,18 @@ from typing import Literal
 
 __all__ = [
     "EXIT_TEARDOWN_SECONDS",
+    "LAUNCHER_MARGIN_MAX",
+    "LAUNCHER_MARGIN_MIN",
     "UNMEASURED_POST_COMMIT_SECONDS",
     "Action",
     "StopPolicy",
     "deadline_budget",
     "exit_reserve",
+    "launcher_margin",
     "micro_batch_action",
     "periodic_save_is_jit",
     "save_action",
+    "torchrun_shutdown_timeout",
 ]
 
 # What the exit after a commit takes that no save measures: the termination message, the process
@@ -44,6 +48,9 @@ EXIT_TEARDOWN_SECONDS = 1.0
 # The post-commit work (rotation deletes, the barrier, on_save callbacks) before any save of this
 # run was measured: a floor, replaced by the longest measured once there is one.
 UNMEASURED_POST_COMMIT_SECONDS = 1.0
+# The launcher's margin after torchrun's shutdown timeout (launcher_margin).
+LAUNCHER_MARGIN_MIN = 2.0
+LAUNCHER_MARGIN_MAX = 5.0
 
 StopPolicy = Literal["finish_step", "micro_batch"]
 
@@ -59,10 +66,32 @@ class Action(IntEnum):
     """Not even the save fits the deadline: exit without writing."""
 
 
-def deadline_budget(grace_seconds: float | None, node_notice_seconds: float | None) -> float | None:
-    """Seconds from SIGTERM to the deadline: the shorter of grace and node notice (None: none)."""
-    known = [s for s in (grace_seconds, node_notice_seconds) if s is not None]
+def deadline_budget(
+    grace_seconds: float | None,
+    node_notice_seconds: float | None,
+    launcher_timeout_seconds: float | None = None,
+) -> float | None:
+    """Seconds from SIGTERM to the deadline: the shortest of grace, node notice and the shutdown
+    timeout of the torchrun agent this process is a worker of (it SIGKILLs its workers then,
+    before the grace ends: :func:`torchrun_shutdown_timeout`). None: no deadline known."""
+    known = [
+        s for s in (grace_seconds, node_notice_seconds, launcher_timeout_seconds) if s is not None
+    ]
     return min(known) if known else None
+
+
+def launcher_margin(grace_seconds: float) -> float:
+    """Seconds a launcher keeps between SIGKILLing its workers and the kubelet's SIGKILL of the
+    pod: the launcher merges its workers' messages and writes the pod's termination message
+    there, so the kubelet has one to read. A tenth of the grace, at least 2 s, at most 5 s."""
+    return min(LAUNCHER_MARGIN_MAX, max(LAUNCHER_MARGIN_MIN, 0.1 * grace_seconds))
+
+
+def torchrun_shutdown_timeout(grace_seconds: float) -> int:
+    """torchrun's ``--shutdown-timeout`` (``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``) for a pod with
+    ``grace_seconds`` of grace: the grace less :func:`launcher_margin`, whole seconds, >= 1.
+    Its workers' deadline is that timeout (:func:`deadline_budget`)."""
+    return max(1, math.floor(grace_seconds - launcher_margin(grace_seconds)))
 
 
 def _finite(value: float | None) -> float | None:

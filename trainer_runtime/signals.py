@@ -35,6 +35,7 @@ __all__ = [
     "float_from_env",
     "grace_seconds_from_env",
     "kill_wait_from_env",
+    "launcher_timeout_from_env",
     "node_notice_from_env",
     "node_notice_from_file",
     "process_stamps",
@@ -72,6 +73,26 @@ def kill_wait_from_env() -> float:
 def grace_seconds_from_env() -> float | None:
     """This pod's grace period ($PREEMPTIBLE_GRACE_SECONDS), the deadline after SIGTERM; or None."""
     return float_from_env(ENV_GRACE_SECONDS, None)
+
+
+# torchrun's own shutdown timeout: its option's environment form wins over the variable, 30 s
+# without either (torch.distributed.run, launcher.api). Its workers see TORCHELASTIC_RUN_ID.
+_TORCHRUN_TIMEOUT_ENV = ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+_TORCHRUN_DEFAULT_TIMEOUT = 30.0
+
+
+def launcher_timeout_from_env() -> float | None:
+    """In a torchrun worker: the seconds after SIGTERM at which torchrun SIGKILLs it (its shutdown
+    timeout, from the environment it was given, else torchrun's 30 s); None outside torchrun.
+    ``--shutdown-timeout`` given only on torchrun's command line is not visible here (our
+    launcher and the operator set the environment too)."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return None
+    for name in _TORCHRUN_TIMEOUT_ENV:
+        value = float_from_env(name, None)
+        if value:
+            return value
+    return _TORCHRUN_DEFAULT_TIMEOUT
 
 
 def node_notice_from_env() -> float | None:
@@ -214,6 +235,8 @@ class SigtermLatch:
         self.node_notice_file = (
             os.environ.get(ENV_NODE_NOTICE_FILE) if node_notice_file is None else node_notice_file
         )
+        # a torchrun worker is SIGKILLed at its agent's shutdown timeout, before the grace ends
+        self.launcher_timeout_seconds = launcher_timeout_from_env()
         self._notice_file_read = False
         self.clock = clock
         self.signum = signum
@@ -286,9 +309,12 @@ class SigtermLatch:
 
     @property
     def budget_seconds(self) -> float | None:
-        """Seconds from SIGTERM to the deadline: the shorter of grace and node notice."""
+        """Seconds from SIGTERM to the deadline: the shortest of grace, node notice and, in a
+        torchrun worker, its agent's shutdown timeout."""
         self._read_notice_file()
-        return deadline_budget(self.grace_seconds, self.node_notice_seconds)
+        return deadline_budget(
+            self.grace_seconds, self.node_notice_seconds, self.launcher_timeout_seconds
+        )
 
     def _read_notice_file(self) -> None:
         """Once, after the SIGTERM (not in the handler): the notice of the node the pod landed on

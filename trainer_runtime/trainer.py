@@ -291,6 +291,8 @@ class Trainer(
         self.sigterm_to_exit: list[float] = []
         # Tests may set it (e.g. with an injected clock) before calling train().
         self.sigterm_latch: SigtermLatch | None = None
+        # the watch of the other ranks during train() (peers.py), stamped by the loop
+        self._peers: PeerWatch | None = None
         self._latch_used = False
         self.metrics: TrainingMetrics | None = None
         # the running step's label-token count, and the tensor training_step receives for it
@@ -486,10 +488,27 @@ class Trainer(
 
     # -- other ranks gone ------------------------------------------------------------------------
     def _start_peer_watch(self) -> PeerWatch | None:
+        self._peers = None
         if not collectives.is_distributed():
             return None
-        watch = PeerWatch(collectives.rank(), collectives.world_size(), self._end_for_peer)
-        return watch.start() if watch.enabled else None
+        latch = self.sigterm_latch
+        watch = PeerWatch(
+            collectives.rank(),
+            collectives.world_size(),
+            self._end_for_peer,
+            # after a SIGTERM: when to judge whether a rank hung (peers.py)
+            seconds_left=latch.seconds_left if latch is not None else None,
+        )
+        if not watch.enabled:
+            return None
+        self._peers = watch.start()
+        return self._peers
+
+    def _stamp(self, phase: str) -> None:
+        """The training loop's own progress stamp (main thread only): a rank whose stamps stop
+        while the others' go on is hung, not merely alive (peers.py)."""
+        if self._peers is not None:
+            self._peers.stamp(phase)
 
     def _end_if_peer_gone(self, peers: PeerWatch, exc: BaseException) -> None:
         """After ``exc`` in training: end as EXIT_PEER_FAILED when another rank is gone (it failed
@@ -510,15 +529,21 @@ class Trainer(
     def _end_for_peer(self, loss: PeerLoss) -> None:
         """Write the termination message naming the rank that is gone and exit EXIT_PEER_FAILED
         now, from whichever thread: the main one may be stuck in a collective, and the process
-        group's teardown could hang on the dead peer too."""
-        message = loss.message(collectives.rank())
-        logger.error("%s; exiting with %d", message, EXIT_PEER_FAILED)
-        self._write_termination("failed", message=message, failed_rank=loss.rank, peer_gone=True)
+        group's teardown could hang on the dead peer too. The rank found hung itself fails
+        (exit 1, its own ``failed`` message): it is the cause, not a peer of it."""
+        own = collectives.rank()
+        message = loss.message(own)
+        itself = loss.hung and loss.rank == own
+        code = 1 if itself else EXIT_PEER_FAILED
+        logger.error("%s; exiting with %d", message, code)
+        self._write_termination(
+            "failed", message=message, failed_rank=loss.rank, peer_gone=not itself
+        )
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
-        os._exit(EXIT_PEER_FAILED)
+        os._exit(code)
 
     # -- resume resolution -------------------------------------------------------------------------
     def _resolve_resume(self, resume: bool | str | None) -> CheckpointInfo | None:
@@ -994,6 +1019,7 @@ class Trainer(
             # agreed): the JIT save writes this step now, before the last step's "finished".
             self._stop_for_preemption()
             return True
+        self._stamp(f"step {self.state.global_step}")
         if self.control.should_training_stop:
             return True
         if not self.args.enable_jit_checkpoint:
@@ -1490,6 +1516,7 @@ class Trainer(
         assert latch is not None
         if self._jit_stop_kind is None:
             self._jit_stop_kind = kind
+        self._stamp(f"JIT stop at step {self.state.global_step}")
         if not self._save_fits_deadline():
             self._exit_without_save()
             return
@@ -1514,7 +1541,9 @@ class Trainer(
                 estimate,
                 self.state.global_step,
             )
+        self._stamp(f"JIT save of checkpoint-{self.state.global_step}")
         self.save_checkpoint(jit=True)
+        self._stamp(f"exit after checkpoint-{self.state.global_step}")
         left = latch.seconds_left()
         if left is not None and left < 0:
             logger.error(
@@ -1584,6 +1613,7 @@ class Trainer(
         writer = self._new_checkpoint_writer(step)
         try:
             writer.begin()
+            self._stamp(f"writing {'the JIT ' if jit else ''}checkpoint-{step}")
             writer.write_entries(self._checkpoint_entries(writer.is_coordinator, jit))
             info = writer.commit(self._manifest_extra())
         except Exception:
@@ -1599,12 +1629,21 @@ class Trainer(
         return info
 
     def _new_checkpoint_writer(self, step: int) -> Any:
+        barriers = [0]
+
+        def barrier() -> None:
+            # entering a barrier is progress: a rank that never gets here is the one the others
+            # wait for (peers.py: hung_ranks)
+            barriers[0] += 1
+            self._stamp(f"barrier {barriers[0]} of checkpoint-{step}")
+            collectives.barrier()
+
         return CheckpointWriter(
             str(self.args.output_dir),
             step,
             rank=collectives.rank(),
             world_size=collectives.world_size(),
-            barrier=collectives.barrier,
+            barrier=barrier,
             # save_on_each_node: every node's main process writes a full copy on its own disk
             **per_node.writer_options(self.args),
         )

@@ -3,8 +3,13 @@
 torchrun (``torch.distributed.run``) is the agent: it starts one worker per device, and on
 SIGTERM/SIGINT/SIGHUP/SIGQUIT it forwards the signal to its workers, waits ``--shutdown-timeout``
 seconds (default 30, or ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``) and then SIGKILLs them. A JIT
-checkpoint may need the whole grace period, so the timeout must come from
-``$PREEMPTIBLE_GRACE_SECONDS``. What else torchrun does matters under the operator (torch 2.15):
+checkpoint may need nearly the whole grace period, so the timeout comes from
+``$PREEMPTIBLE_GRACE_SECONDS``, less a margin (``deadline.launcher_margin``: 2 to 5 s) in which
+the launcher merges its workers' messages and writes the pod's, before the kubelet's SIGKILL.
+The workers read the same timeout as their deadline (``signals.launcher_timeout_from_env``). And
+should torchrun itself not have ended by then (a worker it cannot reap), the launcher writes the
+pod's message from what its workers said and ends the pod, still before the grace ends. What
+else torchrun does matters under the operator (torch 2.15):
 
 * its workers run in their own sessions (``start_new_session``): only the agent forwards signals;
 * when a worker fails, the agent SIGTERMs the others (which a preemption-safe runtime would take
@@ -44,6 +49,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
+from trainer_runtime.deadline import launcher_margin, torchrun_shutdown_timeout
 from trainer_runtime.errors import ConfigurationError
 from trainer_runtime.protocol import (
     DEFAULT_TERMINATION_LOG,
@@ -66,6 +72,7 @@ __all__ = [
     "LaunchPlan",
     "WorkerEnd",
     "add_launch_parser",
+    "launcher_end_seconds",
     "plan_launch",
     "pod_end",
     "read_worker_ends",
@@ -107,8 +114,10 @@ def shutdown_timeout_seconds(grace_seconds: float | None) -> int | None:
     """torchrun's ``--shutdown-timeout`` for a pod with ``grace_seconds`` of grace.
 
     The kubelet SIGKILLs the container ``grace`` seconds after SIGTERM, and torchrun receives
-    SIGTERM at the same moment, so torchrun must not kill its workers any earlier: the timeout is
-    the grace period rounded up. None (no grace known) keeps torchrun's own default.
+    SIGTERM at the same moment. torchrun must not kill its workers much earlier, nor so late
+    that the pod dies before its termination message is written: the grace less the launcher's
+    margin (:func:`~trainer_runtime.deadline.torchrun_shutdown_timeout`). None (no grace known)
+    keeps torchrun's own default.
     """
     if grace_seconds is None:
         return None
@@ -117,7 +126,7 @@ def shutdown_timeout_seconds(grace_seconds: float | None) -> int | None:
             f"{ENV_GRACE_SECONDS}={grace_seconds!r} is invalid: use the pod's "
             "terminationGracePeriodSeconds, a number > 0"
         )
-    return math.ceil(grace_seconds)
+    return torchrun_shutdown_timeout(grace_seconds)
 
 
 def _grace_from_env(env: Mapping[str, str]) -> float | None:
@@ -604,6 +613,47 @@ def read_worker_ends(directory: str) -> tuple[list[WorkerEnd], dict[str, Any]]:
     return ends, record
 
 
+def launcher_end_seconds(grace_seconds: float) -> float:
+    """Seconds after the pod's SIGTERM at which the launcher stops waiting for torchrun and
+    writes the pod's message itself: half the launcher's margin before the grace ends (torchrun
+    has SIGKILLed its workers the other half earlier)."""
+    return grace_seconds - launcher_margin(grace_seconds) / 2
+
+
+# Seconds the agent may take to exit once its record is written (its interpreter's teardown can
+# hang on torch's own threads after its workers ended); then the launcher goes on without it.
+_AGENT_EXIT_SECONDS = 1.0
+
+
+def _wait_for_agent(
+    proc: subprocess.Popen[bytes],
+    signalled_at: list[float],
+    grace_seconds: float | None,
+    record: str | None = None,
+) -> int | None:
+    """torchrun's return code; None when it had not ended by :func:`launcher_end_seconds` after
+    the pod's signal (polled: the signal handler may start that clock at any moment), or within
+    ``_AGENT_EXIT_SECONDS`` of writing its ``record`` (every worker has ended by then)."""
+    recorded: float | None = None
+    while True:
+        timeout = 0.5
+        now = time.monotonic()
+        if signalled_at and grace_seconds is not None:
+            left = signalled_at[0] + launcher_end_seconds(grace_seconds) - now
+            if left <= 0:
+                return None
+            timeout = min(timeout, left)
+        if record is not None:
+            if recorded is None and os.path.exists(record):
+                recorded = now
+            if recorded is not None and now - recorded >= _AGENT_EXIT_SECONDS:
+                return None
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def run_launch(plan: LaunchPlan) -> int:
     """Run torchrun per ``plan``: forward the first SIGTERM/SIGINT/SIGHUP/SIGQUIT once, then
     write the pod's one termination message and return its exit code (:func:`pod_end`)."""
@@ -627,15 +677,28 @@ def run_launch(plan: LaunchPlan) -> int:
         sig = getattr(signal, name)
         previous[sig] = signal.signal(sig, forward)
     try:
-        while True:
-            try:
-                returncode = proc.wait()
-                break
-            except InterruptedError:
-                continue
+        record_path = os.path.join(workdir, AGENT_ENDS_FILE)
+        returncode = _wait_for_agent(proc, signalled_at, plan.grace_seconds, record_path)
         # torchrun has waited for (or killed) every worker: this is the pod's end.
         ended = time.monotonic()
         workers, record = read_worker_ends(workdir)
+        error = record.get("error")
+        if returncode is None:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            if record:
+                # Its record is complete (every worker ended): only its own exit hung.
+                logger.warning("torchrun's agent did not exit after its workers: killed")
+                returncode = 1 if record.get("agent") != "ok" else 0
+            else:
+                late = ended - signalled_at[0]
+                error = (
+                    f"torchrun had not ended {late:.1f} s after the pod's SIGTERM (grace "
+                    f"{plan.grace_seconds:g} s, its shutdown timeout {plan.shutdown_timeout} "
+                    "s): the launcher ended the pod so that its termination message is written"
+                )
+                logger.error("%s", error)
+                returncode = -signal.SIGKILL
         code, message = pod_end(
             workers,
             expected_workers=record.get("nproc", plan.nproc_per_node),
@@ -643,7 +706,7 @@ def run_launch(plan: LaunchPlan) -> int:
             signalled=bool(signalled_at),
             sigterm_to_exit=round(ended - signalled_at[0], 3) if signalled_at else None,
             agent_code=returncode if returncode >= 0 else 128 - returncode,
-            agent_error=record.get("error"),
+            agent_error=error,
         )
         if plan.termination_log:
             try:
@@ -696,7 +759,8 @@ def add_launch_parser(sub: Any) -> None:
         "launch",
         help="run torchrun so that a pod of several processes keeps the operator's contract",
         description="Start N training processes per pod with torchrun. The shutdown timeout is "
-        f"${ENV_GRACE_SECONDS} (torchrun's default kills workers after 30 s), the first "
+        f"${ENV_GRACE_SECONDS} less a 2-5 s margin for the pod's termination message "
+        "(torchrun's default kills workers after 30 s), the first "
         "SIGTERM is forwarded once, and the pod ends as one unit: one termination message, "
         "exit 75 only when every worker committed its part of the JIT checkpoint, a failing "
         "worker's own exit code otherwise. Topology: $PET_NNODES pods (else $WORLD_SIZE), "

@@ -18,6 +18,17 @@ A rank that sees an announcement (or makes one) ends at once from the watch thre
 thread may be blocked inside a collective that never returns. It writes its termination message
 (naming the failed rank) and exits with ``EXIT_PEER_FAILED``, distinct from ``EXIT_PREEMPTED``.
 A rank that ends normally marks itself done first, so a slower successor is not mistaken for lost.
+
+The heartbeat says a process is alive, not that it gets anywhere: a rank stuck in a collective
+(waiting for a peer that never joins it, a wedged device) keeps beating. So the training loop
+stamps its own progress (:meth:`PeerWatch.stamp`: a counter and what it is doing, from the main
+thread at each step, stop decision, checkpoint barrier and commit), and the watch thread publishes
+it with the heartbeat. After a SIGTERM, :data:`HANG_JUDGE_SECONDS` before this rank's deadline,
+the watch reads every rank's stamp: ranks whose loop is behind the others (:func:`hung_ranks`;
+the others went on, into a barrier where they wait for it) and whose stamp has not moved for a
+while are hung. The rank that is hung ends with its own ``failed`` message (exit 1), the others
+with ``EXIT_PEER_FAILED`` naming it: the pod ends, its message names the rank, before the grace
+ends, instead of a SIGKILL and no message at all.
 """
 
 from __future__ import annotations
@@ -32,13 +43,18 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from trainer_runtime.deadline import EXIT_TEARDOWN_SECONDS
 from trainer_runtime.protocol import DEFAULT_PEER_TIMEOUT_SECONDS, ENV_PEER_TIMEOUT_SECONDS
 from trainer_runtime.signals import float_from_env
 
 __all__ = [
+    "HANG_JUDGE_SECONDS",
     "PeerLoss",
     "PeerWatch",
+    "Progress",
     "RingView",
+    "hang_loss",
+    "hung_ranks",
     "peer_failure_in",
     "peer_timeout_from_env",
 ]
@@ -47,6 +63,14 @@ logger = logging.getLogger(__name__)
 
 _PREFIX = "preemptible/peers"
 FAILED_KEY = f"{_PREFIX}/failed"
+# How an announcement says the rank is hung (alive, its loop stuck), not gone.
+HUNG = "hung:"
+# Seconds before this rank's deadline at which the watch judges a hang: what follows still fits
+# (a watch tick, rank 0's linger of two ticks for the others to read the announcement, the
+# message, the exit's teardown).
+HANG_JUDGE_SECONDS = EXIT_TEARDOWN_SECONDS + 4.0
+# A rank behind the others counts as hung only once its stamp is at least this old (seconds).
+HANG_MIN_STALL_SECONDS = 2.0
 
 # What a collective raises when the other side of a connection went away: gloo's TCP transport,
 # NCCL's remote-error and abort reports, torch.distributed's own error types.
@@ -84,8 +108,21 @@ class PeerLoss:
     rank: int | None
     detail: str
 
+    @property
+    def hung(self) -> bool:
+        """The rank is alive but its training loop is stuck (not gone)."""
+        return self.detail.startswith(HUNG)
+
     def message(self, own_rank: int) -> str:
         who = f"rank {self.rank}" if self.rank is not None else "another rank"
+        if self.hung:
+            what = self.detail[len(HUNG) :].strip()
+            if self.rank == own_rank:
+                return f"rank {own_rank} hung: {what}"
+            return (
+                f"rank {own_rank} stopped because {who} of the attempt hung: {what} "
+                "(see that rank's pod for its stack)"
+            )
         return (
             f"rank {own_rank} stopped because {who} of the attempt is gone: {self.detail} "
             "(see that rank's pod for the cause)"
@@ -95,6 +132,80 @@ class PeerLoss:
 def _parse_announcement(raw: str) -> PeerLoss:
     rank_text, _, detail = raw.partition(" ")
     return PeerLoss(int(rank_text) if rank_text.lstrip("-").isdigit() else None, detail)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A rank's last progress stamp from its training loop: how many stamps, what it was
+    doing, and when (wall clock, seconds)."""
+
+    count: int
+    phase: str
+    at: float
+
+    def encode(self) -> str:
+        return f"{self.count} {self.at:.3f} {self.phase}"
+
+    @staticmethod
+    def decode(raw: str | bytes | None) -> Progress | None:
+        if raw is None:
+            return None
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        count, _, rest = text.partition(" ")
+        at, _, phase = rest.partition(" ")
+        try:
+            return Progress(int(count), phase, float(at))
+        except ValueError:
+            return None
+
+
+def hung_ranks(
+    stamps: dict[int, Progress | None], now: float, min_stall: float = HANG_MIN_STALL_SECONDS
+) -> list[int]:
+    """Pure: the ranks whose training loop is behind the others (the fewest progress stamps,
+    when not every rank has as many) and whose last stamp is at least ``min_stall`` seconds old.
+    The others went on to a later point (a checkpoint barrier) and wait there for them. Every
+    rank at the same count (all waiting in one collective, or all slow): none can be named.
+    A rank that never stamped counts as behind once any other did."""
+    counts = {r: (p.count if p is not None else -1) for r, p in stamps.items()}
+    if not counts or min(counts.values()) == max(counts.values()):
+        return []
+    low = min(counts.values())
+    out = []
+    for rank, count in sorted(counts.items()):
+        stamp = stamps[rank]
+        if count == low and (stamp is None or now - stamp.at >= min_stall):
+            out.append(rank)
+    return out
+
+
+def hang_loss(stamps: dict[int, Progress | None], now: float) -> PeerLoss | None:
+    """Pure: the announcement for the hung ranks (:func:`hung_ranks`), naming the first, what
+    its loop last did and what the others are waiting in; None when none can be named."""
+    hung = hung_ranks(stamps, now)
+    if not hung:
+        return None
+    first = stamps[hung[0]]
+    ahead = {r: p for r, p in stamps.items() if r not in hung and p is not None}
+    where = (
+        f"its training loop stopped at '{first.phase}' {now - first.at:.1f} s ago"
+        if first is not None
+        else "its training loop never reported progress"
+    )
+    waiting = sorted(ahead)
+    phases = sorted({p.phase for p in ahead.values()})
+    others = (
+        f"; rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting[:8]))}"
+        f"{'...' if len(waiting) > 8 else ''} went on to '{', '.join(phases[:3])}' and wait for it"
+        if waiting
+        else ""
+    )
+    also = f" (also behind: ranks {hung[1:9]})" if len(hung) > 1 else ""
+    return PeerLoss(
+        hung[0],
+        f"{HUNG} {where}{others}{also}; ended before the grace deadline, "
+        "stuck in a collective or the device",
+    )
 
 
 @dataclass
@@ -147,6 +258,7 @@ class PeerWatch:
         host: str | None = None,
         port: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        seconds_left: Callable[[], float | None] | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -161,6 +273,10 @@ class PeerWatch:
         self._thread: threading.Thread | None = None
         self._loss_lock = threading.Lock()
         self.loss: PeerLoss | None = None
+        # Seconds until this rank's deadline after a SIGTERM (None: none yet): when to judge.
+        self._seconds_left = seconds_left
+        # The training loop's progress stamp (written by the main thread only).
+        self._progress = Progress(0, "start", time.time())
 
     # -- lifecycle
     @property
@@ -198,6 +314,11 @@ class PeerWatch:
             self._thread.join(timeout=self.interval + 1)
         self._thread = None
 
+    def stamp(self, phase: str) -> None:
+        """From the training loop (main thread), never from a thread: it went one point further,
+        now doing ``phase``. Cheap (no I/O): the watch thread publishes it."""
+        self._progress = Progress(self._progress.count + 1, phase, time.time())
+
     def announce(self, loss: PeerLoss) -> None:
         """Tell the others (best effort; the first announcement stays) so they stop within one
         interval. Rank 0 serves the store: it lingers two intervals so they can read it."""
@@ -228,8 +349,11 @@ class PeerWatch:
             return None
         raw = self._try(lambda s: s.get(FAILED_KEY).decode() if s.check([FAILED_KEY]) else None)
         loss = _parse_announcement(raw) if raw else None
-        # This rank's own failure, announced by itself, is no reason to stop it as a peer's.
-        return None if loss is None or loss.rank == self.rank else loss
+        # This rank's own failure, announced by itself, is no reason to stop it as a peer's;
+        # but a rank that others found hung ends too (its loop may never get anywhere).
+        if loss is None or (loss.rank == self.rank and not loss.hung):
+            return None
+        return loss
 
     # -- the thread
     def _done_key(self, rank: int) -> str:
@@ -241,13 +365,49 @@ class PeerWatch:
         except Exception:
             return None
 
+    def _progress_key(self, rank: int) -> str:
+        return f"{_PREFIX}/progress/{rank}"
+
+    def _due_to_judge(self) -> bool:
+        if self._seconds_left is None:
+            return False
+        try:
+            left = self._seconds_left()
+        except Exception:
+            return False
+        return left is not None and left <= HANG_JUDGE_SECONDS
+
+    def _judge_hang(self) -> PeerLoss | None:
+        """Every rank's progress stamp now (one round trip): the hung ranks, if any."""
+        keys = [self._progress_key(r) for r in range(self.world_size)]
+
+        def read(store: Any) -> list[Any]:
+            present = [store.check([k]) for k in keys]
+            return [store.get(k) if ok else None for k, ok in zip(keys, present, strict=True)]
+
+        raw = self._try(read)
+        if raw is None:
+            return None
+        stamps = {r: Progress.decode(v) for r, v in enumerate(raw)}
+        stamps[self.rank] = self._progress  # this rank's own, fresher than the store's
+        return hang_loss(stamps, time.time())
+
     def _run(self) -> None:
         successor = (self.rank + 1) % self.world_size
         view = RingView(self.timeout, successor)
         hb_own, hb_next = f"{_PREFIX}/hb/{self.rank}", f"{_PREFIX}/hb/{successor}"
+        published: Progress | None = None
+        judged = False
         while not self._stop.wait(self.interval):
             self._try(lambda s: s.add(hb_own, 1))
+            progress = self._progress
+            if progress is not published:
+                self._try(lambda s, p=progress: s.set(self._progress_key(self.rank), p.encode()))
+                published = progress
             loss = self.announced()
+            if loss is None and not judged and self._due_to_judge():
+                judged = True  # once: near the deadline, what is stuck stays stuck
+                loss = self._judge_hang()
             if loss is None:
                 value = self._try(lambda s: s.add(hb_next, 0))
                 done = bool(self._try(lambda s: s.check([self._done_key(successor)])))

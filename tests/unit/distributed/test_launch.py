@@ -9,6 +9,7 @@ from trainer_runtime.distributed.launch import (
     AGENT_MODULE,
     WORKER_MODULE,
     WorkerEnd,
+    launcher_end_seconds,
     plan_launch,
     pod_end,
     shutdown_timeout_seconds,
@@ -19,10 +20,30 @@ from trainer_runtime.protocol import EXIT_PEER_FAILED, EXIT_PREEMPTED, Terminati
 
 
 @pytest.mark.parametrize(
-    ("grace", "expected"), [(None, None), (30, 30), (243, 243), (243.2, 244), (0.5, 1)]
+    ("grace", "expected"),
+    [
+        (None, None),  # torchrun's own default
+        # the grace less the launcher's margin (a tenth, 2 to 5 s), whole seconds: the pod's
+        # termination message is written before the kubelet's SIGKILL
+        (30, 27),
+        (243, 238),
+        (243.2, 238),
+        (10, 8),
+        (0.5, 1),  # never 0 (torchrun would SIGKILL at once)
+        (3, 1),
+    ],
 )
-def test_shutdown_timeout_is_the_grace_rounded_up(grace: float | None, expected: int) -> None:
+def test_shutdown_timeout_leaves_the_launcher_a_margin(grace: float | None, expected: int) -> None:
     assert shutdown_timeout_seconds(grace) == expected
+
+
+@pytest.mark.parametrize(
+    ("grace", "end"),
+    [(30, 28.5), (243, 240.5), (10, 9.0)],
+)
+def test_the_launcher_ends_the_pod_before_the_grace(grace: float, end: float) -> None:
+    # after torchrun's SIGKILL of its workers, before the kubelet's of the pod
+    assert shutdown_timeout_seconds(grace) < launcher_end_seconds(grace) == end < grace
 
 
 @pytest.mark.parametrize("grace", [0, -1, float("nan"), float("inf")])
@@ -38,7 +59,7 @@ def test_single_node_is_standalone_with_the_grace_timeout() -> None:
         "--standalone",
         "--max-restarts=0",
         "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-        "--shutdown-timeout=243",
+        "--shutdown-timeout=238",
     ]
 
 
@@ -76,9 +97,9 @@ def test_plan_reads_the_operator_environment() -> None:
     assert plan.command[:3] == ["py", "-m", AGENT_MODULE]
     assert plan.command[-6:] == ["-m", WORKER_MODULE, "-m", "pkg.train", "--x", "1"]
     assert "--nnodes=2" in plan.command and "--node-rank=1" in plan.command
-    assert "--shutdown-timeout=90" in plan.command
-    assert plan.env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "90"
-    assert plan.shutdown_timeout == 90 and not plan.notes
+    assert "--shutdown-timeout=85" in plan.command
+    assert plan.env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "85"
+    assert plan.shutdown_timeout == 85 and not plan.notes
 
 
 def test_plan_without_grace_warns_about_torchruns_default() -> None:
