@@ -446,7 +446,7 @@ def pod_end(
       from every worker: 75 too, with that reason). Torchrun's own exit (1, or a traceback when
       it was signalled) never decides this;
     - a peer gone (69 / ``peer_gone``) and no real failure: 69 naming it;
-    - workers SIGKILLed after the pod's signal (torchrun's shutdown timeout, the grace): 137;
+    - workers SIGKILLed after the pod's signal (torchrun's shutdown timeout): 137;
     - otherwise (workers stopped by the signal without a word, torchrun failing before its
       workers ran): 128 + that signal, or torchrun's own code.
     """
@@ -549,7 +549,7 @@ def pod_end(
         return _SIGKILL_EXIT, TerminationMessage(
             reason="preempted",
             message=f"{killed[0].name()} was SIGKILLed after the pod's SIGTERM (torchrun's "
-            f"shutdown timeout, the grace period): {unfinished}",
+            f"shutdown timeout, the grace less the launcher's margin): {unfinished}",
             **common,
         )
     stopped = [w for w, v in judged if v == "stopped"]
