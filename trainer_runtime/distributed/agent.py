@@ -130,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # handlers when it shut its workers down.
     for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
+    record["code"] = code  # the launcher's, should this process's own exit hang after this
     record["ordered"] = bool(failures)
     record["workers"] = ordered_ends(handles, failures)
     if handles:

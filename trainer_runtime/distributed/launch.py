@@ -689,7 +689,8 @@ def run_launch(plan: LaunchPlan) -> int:
             if record:
                 # Its record is complete (every worker ended): only its own exit hung.
                 logger.warning("torchrun's agent did not exit after its workers: killed")
-                returncode = 1 if record.get("agent") != "ok" else 0
+                recorded_code = record.get("code")
+                returncode = recorded_code if isinstance(recorded_code, int) else 1
             else:
                 late = ended - signalled_at[0]
                 error = (
