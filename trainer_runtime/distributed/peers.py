@@ -66,9 +66,9 @@ FAILED_KEY = f"{_PREFIX}/failed"
 # How an announcement says the rank is hung (alive, its loop stuck), not gone.
 HUNG = "hung:"
 # Seconds before this rank's deadline at which the watch judges a hang: what follows still fits
-# (a watch tick, rank 0's linger of two ticks for the others to read the announcement, the
-# message, the exit's teardown).
-HANG_JUDGE_SECONDS = EXIT_TEARDOWN_SECONDS + 4.0
+# (a watch tick, the message, the exit's teardown, a tick of slack). No linger for the others to
+# read the announcement: every signalled rank judges on its own at its deadline.
+HANG_JUDGE_SECONDS = EXIT_TEARDOWN_SECONDS + 2.0
 # A rank behind the others counts as hung only once its stamp is at least this old (seconds).
 HANG_MIN_STALL_SECONDS = 2.0
 
@@ -321,12 +321,13 @@ class PeerWatch:
 
     def announce(self, loss: PeerLoss) -> None:
         """Tell the others (best effort; the first announcement stays) so they stop within one
-        interval. Rank 0 serves the store: it lingers two intervals so they can read it."""
+        interval. Rank 0 serves the store: it lingers two intervals so they can read it (not
+        for a hang, judged near the deadline, where every signalled rank judges on its own)."""
         if self._store is None:
             return
         rank = "?" if loss.rank is None else str(loss.rank)
         self._try(lambda s: s.compare_set(FAILED_KEY, "", f"{rank} {loss.detail[:300]}"))
-        if self.rank == 0:
+        if self.rank == 0 and not loss.hung:
             time.sleep(2 * self.interval)
 
     def announce_failure(self, detail: str) -> None:
