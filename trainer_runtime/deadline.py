@@ -17,7 +17,7 @@ the commit (rotation deletes, a barrier, ``on_save`` callbacks, the termination 
 process group's teardown, the launcher's merge). A save that fits only without it is not started:
 a checkpoint committed so late that the pod is SIGKILLed before its message is written reads as a
 grace kill, not a preemption. A periodic save that falls due once a SIGTERM arrived is the JIT
-save (:func:`periodic_save_is_jit`): one save, on the JIT path, counted as the stop's.
+save (:func:`due_save_action`): one save, on the JIT path, counted as the stop's.
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ __all__ = [
     "LAUNCHER_MARGIN_MIN",
     "UNMEASURED_POST_COMMIT_SECONDS",
     "Action",
+    "DueSave",
     "StopPolicy",
     "deadline_budget",
+    "due_save_action",
     "exit_reserve",
     "launcher_margin",
     "micro_batch_action",
-    "periodic_save_is_jit",
     "save_action",
     "torchrun_shutdown_timeout",
 ]
@@ -107,15 +108,29 @@ def exit_reserve(post_commit_seconds: float | None) -> float:
     return post + EXIT_TEARDOWN_SECONDS
 
 
-def periodic_save_is_jit(
-    *, jit_enabled: bool, save_due: bool, sigterm_seen: bool, training_finished: bool = False
-) -> bool:
-    """A periodic save due at this step boundary runs as the JIT save (and the stop happens now)
-    when a SIGTERM arrived on any rank (``sigterm_seen``, agreed), even within ``kill_wait``: the
-    run would stop within seconds anyway and save again; one JIT save (sharded, no full gather,
-    checked against the deadline) replaces both. Not at the last step (``training_finished``):
-    that save ends a completed run, which exits 0."""
-    return jit_enabled and save_due and sigterm_seen and not training_finished
+class DueSave(IntEnum):
+    """What becomes of a periodic save due at a step boundary; ranks agree on the largest."""
+
+    PERIODIC = 0
+    """No SIGTERM: the periodic save, as configured."""
+    DEFER = 1
+    """A SIGTERM arrived, ``kill_wait`` still running (training goes on, as transformers does):
+    not written now; the stop's JIT save writes a later step (or the last one, should training
+    end first)."""
+    JIT_NOW = 2
+    """A SIGTERM arrived and ``kill_wait`` is over: the stop happens at this step boundary and
+    this save is its JIT save."""
+
+
+def due_save_action(*, jit_enabled: bool, sigterm: int, training_finished: bool) -> DueSave:
+    """A periodic save is due at this step boundary. ``sigterm``: 0 no SIGTERM on any rank, 1 one
+    arrived (``kill_wait`` running), 2 the stop is due (all agreed: the largest). A save due
+    after a SIGTERM is never a periodic save followed by a second, JIT save a few steps later:
+    one JIT save (sharded, no full gather, checked against the deadline) replaces both. Not at
+    the last step (``training_finished``): that save ends a completed run, which exits 0."""
+    if not jit_enabled or training_finished or sigterm <= 0:
+        return DueSave.PERIODIC
+    return DueSave.JIT_NOW if sigterm >= 2 else DueSave.DEFER
 
 
 def micro_batch_action(

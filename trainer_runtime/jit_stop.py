@@ -29,9 +29,10 @@ from trainer_runtime.checkpoint.rng import capture_rng_state
 from trainer_runtime.data.arguments import has_dataset_state
 from trainer_runtime.deadline import (
     Action,
+    DueSave,
+    due_save_action,
     exit_reserve,
     micro_batch_action,
-    periodic_save_is_jit,
     save_action,
 )
 from trainer_runtime.distributed import collectives
@@ -82,8 +83,10 @@ class JitStopMixin:
     _interval_anchor: tuple[int | None, float] | None = None
     # The longest post-commit work measured (rotation, barrier, on_save), earlier attempts too.
     _post_commit_seconds: float | None = None
-    # A periodic save fell due after a SIGTERM: the stop happens at this step boundary.
+    # A periodic save fell due after a SIGTERM: the stop happens at this step boundary
+    # (became_jit), or, kill_wait still running, it is left to the stop's JIT save (deferred).
     _save_became_jit = False
+    _save_deferred = False
 
     # -- the operator's checkpoint interval ----------------------------------------------------
     def _maybe_save_on_interval(self) -> None:
@@ -182,9 +185,10 @@ class JitStopMixin:
             self._post_commit_seconds = seconds
 
     def _periodic_save_becomes_jit(self) -> bool:
-        """A periodic save is due at this step boundary: when a SIGTERM arrived on any rank (all
-        agree; one collective, on save steps only) it is not written here; the stop that follows
-        at once (:meth:`should_stop`) writes it as the JIT save."""
+        """A periodic save is due at this step boundary. True when it is not written here: a
+        SIGTERM arrived on some rank (all agree; one collective, on save steps only) and the stop
+        that follows writes it as the JIT save, now (:meth:`should_stop`) or, ``kill_wait``
+        still running, at its later step (:func:`~trainer_runtime.deadline.due_save_action`)."""
         if self._save_became_jit:
             return True  # already agreed at this boundary (an epoch end's save after a step's)
         args: Any = self.args  # type: ignore[attr-defined]
@@ -193,16 +197,28 @@ class JitStopMixin:
         if not args.enable_jit_checkpoint or not control.should_save or finished:
             return False  # the same on every rank: no collective
         latch = self.sigterm_latch  # type: ignore[attr-defined]
-        seen = collectives.agree_to_stop(bool(latch and latch.triggered))
-        if not periodic_save_is_jit(
-            jit_enabled=True, save_due=True, sigterm_seen=seen, training_finished=finished
-        ):
-            return False
-        logger.warning(
-            "a periodic save is due at step %d after SIGTERM: written as the JIT checkpoint",
-            self.state.global_step,  # type: ignore[attr-defined]
+        level = 0 if latch is None or not latch.triggered else (2 if latch.should_act() else 1)
+        action = due_save_action(
+            jit_enabled=True,
+            sigterm=collectives.agree_max(level),
+            training_finished=finished,
         )
-        self._save_became_jit = True
+        if action == DueSave.PERIODIC:
+            return False
+        step = self.state.global_step  # type: ignore[attr-defined]
+        if action == DueSave.JIT_NOW:
+            logger.warning(
+                "a periodic save is due at step %d after SIGTERM: written as the JIT checkpoint",
+                step,
+            )
+            self._save_became_jit = True
+        else:
+            logger.warning(
+                "a periodic save is due at step %d during the kill wait after SIGTERM: left to "
+                "the JIT checkpoint that follows it",
+                step,
+            )
+            self._save_deferred = True
         return True
 
     def _save_fits_deadline(self) -> bool:

@@ -415,6 +415,7 @@ class Trainer(
         self._latch_used = True
         self._jit_stop_kind = None
         self._save_became_jit = False
+        self._save_deferred = False
         self._rng_for_checkpoint = None
         self._save_interval = save_interval_from_env()
         self._interval_anchor = None
@@ -1021,6 +1022,10 @@ class Trainer(
             return True
         self._stamp(f"step {self.state.global_step}")
         if self.control.should_training_stop:
+            if self._save_deferred and not self.preempted and self._save_fits_deadline():
+                # Training ended within the kill wait after a due save was left to the stop:
+                # the JIT path writes the last step (the run still ends as it would have).
+                self.save_checkpoint(jit=True)
             return True
         if not self.args.enable_jit_checkpoint:
             return False

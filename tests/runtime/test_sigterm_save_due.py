@@ -41,9 +41,6 @@ def _save_kind(output_dir: Path, step: int) -> str:
         (0.2, "false"),
         # the operator's default for one process: background periodic saves
         (0.2, "true"),
-        # kill_wait still running when the save falls due: the save is not written twice
-        # (periodic now, JIT a few steps later), the stop happens with it
-        (2.0, "true"),
     ],
 )
 def test_save_due_after_sigterm_is_the_jit_save(
@@ -72,4 +69,31 @@ def test_save_due_after_sigterm_is_the_jit_save(
     assert kind == "jit", f"checkpoint-{SAVE_STEPS} was written as a {kind} save, not the JIT one"
     assert msg.stop == "step", msg
     resume_to_end(out, tmp_path, attempt=2, expect_first_step=SAVE_STEPS + 1)
+    assert_bit_identical(out, reference)
+
+
+def test_save_due_during_the_kill_wait_is_left_to_the_jit_save(
+    tmp_path: Path, reference: Reference
+) -> None:
+    # kill_wait (2 s) still running when step SAVE_STEPS's save falls due: training goes on
+    # through the kill wait (as transformers does), and that save is not written as a periodic
+    # one followed by the JIT one a few steps later: the JIT save of the stop step is the only
+    # save after the SIGTERM.
+    out = tmp_path / "out"
+    run = ToyRun(
+        out, tmp_path, args=toy_args(step_sleep=0.5, extra=("--save-async", "true")), kill_wait=2.0
+    ).start()
+    try:
+        run.wait_for_event("step_begin", step=SAVE_STEPS, timeout=RUN_TIMEOUT)
+        run.send(signal.SIGTERM)
+        code = run.wait(RUN_TIMEOUT)
+    finally:
+        run.kill()
+    msg = assert_preempted(run, code)
+    assert msg.step > SAVE_STEPS, f"the kill wait must still be honoured: {msg}"
+    saves = [e["step"] for e in run.events() if e["event"] == "save"]
+    assert saves == [msg.step], f"saves after the SIGTERM: {saves}, expected only the JIT one"
+    assert not (out / f"checkpoint-{SAVE_STEPS}").exists()
+    assert _save_kind(out, msg.step) == "jit"
+    resume_to_end(out, tmp_path, attempt=2, expect_first_step=msg.step + 1)
     assert_bit_identical(out, reference)

@@ -10,10 +10,11 @@ from trainer_runtime.deadline import (
     EXIT_TEARDOWN_SECONDS,
     UNMEASURED_POST_COMMIT_SECONDS,
     Action,
+    DueSave,
     deadline_budget,
+    due_save_action,
     exit_reserve,
     micro_batch_action,
-    periodic_save_is_jit,
     save_action,
 )
 from trainer_runtime.signals import SigtermLatch
@@ -144,22 +145,24 @@ def test_micro_batch_action_keeps_the_exit_reserve(
 
 
 @pytest.mark.parametrize(
-    ("jit", "due", "seen", "finished", "expected"),
+    ("jit", "sigterm", "finished", "expected"),
     [
-        (True, True, True, False, True),  # due after SIGTERM: the JIT save, the stop now
-        (True, True, False, False, False),  # no SIGTERM: the periodic save
-        (True, False, True, False, False),  # nothing due: the stop decides on its own
-        (False, True, True, False, False),  # JIT off: a periodic save as before
-        (True, True, True, True, False),  # the last step: the run completes (exit 0)
+        (True, 0, False, DueSave.PERIODIC),  # no SIGTERM: the periodic save
+        (True, 2, False, DueSave.JIT_NOW),  # kill_wait over: this save is the stop's JIT save
+        (True, 1, False, DueSave.DEFER),  # kill_wait running: left to the stop's JIT save
+        (False, 2, False, DueSave.PERIODIC),  # JIT off: a periodic save as before
+        (True, 2, True, DueSave.PERIODIC),  # the last step: the run completes (exit 0)
+        (True, 1, True, DueSave.PERIODIC),
     ],
 )
-def test_periodic_save_is_jit(
-    jit: bool, due: bool, seen: bool, finished: bool, expected: bool
-) -> None:
-    got = periodic_save_is_jit(
-        jit_enabled=jit, save_due=due, sigterm_seen=seen, training_finished=finished
-    )
+def test_due_save_action(jit: bool, sigterm: int, finished: bool, expected: DueSave) -> None:
+    got = due_save_action(jit_enabled=jit, sigterm=sigterm, training_finished=finished)
     assert got is expected
+
+
+def test_due_save_actions_are_ordered_by_urgency() -> None:
+    # Ranks agree on the SIGTERM level with an all-reduce MAX
+    assert DueSave.PERIODIC < DueSave.DEFER < DueSave.JIT_NOW
 
 
 def test_actions_are_ordered_by_urgency() -> None:
