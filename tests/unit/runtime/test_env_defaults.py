@@ -25,6 +25,7 @@ yaml = pytest.importorskip("yaml")
 from transformers import HfArgumentParser  # noqa: E402
 
 import trainer_runtime  # noqa: E402
+from trainer_runtime import protocol  # noqa: E402
 from trainer_runtime.protocol import ENV_OUTPUT_DIR, ENV_STOP_POLICY  # noqa: E402
 from trainer_runtime.training_args import (  # noqa: E402
     ENV_DEFAULTS,
@@ -240,9 +241,9 @@ def test_every_default_that_reads_the_environment_is_decided_at_build_time(
         if name.startswith("PREEMPTIBLE_"):
             monkeypatch.delenv(name)
     unset = defaults()
-    for name in dir(__import__("trainer_runtime.protocol", fromlist=["x"])):
+    for name in protocol.__all__:
         if name.startswith("ENV_"):
-            var = getattr(__import__("trainer_runtime.protocol", fromlist=["x"]), name)
+            var = getattr(protocol, name)
             monkeypatch.setenv(var, "micro_batch" if var == ENV_STOP_POLICY else "7")
     changed = {name for name, value in defaults().items() if unset[name] != value}
     assert changed == set(ENV_DEFAULTS) == set(ENV_FIELDS)
