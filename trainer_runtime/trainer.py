@@ -1112,13 +1112,14 @@ class Trainer(
 
     def _loss_num_items(self, count: int | None) -> torch.Tensor | None:
         """``num_items_in_batch`` as transformers hands it to ``training_step`` and
-        ``compute_loss``: a 0-dim tensor on the device, and only when the loss uses it (the model
-        takes loss kwargs, or a ``compute_loss_func`` is set); None otherwise."""
+        ``compute_loss`` (in training and evaluation): a 0-dim tensor of the default float dtype
+        on the device (transformers divides the count by its parallel sizes), and only when the
+        loss uses it (the model takes loss kwargs, or a ``compute_loss_func`` is set)."""
         if count is None or not (
             self._model_accepts_loss_kwargs() or self.compute_loss_func is not None
         ):
             return None
-        return torch.tensor(count, device=self.accelerator.device)
+        return torch.tensor(float(count), device=self.accelerator.device)
 
     def _num_items_count(self, num_items_in_batch: int | torch.Tensor | None) -> int | None:
         """The step's label-token count as an int (no device sync for the loop's own tensor)."""
