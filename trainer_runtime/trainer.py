@@ -103,6 +103,7 @@ from trainer_runtime.data.dispatch import (
     TaggedDataset,
     dispatch_iterator,
 )
+from trainer_runtime.data.length_sampling import EPOCH_ORDER_KEY
 from trainer_runtime.data.neftune import enable_neftune
 from trainer_runtime.data.samplers import ResumableBatchSampler
 from trainer_runtime.distributed import collectives
@@ -1259,7 +1260,8 @@ class Trainer(
         assert self.train_dataloader is not None
         epoch = self._position.epoch
         private = getattr(self.train_dataloader, "generator", None) is not None
-        if not skip and not self._position.started and private:
+        fresh = not skip and not self._position.started
+        if fresh and private:
             # transformers' DataLoader draws its base seed from the global torch RNG when an
             # epoch's iterator starts; ours draws it from its private generator (so a resume
             # mid-epoch does not shift the global RNG). Take that one draw here, at the start of
@@ -1270,6 +1272,16 @@ class Trainer(
         self._position.started = True
         if self.train_sampler is not None:
             self.train_sampler.load_state_dict({"epoch": epoch, "start": skip})
+            begin = getattr(self.train_sampler, "begin_epoch", None)
+            if begin is not None:
+                # group_by_length on one process draws the epoch's order from the global RNG
+                # now, as transformers' sampler does; a resume rebuilds it from the record.
+                saved = None if fresh else self.state.preemptible.get(EPOCH_ORDER_KEY)
+                record = begin(epoch, saved)
+                if record is None:
+                    self.state.preemptible.pop(EPOCH_ORDER_KEY, None)
+                else:
+                    self.state.preemptible[EPOCH_ORDER_KEY] = record
             self._data_iter = self._dispatched(self._epoch_source())
             return
         set_dataset_epoch(self.train_dataset, epoch, self._data_seed())
