@@ -519,7 +519,8 @@ def test_compute_loss_override_gets_num_items_in_evaluation_as_transformers_pass
 
 def group_by_length_script(gradient_accumulation_steps: int) -> sbs.Script:
     """``train_sampling_strategy="group_by_length"`` with the same seed under both Trainers, two
-    epochs, dropout on: the padded length of every micro-batch is recorded (by the collator)."""
+    epochs, dropout on, then evaluate() and predict(): the padded length of every batch is
+    recorded (by the collator)."""
 
     def script(api: sbs.Api, out: Path) -> dict[str, Any]:
         from transformers import DataCollatorForLanguageModeling
@@ -542,6 +543,7 @@ def group_by_length_script(gradient_accumulation_steps: int) -> sbs.Script:
                 out,
                 train_sampling_strategy="group_by_length",
                 per_device_train_batch_size=4,
+                per_device_eval_batch_size=2,  # megabatches of 5 batches
                 gradient_accumulation_steps=gradient_accumulation_steps,
                 num_train_epochs=2,
                 logging_steps=1,
@@ -552,7 +554,18 @@ def group_by_length_script(gradient_accumulation_steps: int) -> sbs.Script:
             callbacks=sbs.callbacks(api),
         )
         trainer.train()
-        return {"trainer": trainer, "padded": padded}
+        trained = len(padded)
+        # transformers length-groups the evaluation and prediction batches too (seeded)
+        held_out = models.causal_lm_dataset(tok, n=40, seed=1).remove_columns(["text"])
+        metrics = trainer.evaluate(held_out)
+        predicted = trainer.predict(held_out)
+        return {
+            "trainer": trainer,
+            "padded": padded[:trained],
+            "eval_padded": padded[trained:],
+            "eval": metrics,
+            "predict": predicted,
+        }
 
     return script
 
@@ -566,3 +579,9 @@ def test_group_by_length_batch_order_equals_transformers(
     assert len(set(theirs.results["padded"])) > 1  # lengths vary: the order is visible
     assert ours.results["padded"] == theirs.results["padded"]
     assert_runs_match(theirs, ours)
+    assert len(set(theirs.results["eval_padded"])) > 1
+    assert ours.results["eval_padded"] == theirs.results["eval_padded"]
+    sbs.assert_metrics_match(theirs.results["eval"], ours.results["eval"], "evaluate()")
+    t_pred, o_pred = theirs.results["predict"], ours.results["predict"]
+    sbs.assert_metrics_match(t_pred.metrics, o_pred.metrics, "predict().metrics")
+    sbs.assert_arrays_match(t_pred.label_ids, o_pred.label_ids, "label_ids")

@@ -35,6 +35,7 @@ __all__ = [
     "balanced_partition",
     "batch_rebalance_plan",
     "build_length_batch_sampler",
+    "eval_length_grouped_order",
     "group_by_length_plan",
     "infer_lengths",
     "item_length",
@@ -252,6 +253,14 @@ def group_by_length_plan(
     if drop_last and batches and len(batches[-1]) < batch_size:
         batches.pop()
     return batches
+
+
+def eval_length_grouped_order(lengths: Sequence[int], batch_size: int, *, seed: int) -> list[int]:
+    """Order of the evaluation and prediction samples under ``group_by_length``, as transformers
+    orders them: :func:`group_by_length_plan` of one epoch with a generator seeded with ``seed``
+    (``data_seed``, else ``seed``), the same at every evaluation."""
+    plan = group_by_length_plan(lengths, batch_size, seed=seed, epoch=0)
+    return [idx for batch in plan for idx in batch]
 
 
 def balanced_partition(lengths_desc: Sequence[int], parts: int) -> list[int]:

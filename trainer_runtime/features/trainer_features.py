@@ -18,7 +18,7 @@ It relies on these Trainer attributes: ``args``, ``model``, ``model_wrapped``, `
 ``state``, ``control``, ``callback_handler``, ``data_collator``, ``eval_dataset``,
 ``compute_metrics``, ``compute_loss``, ``compute_loss_func``, ``label_names``, ``log``,
 ``_event``, ``_prepare_inputs``, ``_model_accepts_loss_kwargs``, ``_loss_num_items``,
-``last_checkpoint``.
+``_model_input_name``, ``last_checkpoint``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from trainer_runtime.callbacks import TrainerCallback
+from trainer_runtime.data import length_sampling
 from trainer_runtime.data.columns import (
     RemoveColumnsCollator,
     is_hf_dataset,
@@ -158,6 +159,7 @@ class TrainerFeaturesMixin:
     compute_loss_func: Callable[..., Any] | None
     _model_accepts_loss_kwargs: Callable[[], bool]
     _loss_num_items: Callable[[int | None], torch.Tensor | None]
+    _model_input_name: Callable[[], str | None]
 
     preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None
     label_smoother: LabelSmoother | None = None
@@ -294,10 +296,24 @@ class TrainerFeaturesMixin:
                 collate_fn=self._collator_for(dataset),
                 num_workers=self.args.dataloader_num_workers,
             )
+        order: list[int] | None = None
+        if self.args.train_sampling_strategy == "group_by_length" and isinstance(dataset, Sized):
+            # transformers length-groups evaluation and prediction batches too under this
+            # strategy (seeded by data_seed/seed): the same batches, so the same eval_loss.
+            lengths = length_sampling.infer_lengths(
+                dataset,
+                length_column_name=self.args.length_column_name,
+                model_input_name=self._model_input_name(),
+            )
+            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+            order = length_sampling.eval_length_grouped_order(
+                lengths, self.args.per_device_eval_batch_size, seed=seed
+            )
         loader = DataLoader(
             self._drop_unused_columns(dataset),
             batch_size=self.args.per_device_eval_batch_size,
             shuffle=False,
+            sampler=order,
             collate_fn=self._collator_for(dataset),
             num_workers=self.args.dataloader_num_workers,
             drop_last=self.args.dataloader_drop_last,

@@ -12,6 +12,7 @@ import torch
 from tests.unit.data._lengths import skewed_lengths
 from trainer_runtime.data.length_sampling import (
     LengthGroupedBatchSampler,
+    eval_length_grouped_order,
     group_by_length_plan,
     padded_cost,
 )
@@ -263,3 +264,17 @@ def test_seeded_order_without_the_global_rng(ranks: int) -> None:
     assert list(sampler) == group_by_length_plan(
         LENGTHS, 8, seed=1, epoch=0, world_size=ranks, rank=0
     )
+
+
+@pytest.mark.parametrize(("n", "batch_size", "seed"), [(203, 8, 42), (24, 4, 0), (7, 3, 5)])
+def test_evaluation_order_is_transformers(n: int, batch_size: int, seed: int) -> None:
+    """transformers' evaluation sampler under group_by_length: its length-grouped sampler with a
+    generator seeded with data_seed/seed, the same order at every evaluation."""
+    pt_utils = pytest.importorskip("transformers.trainer_pt_utils")
+    lengths = skewed_lengths(n, seed=seed)
+    theirs = pt_utils.LengthGroupedSampler(
+        batch_size, lengths=lengths, generator=torch.Generator().manual_seed(seed)
+    )
+    ours = eval_length_grouped_order(lengths, batch_size, seed=seed)
+    assert ours == list(theirs)
+    assert sorted(ours) == list(range(n))
