@@ -81,7 +81,7 @@ from trainer_runtime.checkpoint.resharding import DataShape, reshard_position
 from trainer_runtime.checkpoint.resume_choice import parent_of, requested_resume, resolve_in_store
 from trainer_runtime.checkpoint.rng import restore_rng_state
 from trainer_runtime.checkpoint.safetensors_stream import TensorFile
-from trainer_runtime.checkpoint.shares import ShareGroup, share_entries
+from trainer_runtime.checkpoint.shares import ShareGroup, agree_on_plan, share_entries
 from trainer_runtime.checkpoint.storage import Storage, configure_direct_io
 from trainer_runtime.data.arguments import (
     build_train_dataloader,
@@ -1650,6 +1650,10 @@ class Trainer(
                     entries.append(
                         (dataset_state_file_name(rank, world), _json_bytes(dataset_state), True)
                     )
+        if share:
+            # Each rank plans its share alone: the plans must be the same (one small all-gather
+            # of their digests), or no index could be trusted (a tensor on one rank only).
+            agree_on_plan(groups, world, per_node.gather_objects)
         entries += [(n, d, False) for n, d in share_entries(groups, rank, world, coordinator=main)]
         # Every rank records the best checkpoint, so every rank loads it at the end.
         self._before_checkpoint_write()

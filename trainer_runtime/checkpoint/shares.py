@@ -10,6 +10,11 @@ rank writes its share at the same time:
   Pure and deterministic, so every rank computes the same plan from the same names and sizes,
   with no collective. A rank's bytes are at most ``total / N`` plus the largest tensor (a tensor
   is never split).
+* The ranks agree on the plan before writing (:func:`agree_on_plan`): each rank's digest of what
+  it plans from (every tensor's group, name, dtype, shape, in order) is all-gathered (one small
+  collective); when they differ (a tensor on one rank only, another shape or dtype), the save
+  fails on every rank with a message naming the tensors (:func:`plan_disagreement`), before
+  anything of the share is written, so no index can point at a shard without its tensor.
 * Each group is written as transformers writes a sharded model:
   ``<stem>-00001-of-0000M.safetensors`` (one file per rank that holds any tensor of the group,
   numbered in rank order) and an index
@@ -23,6 +28,7 @@ metadata too large to repeat (the optimizer's structure) goes into the index onl
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -32,12 +38,17 @@ from typing import Any
 import torch
 
 from trainer_runtime.checkpoint.safetensors_stream import TensorFile
-from trainer_runtime.errors import ConfigurationError, ResumeError
+from trainer_runtime.errors import CheckpointError, ConfigurationError, ResumeError
 
 __all__ = [
+    "PlanItem",
     "ShareGroup",
+    "agree_on_plan",
     "index_name",
     "load_indexed",
+    "plan_digest",
+    "plan_disagreement",
+    "plan_listing",
     "plan_shares",
     "shard_file_name",
     "share_entries",
@@ -104,6 +115,92 @@ class ShareGroup:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+# One tensor as the plan sees it: (group stem, name, dtype, shape).
+PlanItem = tuple[str, str, str, tuple[int, ...]]
+# Every rank's object in, every rank's list out (rank order): an all-gather of objects.
+Gather = Callable[[Any], list[Any]]
+
+
+def plan_listing(groups: Sequence[ShareGroup]) -> list[PlanItem]:
+    """What :func:`share_entries` plans from, in its order: every tensor's group, name, dtype
+    and shape (its bytes follow from the last two); pure."""
+    return [
+        (g.stem, name, str(t.dtype).removeprefix("torch."), tuple(int(d) for d in t.shape))
+        for g in groups
+        for name, t in g.tensors.items()
+    ]
+
+
+def plan_digest(listing: Sequence[PlanItem], world_size: int) -> str:
+    """A digest of a plan's inputs (the same on every rank iff the ranks plan the same); pure."""
+    text = json.dumps([world_size, [list(item) for item in listing]], separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _describe(item: PlanItem) -> str:
+    return f"{item[2]}{list(item[3])}"
+
+
+def plan_disagreement(listings: Sequence[Sequence[PlanItem]], *, limit: int = 5) -> str | None:
+    """What the ranks' listings (rank order) disagree on, naming the tensors, or None when they
+    agree; pure. Tensors missing on some ranks, tensors of another dtype or shape, and else the
+    first position where the order differs."""
+    keyed = [{(item[0], item[1]): tuple(item) for item in items} for items in listings]
+    names = sorted({key for ranks in keyed for key in ranks})
+    everywhere = range(len(listings))
+    problems: list[str] = []
+    for key in names:
+        has = [r for r in everywhere if key in keyed[r]]
+        label = f"{key[0]} tensor {key[1]!r}"
+        if len(has) < len(listings):
+            lacking = [r for r in everywhere if r not in has]
+            problems.append(
+                f"{label} is on rank(s) {', '.join(map(str, has))} only (not on "
+                f"{', '.join(map(str, lacking))})"
+            )
+            continue
+        kinds = {_describe(keyed[r][key]) for r in everywhere}
+        if len(kinds) > 1:
+            each = ", ".join(f"rank {r}: {_describe(keyed[r][key])}" for r in everywhere)
+            problems.append(f"{label} differs ({each})")
+    if not problems:
+        first = [list(items) for items in listings]
+        for r in everywhere:
+            if first[r] != first[0]:
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(first[0], first[r], strict=False)) if a != b),
+                    min(len(first[0]), len(first[r])),
+                )
+                a = first[0][at][1] if at < len(first[0]) else None
+                b = first[r][at][1] if at < len(first[r]) else None
+                problems.append(
+                    f"the tensors come in another order on rank {r} (position {at}: "
+                    f"{a!r} on rank 0, {b!r} on rank {r})"
+                )
+                break
+    if not problems:
+        return None
+    more = f"; and {len(problems) - limit} more" if len(problems) > limit else ""
+    return "; ".join(problems[:limit]) + more
+
+
+def agree_on_plan(groups: Sequence[ShareGroup], world_size: int, gather: Gather) -> None:
+    """Every rank calls it with its groups before writing its share: the plan digests are
+    all-gathered; CheckpointError on every rank, naming the tensors, when they differ (a second
+    all-gather, of the listings, on that path only)."""
+    listing = plan_listing(groups)
+    digests = gather(plan_digest(listing, world_size))
+    if len(set(digests)) <= 1:
+        return
+    listings = gather(listing)
+    detail = plan_disagreement(listings) or "their plans differ"
+    raise CheckpointError(
+        f"the ranks disagree on the tensors of the checkpoint, so no rank writes its share: "
+        f"{detail}. Every rank must hold the same model and optimizer state (names, dtypes, "
+        "shapes) under data parallelism"
+    )
 
 
 def share_entries(
