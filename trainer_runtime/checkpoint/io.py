@@ -107,7 +107,17 @@ __all__ = [
 OPTIMIZER_META_KEY = "preemptible.optimizer_meta"
 _OPTIMIZER_META_FORMAT = "preemptible-optimizer/1"
 _RESERVED_MANIFEST_KEYS = frozenset(
-    {"format", "step", "world_size", "attempt", "save_seconds", "created_at", "files", "node_copy"}
+    {
+        "format",
+        "step",
+        "world_size",
+        "attempt",
+        "save_seconds",
+        "created_at",
+        "files",
+        "node_copy",
+        "commit_token",
+    }
 )
 
 # write_entries: safetensors files at least this large are written concurrently, this many at once
@@ -628,6 +638,9 @@ class CheckpointWriter:
             "save_seconds": round(save_seconds, 6),
             "created_at": _utc_now(),
             "files": sorted(merged.values(), key=lambda e: e["path"]),
+            # this save's own token (the sentinel's): a conditional create refused because the
+            # manifest exists is ours when it carries it (_publish_manifest)
+            "commit_token": self._token,
         }
         if self.each_node:
             manifest["node_copy"] = {
@@ -646,12 +659,13 @@ class CheckpointWriter:
         try:
             self.root.atomic_write_json(self._rel(MANIFEST_NAME), manifest, exclusive=True)
         except StorageError as exc:
-            if isinstance(exc.cause, FileExistsError):
+            if not isinstance(exc.cause, FileExistsError):
+                raise
+            if not self._manifest_is_ours(manifest, exc):
                 raise CheckpointError(
                     f"{self.path}/{MANIFEST_NAME} was written by another writer first: "
                     "checkpoint not committed by this one"
                 ) from exc
-            raise
         if self._marked:
             try:
                 self.root.remove(self._rel(CORRUPT_NAME))
@@ -666,6 +680,31 @@ class CheckpointWriter:
                 f"checkpoint {self.path} is not complete after commit: {info.reason}"
             )
         return info
+
+    def _manifest_is_ours(self, manifest: Mapping[str, Any], refused: StorageError) -> bool:
+        """The conditional create of the manifest was refused because it exists: whether the
+        manifest there is the one this writer sent. It is when an earlier try of the same
+        request was done by the store but its response was lost (a connection reset, a
+        timeout): the client's retry then meets our own manifest (HTTP 412). Told apart from
+        another writer's by this save's token. An unreadable manifest raises CheckpointError:
+        whether this save committed is not known, so it is not reported as another writer's."""
+        try:
+            there = self.root.read_json(self._rel(MANIFEST_NAME))
+        except StorageError as exc:
+            raise CheckpointError(
+                f"{self.path}/{MANIFEST_NAME} exists ({refused}) but cannot be read back to "
+                f"tell whether this writer's own earlier try wrote it: {exc}"
+            ) from exc
+        token = manifest.get("commit_token")
+        if not (isinstance(there, dict) and token and there.get("commit_token") == token):
+            return False
+        logger.warning(
+            "%s/%s: the store refused the manifest as existing, and the manifest there is this "
+            "save's own (a retry after an earlier try's response was lost): committed",
+            self.path,
+            MANIFEST_NAME,
+        )
+        return True
 
     # -- a failed save ---------------------------------------------------------------------------
     def discard(self, *, every_rank_done: bool = False) -> list[str]:
