@@ -312,9 +312,10 @@ class CheckpointWriter:
         if existed:
             # A rewrite of the same step (e.g. a resumed attempt saving where the previous one
             # stopped): drop everything the earlier writer left, now that the sentinel protects it.
-            # A complete checkpoint of this step is only ever rewritten by a run that did not
-            # resume from it (the Trainers skip a save of the step they resumed from or saved):
-            # another trajectory's state, which this one replaces.
+            # A complete checkpoint of this step is only ever rewritten by a run that started
+            # fresh (transformers' behaviour: another trajectory's state, which this one
+            # replaces): our Trainer skips the save of the step it resumed from or saved, and
+            # after a resume keeps complete checkpoints of later steps (Trainer._kept_checkpoint).
             if replaced is not None and replaced.complete:
                 logger.warning(
                     "replacing the complete checkpoint %s (attempt %s) with this run's state "
