@@ -79,7 +79,7 @@ from trainer_runtime.checkpoint.safetensors_stream import (
     tensors_from_buffer,
     write_safetensors,
 )
-from trainer_runtime.checkpoint.shares import load_indexed
+from trainer_runtime.checkpoint.shares import ShardFile, ShareIndex, load_indexed
 from trainer_runtime.checkpoint.storage import Storage
 from trainer_runtime.errors import (
     CheckpointCorruptError,
@@ -235,6 +235,12 @@ class CheckpointWriter:
         self._created = False
         self._marked = False  # a corrupt marker was in the directory: removed at the commit
         self._touched: set[str] = set()
+        # Rank-shared groups (shares.py): the tensors of the shards this rank wrote (file ->
+        # names, in its record), and on the coordinator the indexes built from every rank's at
+        # the commit.
+        self._shard_tensors: dict[str, list[str]] = {}
+        self._indexes: dict[str, ShareIndex] = {}
+        self._written_shards: dict[str, list[str]] = {}
         # Set by another thread to stop a background write between blocks (Cancelled).
         self.cancel: threading.Event | None = None
 
@@ -401,12 +407,28 @@ class CheckpointWriter:
         self._files[name] = file_record(name, fh.size, fh.digest)
 
     def write_entry(
-        self, filename: str, data: bytes | TensorFile, *, per_rank: bool = False
+        self, filename: str, data: bytes | TensorFile | ShareIndex, *, per_rank: bool = False
     ) -> None:
         """Write bytes or a :class:`TensorFile` (e.g. an entry of
-        :func:`~trainer_runtime.checkpoint.hf_format.model_file_entries`)."""
+        :func:`~trainer_runtime.checkpoint.hf_format.model_file_entries`). A ShareIndex (the
+        coordinator's entry of shares.share_entries) is written at the commit, built from the
+        shards every rank wrote."""
+        if isinstance(data, ShareIndex):
+            self._require_open()
+            name = _check_filename(filename)
+            if name in self._files or name in self._rank_files or name in self._indexes:
+                raise CheckpointError(f"{name} written twice to {self.path}")
+            if self.each_node or not self.is_coordinator:
+                raise ConfigurationError(
+                    f"{name}: a shared group's index is written by the coordinator of a single "
+                    "copy (rank 0, save_on_each_node=False)"
+                )
+            self._indexes[name] = data
+            return
         if isinstance(data, TensorFile):
             self.write_tensors(filename, data.tensors, data.metadata, per_rank=per_rank)
+            if isinstance(data, ShardFile):
+                self._shard_tensors[_check_filename(filename)] = list(data.tensors)
         else:
             self.write_bytes(filename, data, per_rank=per_rank)
 
@@ -552,7 +574,13 @@ class CheckpointWriter:
         error: BaseException | None = None
         if self.world_size > 1 and not self.is_coordinator:  # the coordinator has its own in memory
             try:
-                record = {"rank": self.rank, "attempt": self.attempt, "files": self.files}
+                record = {
+                    "rank": self.rank,
+                    "attempt": self.attempt,
+                    "files": self.files,
+                    # the tensors of its shards: the coordinator builds the indexes from them
+                    "shard_tensors": self._shard_tensors,
+                }
                 self.root.write_json(self._rel(_partial_name(self.rank)), record)
             except BaseException as exc:
                 error = exc
@@ -578,14 +606,27 @@ class CheckpointWriter:
         return info
 
     def _commit_coordinator(self, extra: dict[str, Any]) -> CheckpointInfo:
-        return self._publish_manifest(self._prepare_manifest(extra, self._merge_records()))
+        merged = self._merge_records()
+        self._write_indexes(merged)
+        return self._publish_manifest(self._prepare_manifest(extra, merged))
+
+    def _write_indexes(self, merged: dict[str, dict[str, Any]]) -> None:
+        """Coordinator, every rank's record merged: write each shared group's index from the
+        shards the ranks wrote (not from its own plan), and add it to the files to commit."""
+        for name, index in sorted(self._indexes.items()):
+            data = index.build(self._written_shards, f"{self.path}/{name}")
+            self._write_file(name, data)
+            entry = self._files[name]
+            merged[name] = {k: v for k, v in entry.items() if k in ("path", "size", *ALGORITHMS)}
 
     def _merge_records(self) -> dict[str, dict[str, Any]]:
         merged: dict[str, dict[str, Any]] = {}
         owners: dict[str, int] = {}
+        self._written_shards = {}
         for rank in range(self.world_size):
             if rank == 0:
                 files = self.files
+                self._written_shards.update(self._shard_tensors)
             else:
                 rel = self._rel(_partial_name(rank))
                 try:
@@ -600,6 +641,9 @@ class CheckpointWriter:
                         f"the coordinator runs attempt {self.attempt}"
                     )
                 files = record.get("files", [])
+                shards = record.get("shard_tensors") or {}
+                if isinstance(shards, dict):
+                    self._written_shards.update({str(k): list(v) for k, v in shards.items()})
             for entry in files:
                 if entry["path"] in merged:
                     raise CheckpointError(

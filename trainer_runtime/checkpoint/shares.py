@@ -19,8 +19,11 @@ rank writes its share at the same time:
   ``<stem>-00001-of-0000M.safetensors`` (one file per rank that holds any tensor of the group,
   numbered in rank order) and an index
   ``<stem>.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map":
-  {tensor: file}}``) that the coordinator writes. ``from_pretrained`` opens the model's shards;
-  our resume reads the union at any world size (:func:`load_indexed`).
+  {tensor: file}}``) that the coordinator writes at the commit from what the ranks wrote: each
+  rank's record names the tensors of its shards (:class:`ShardFile`), and the index
+  (:class:`ShareIndex`) maps each to the shard that holds it, after checking that every tensor
+  of the coordinator's plan is in exactly one shard. ``from_pretrained`` opens the model's
+  shards; our resume reads the union at any world size (:func:`load_indexed`).
 
 The group's safetensors metadata (e.g. tied-weight aliases) goes into every shard of the group;
 metadata too large to repeat (the optimizer's structure) goes into the index only.
@@ -31,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +46,9 @@ from trainer_runtime.errors import CheckpointError, ConfigurationError, ResumeEr
 
 __all__ = [
     "PlanItem",
+    "ShardFile",
     "ShareGroup",
+    "ShareIndex",
     "agree_on_plan",
     "index_name",
     "load_indexed",
@@ -51,6 +57,7 @@ __all__ = [
     "plan_listing",
     "plan_shares",
     "shard_file_name",
+    "shard_stem",
     "share_entries",
 ]
 
@@ -62,6 +69,16 @@ _INDEX_FORMAT = "preemptible-shares/1"
 def shard_file_name(stem: str, index: int, count: int) -> str:
     """transformers' name of shard ``index`` (1-based) of ``count``."""
     return f"{stem}-{index:05d}-of-{count:05d}.safetensors"
+
+
+_SHARD = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.safetensors$")
+
+
+def shard_stem(filename: str) -> str | None:
+    """The group stem of a shard file name (``model`` of ``model-00001-of-00002.safetensors``),
+    or None; pure."""
+    match = _SHARD.match(filename)
+    return match.group("stem") if match else None
 
 
 def index_name(stem: str) -> str:
@@ -111,6 +128,58 @@ class ShareGroup:
     tensors: Mapping[str, torch.Tensor]
     metadata: Mapping[str, str] | None = None
     index_extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ShardFile(TensorFile):
+    """A rank's shard of a group: written like any TensorFile, and the writer records the names
+    of its tensors for the index (:class:`ShareIndex`)."""
+
+
+@dataclass(frozen=True)
+class ShareIndex:
+    """A group's index, still to be written: the coordinator builds it at the commit from the
+    tensors every rank's shards hold (:meth:`build`). ``planned``: the tensor names of the
+    coordinator's plan (every one must be in exactly one shard)."""
+
+    stem: str
+    total_size: int
+    planned: tuple[str, ...]
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def build(self, written: Mapping[str, Sequence[str]], where: str) -> bytes:
+        """The index's bytes from ``written`` (shard file -> the tensors it holds, every rank's
+        shards; files of other groups are ignored). CheckpointError naming the tensors when a
+        tensor is in two shards, or the shards miss a planned tensor or hold one not planned."""
+        weight_map: dict[str, str] = {}
+        twice: list[str] = []
+        for file in sorted(written):
+            if shard_stem(file) != self.stem:
+                continue
+            for name in written[file]:
+                if name in weight_map:
+                    twice.append(f"{name!r} ({weight_map[name]}, {file})")
+                weight_map[name] = file
+        missing = sorted(set(self.planned) - set(weight_map))
+        unplanned = sorted(set(weight_map) - set(self.planned))
+        problems = []
+        if twice:
+            problems.append(f"in two shards: {', '.join(twice[:5])}")
+        if missing:
+            problems.append(f"planned but in no shard: {missing[:5]}")
+        if unplanned:
+            problems.append(f"in a shard but not planned: {unplanned[:5]}")
+        if problems:
+            raise CheckpointError(
+                f"{where}: the shards the ranks wrote do not match the plan of "
+                f"{index_name(self.stem)} ({'; '.join(problems)}); not committed"
+            )
+        index = {
+            "metadata": {"total_size": self.total_size, _INDEX_FORMAT_KEY: _INDEX_FORMAT},
+            **dict(self.extra),
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -205,9 +274,10 @@ def agree_on_plan(groups: Sequence[ShareGroup], world_size: int, gather: Gather)
 
 def share_entries(
     groups: Sequence[ShareGroup], rank: int, world_size: int, *, coordinator: bool
-) -> list[tuple[str, TensorFile | bytes]]:
+) -> list[tuple[str, ShardFile | ShareIndex]]:
     """This rank's files of ``groups`` split across ``world_size`` ranks: its shards (as
-    TensorFiles, written as they are serialised) and, on the coordinator, every group's index.
+    ShardFiles, written as they are serialised) and, on the coordinator, every group's index (a
+    ShareIndex: CheckpointWriter builds it at the commit from what the ranks wrote).
 
     Every rank must pass the same groups (names, shapes, dtypes): the plan is computed from them
     on each rank independently.
@@ -217,7 +287,7 @@ def share_entries(
     items = [(f"{g.stem}\0{name}", _nbytes(t)) for g in groups for name, t in g.tensors.items()]
     shares, _ = plan_shares(items, world_size)
     owner = {key: r for r, keys in enumerate(shares) for key in keys}
-    entries: list[tuple[str, TensorFile | bytes]] = []
+    entries: list[tuple[str, ShardFile | ShareIndex]] = []
     for group in groups:
         holders = sorted({owner[f"{group.stem}\0{name}"] for name in group.tensors})
         count = len(holders)
@@ -228,20 +298,15 @@ def share_entries(
                 for name, t in group.tensors.items()
                 if owner[f"{group.stem}\0{name}"] == rank
             }
-            entries.append((files[rank], TensorFile(mine, dict(group.metadata or {}) or None)))
+            entries.append((files[rank], ShardFile(mine, dict(group.metadata or {}) or None)))
         if coordinator:
-            index = {
-                "metadata": {
-                    "total_size": sum(_nbytes(t) for t in group.tensors.values()),
-                    _INDEX_FORMAT_KEY: _INDEX_FORMAT,
-                },
-                **dict(group.index_extra),
-                "weight_map": {
-                    name: files[owner[f"{group.stem}\0{name}"]] for name in sorted(group.tensors)
-                },
-            }
-            text = json.dumps(index, indent=2, sort_keys=True) + "\n"
-            entries.append((index_name(group.stem), text.encode("utf-8")))
+            index = ShareIndex(
+                group.stem,
+                sum(_nbytes(t) for t in group.tensors.values()),
+                tuple(group.tensors),
+                dict(group.index_extra),
+            )
+            entries.append((index_name(group.stem), index))
     return entries
 
 
