@@ -68,6 +68,7 @@ from trainer_runtime.checkpoint.layout import (
     attempt_from_env,
     checkpoint_name,
     inspect_checkpoint,
+    parse_step,
 )
 from trainer_runtime.checkpoint.model_state import (
     MODEL_STEM,
@@ -622,11 +623,10 @@ class Trainer(
         only after a resume from a path), so that every rank takes the same path at a save."""
         if loaded is None or self._resume_mode not in ("path", "env_path"):
             return None  # "latest" loaded the newest complete one (or the one before a corrupt)
-        newer = [
-            info
-            for info in CheckpointStore(str(self.args.output_dir)).list()
-            if info.complete and info.step > loaded.step
-        ]
+        store = CheckpointStore(str(self.args.output_dir))
+        # only the directories of later steps are inspected (usually none)
+        later = [n for n in store.names() if (parse_step(n) or -1) > loaded.step]
+        newer = [i for i in (store.inspect(n) for n in later) if i.complete]
         if not collectives.agree_to_stop(bool(newer)):
             return None
         if newer:
