@@ -319,7 +319,10 @@ def policy_spec(policy: str, name: str, root: Path, kueue: Any, args: argparse.N
     spec: dict[str, Any] = {}
     grace: dict[str, Any] | None = None
     if policy == "a":
-        # The product's defaults: no gracePeriod at all (automatic, GracePolicy's defaults).
+        # The product's defaults: no gracePeriod at all (automatic, GracePolicy's defaults),
+        # unless --a-initial-grace asks for the short first grace earlier runs used.
+        if args.a_initial_grace is not None:
+            grace = {"initialSeconds": args.a_initial_grace, "min": 5, "max": 120}
         spec["checkpoint"] = {"uri": f"{root}/{name}", "interval": "auto"}
         spec["preemption"] = {"minRunSeconds": 0}
     else:
@@ -454,7 +457,9 @@ def run_policy(
 
     jobs, preemptions, graces, sigterm = [], [], [], []
     causes: list[dict[str, dict[str, int]]] = []
-    initial = None if policy != "a" else GracePolicy.initial_seconds
+    initial = None
+    if policy == "a":
+        initial = args.a_initial_grace or GracePolicy.initial_seconds
     step_times: list[float] = []
     for name in names:
         st = statuses[name]
@@ -542,6 +547,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-steps", type=int, default=20, help="periodic checkpoint every N")
     parser.add_argument("--save-sleep", type=float, default=0.1, help="delay per checkpoint file")
     parser.add_argument("--policies", default="a,b,c")
+    parser.add_argument(
+        "--a-initial-grace",
+        type=int,
+        default=None,
+        help="policy (a) with gracePeriod {initialSeconds: N, min: 5, max: 120} instead of the "
+        "product's defaults (the setup of the runs before issue 37)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     policies = [p for p in args.policies.split(",") if p]
