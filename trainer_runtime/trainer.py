@@ -103,6 +103,7 @@ from trainer_runtime.data.dispatch import (
     TaggedDataset,
     dispatch_iterator,
 )
+from trainer_runtime.data.length_sampling import EPOCH_ORDER_KEY
 from trainer_runtime.data.neftune import enable_neftune
 from trainer_runtime.data.samplers import ResumableBatchSampler
 from trainer_runtime.distributed import collectives
@@ -1112,13 +1113,14 @@ class Trainer(
 
     def _loss_num_items(self, count: int | None) -> torch.Tensor | None:
         """``num_items_in_batch`` as transformers hands it to ``training_step`` and
-        ``compute_loss``: a 0-dim tensor on the device, and only when the loss uses it (the model
-        takes loss kwargs, or a ``compute_loss_func`` is set); None otherwise."""
+        ``compute_loss`` (in training and evaluation): a 0-dim tensor of the default float dtype
+        on the device (transformers divides the count by its parallel sizes), and only when the
+        loss uses it (the model takes loss kwargs, or a ``compute_loss_func`` is set)."""
         if count is None or not (
             self._model_accepts_loss_kwargs() or self.compute_loss_func is not None
         ):
             return None
-        return torch.tensor(count, device=self.accelerator.device)
+        return torch.tensor(float(count), device=self.accelerator.device)
 
     def _num_items_count(self, num_items_in_batch: int | torch.Tensor | None) -> int | None:
         """The step's label-token count as an int (no device sync for the loop's own tensor)."""
@@ -1258,7 +1260,8 @@ class Trainer(
         assert self.train_dataloader is not None
         epoch = self._position.epoch
         private = getattr(self.train_dataloader, "generator", None) is not None
-        if not skip and not self._position.started and private:
+        fresh = not skip and not self._position.started
+        if fresh and private:
             # transformers' DataLoader draws its base seed from the global torch RNG when an
             # epoch's iterator starts; ours draws it from its private generator (so a resume
             # mid-epoch does not shift the global RNG). Take that one draw here, at the start of
@@ -1269,6 +1272,16 @@ class Trainer(
         self._position.started = True
         if self.train_sampler is not None:
             self.train_sampler.load_state_dict({"epoch": epoch, "start": skip})
+            begin = getattr(self.train_sampler, "begin_epoch", None)
+            if begin is not None:
+                # group_by_length on one process draws the epoch's order from the global RNG
+                # now, as transformers' sampler does; a resume rebuilds it from the record.
+                saved = None if fresh else self.state.preemptible.get(EPOCH_ORDER_KEY)
+                record = begin(epoch, saved)
+                if record is None:
+                    self.state.preemptible.pop(EPOCH_ORDER_KEY, None)
+                else:
+                    self.state.preemptible[EPOCH_ORDER_KEY] = record
             self._data_iter = self._dispatched(self._epoch_source())
             return
         set_dataset_epoch(self.train_dataset, epoch, self._data_seed())

@@ -343,14 +343,19 @@ def build_train_dataloader(
             model_input_name=model_input_name,
             parallelism=parallelism,
         )
-    if strategy == "group_by_length" and rank == 0:
-        # Kept deliberately (docs/trainer.md, "Differences from transformers"): said at start.
-        logger.warning(
-            "train_sampling_strategy='group_by_length': the batch order differs from "
-            "transformers' with the same seed (ours is drawn from data_seed=%d so that a resume "
-            "mid-epoch restores it exactly; transformers draws it from the global torch RNG)",
-            seed,
-        )
+    if strategy == "group_by_length":
+        # One process: each epoch's order from the global torch RNG, as transformers draws it
+        # (the same batches with the same seed; the checkpoint keeps what a resume needs).
+        options["order_from_global_rng"] = num_replicas == 1
+        if num_replicas > 1 and rank == 0:
+            # docs/trainer.md, "Differences from transformers": said at start.
+            logger.warning(
+                "train_sampling_strategy='group_by_length' with %d ranks: the batch order "
+                "differs from transformers' with the same seed (ours is drawn from "
+                "data_seed=%d, the same on every rank, and deals samples to the ranks in turn)",
+                num_replicas,
+                seed,
+            )
     factory = BATCH_SAMPLERS.get(strategy)
     if factory is None:
         raise ConfigurationError(

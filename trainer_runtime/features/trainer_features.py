@@ -17,7 +17,8 @@
 It relies on these Trainer attributes: ``args``, ``model``, ``model_wrapped``, ``accelerator``,
 ``state``, ``control``, ``callback_handler``, ``data_collator``, ``eval_dataset``,
 ``compute_metrics``, ``compute_loss``, ``compute_loss_func``, ``label_names``, ``log``,
-``_event``, ``_prepare_inputs``, ``_model_accepts_loss_kwargs``, ``last_checkpoint``.
+``_event``, ``_prepare_inputs``, ``_model_accepts_loss_kwargs``, ``_loss_num_items``,
+``last_checkpoint``.
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ class TrainerFeaturesMixin:
     compute_loss: Callable[..., Any]
     compute_loss_func: Callable[..., Any] | None
     _model_accepts_loss_kwargs: Callable[[], bool]
+    _loss_num_items: Callable[[int | None], torch.Tensor | None]
 
     preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None
     label_smoother: LabelSmoother | None = None
@@ -349,20 +351,22 @@ class TrainerFeaturesMixin:
             autocast=self.compute_loss_context_manager(),
         )
 
-    def _eval_num_items(self, batch: Any) -> int | None:
+    def _eval_num_items(self, batch: Any) -> torch.Tensor | None:
         """``num_items_in_batch`` for one evaluation batch, as transformers 5.x passes it to a
         model that takes loss kwargs (or to ``compute_loss_func``): the batch's label tokens,
         shifted for causal LMs, so the model's summed loss is divided by the same count as in
-        training. With ``average_tokens_across_devices`` over several ranks it is left out (each
-        rank's loss is then its own mean; see docs/trainer.md, differences from transformers)."""
+        training; a tensor on the device, as in training (``_loss_num_items``). With
+        ``average_tokens_across_devices`` over several ranks it is left out (each rank's loss is
+        then its own mean; see docs/trainer.md, differences from transformers)."""
         uses_count = self.compute_loss_func is not None or self._model_accepts_loss_kwargs()
         if not uses_count or not isinstance(batch, Mapping):
             return None
         if self.args.average_tokens_across_devices and collectives.is_distributed():
             return None
-        return losses.count_items_in_batch(
+        count = losses.count_items_in_batch(
             [batch], shift_labels=losses.is_causal_lm(self.model), label_name=self.label_names[0]
         )
+        return self._loss_num_items(count)
 
     def _fire(self, event: str, **kwargs: Any) -> None:
         """Call ``event`` on the callbacks that define it (for events the handler may lack)."""
