@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from trainer_runtime.toy import ToyDataset, ToyModel
@@ -54,6 +55,7 @@ def main() -> None:
         dataloader_persistent_workers=a.dataloader_persistent_workers,
         dataloader_pin_memory=True,
     )
+    torch.manual_seed(7)  # the model's initial weights: the same in every run
     trainer = Trainer(
         model=ToyModel(),
         args=args,

@@ -12,9 +12,9 @@ resume to weights bit-identical with the uninterrupted run.
 The matrix, chosen for a 2-core CI budget: our Trainer (the toy) gets the full matrix
 (``dataloader_num_workers`` 0, 2, 2 with persistent workers; ``pin_memory`` on, which pins only
 with an accelerator), each resumed and compared; a stock transformers script under
-``python -m trainer_runtime.hf.run`` gets the two worker variants, the persistent one resumed and
-compared with an uninterrupted run of the same script. Workers 0 is the control (it passed
-before the fix); the worker cases failed before it.
+``python -m trainer_runtime.hf.run`` gets the two worker variants, the persistent one resumed
+and compared with an uninterrupted run of the same script and options. Workers 0 is the control
+(it passed before the fix); the worker cases failed before it.
 """
 
 from __future__ import annotations
@@ -69,9 +69,10 @@ HF_MAX_STEPS = 12
 
 @pytest.fixture(scope="module")
 def hf_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The stock script under the integration, uninterrupted, without workers."""
+    """The stock script under the integration, uninterrupted, with the resumed case's loader
+    options."""
     work = tmp_path_factory.mktemp("hf-workers-reference")
-    case = Case("hf.run", 0)
+    case = Case("hf.run", 2, persistent=True)
     env = operator_env(work / "out", work / "term.json", attempt=1, resume=False)
     pod = Pod(command(case.launcher, hf_program(work / "x", case), nproc=1), env, work)
     try:

@@ -10,7 +10,6 @@ dumb-init or ``kill -TERM -PGID`` deliver it.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -74,15 +73,22 @@ class Case:
         return args
 
 
-def _console_script(name: str) -> str | None:
+def _console_script(name: str, entry: str) -> list[str]:
+    """The console script ``name`` of this python's environment; where it is not installed next
+    to ``sys.executable`` (an editable venv over a shared one), the same entry point (``module:
+    function``) run by this python, as the script itself would."""
     here = Path(sys.executable).parent / name
-    return str(here) if here.exists() else shutil.which(name)
+    if here.exists():
+        return [str(here)]
+    module, function = entry.split(":")
+    code = f"import sys; from {module} import {function}; sys.argv[0] = {name!r}; "
+    code += f"sys.exit({function}())"
+    return [sys.executable, "-P", "-c", code]
 
 
 def command(launcher: str, program: Sequence[str], *, nproc: int) -> list[str]:
     """The pod's command: ``program`` (``-m module args`` or ``script args``) under ``launcher``."""
     py = [sys.executable, "-P"]
-    module = program[0] == "-m"
     elastic = [f"--nproc-per-node={nproc}", "--max-restarts=0"]
     if nproc > 1:
         elastic = ["--standalone", *elastic]
@@ -91,17 +97,14 @@ def command(launcher: str, program: Sequence[str], *, nproc: int) -> list[str]:
     if launcher == "hf.run":
         return [*py, "-m", "trainer_runtime.hf.run", *program]
     if launcher == "torchrun":
-        exe = _console_script("torchrun")
-        assert exe, "torchrun is not installed next to this python"
-        return [exe, *elastic, *program]
+        return [*_console_script("torchrun", "torch.distributed.run:main"), *elastic, *program]
     if launcher == "python -m torch.distributed.run":
         return [*py, "-m", "torch.distributed.run", *elastic, *program]
     if launcher == "accelerate launch":
-        exe = _console_script("accelerate")
-        head = [exe, "launch"] if exe else [*py, "-m", "accelerate.commands.launch"]
-        # docs/operator.md's flags for one pod (no --main_process_ip/port); CPU here.
+        head = [*_console_script("accelerate", "accelerate.commands.accelerate_cli:main"), "launch"]
+        # docs/operator.md's flags for one pod (no --main_process_ip/port).
         flags = ["--multi_gpu", "--num_machines", "1", "--num_processes", str(nproc)]
-        flags += ["--machine_rank", "0", "--max_restarts", "0", "--cpu"]
+        flags += ["--machine_rank", "0", "--max_restarts", "0"]
         return [*head, *flags, *program]
     if launcher.startswith("trainer-runtime launch"):
         launch = [*py, "-m", "trainer_runtime.cli", "launch", "--nproc-per-node", str(nproc)]
@@ -148,7 +151,7 @@ class Pod:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 list(cmd),
-                cwd=ROOT,
+                cwd=workdir,  # not the repository: its operator/ would shadow the stdlib's
                 env=dict(env),
                 stdout=log,
                 stderr=subprocess.STDOUT,
