@@ -66,6 +66,7 @@ from trainer_runtime.checkpoint.layout import (
     CheckpointInfo,
     CheckpointStore,
     attempt_from_env,
+    checkpoint_name,
     inspect_checkpoint,
 )
 from trainer_runtime.checkpoint.model_state import (
@@ -81,7 +82,7 @@ from trainer_runtime.checkpoint.resharding import DataShape, reshard_position
 from trainer_runtime.checkpoint.resume_choice import parent_of, requested_resume, resolve_in_store
 from trainer_runtime.checkpoint.rng import restore_rng_state
 from trainer_runtime.checkpoint.safetensors_stream import TensorFile
-from trainer_runtime.checkpoint.shares import ShareGroup, share_entries
+from trainer_runtime.checkpoint.shares import ShareGroup, agree_on_plan, share_entries
 from trainer_runtime.checkpoint.storage import Storage, configure_direct_io
 from trainer_runtime.data.arguments import (
     build_train_dataloader,
@@ -325,6 +326,9 @@ class Trainer(
         # falls back to. "latest": resume_from_checkpoint=True; "latest_env": $..._RESUME_FROM
         # =latest; "env_path": a path from the operator; "path": a path the caller gave.
         self._resume_mode: str | None = None
+        # After a resume from an older checkpoint than the newest complete one: its step (the
+        # saves of later steps keep complete checkpoints there, _kept_checkpoint).
+        self._keep_complete_after: int | None = None
         self._num_batches: int | None = None  # micro-batches per epoch (when known up front)
         self._epoch_length_known = False
         # create_scheduler() built the schedule (rebuilt per train() call, as transformers does).
@@ -613,6 +617,49 @@ class Trainer(
         older = CheckpointStore(parent_of(failed.path)).latest_complete(below=failed.step)
         step = fallback.agree_step(older.step if older is not None else None)
         return older if step is not None else None
+
+    def _newer_complete_kept(self, loaded: CheckpointInfo | None) -> int | None:
+        """After a resume from a path: the loaded step when complete checkpoints newer than it
+        are in the output dir (a caller's explicit path to an older one), whose steps' saves
+        then keep them (:meth:`_kept_checkpoint`); else None. The ranks agree (one all-reduce,
+        only after a resume from a path), so that every rank takes the same path at a save."""
+        if loaded is None or self._resume_mode not in ("path", "env_path"):
+            return None  # "latest" loaded the newest complete one (or the one before a corrupt)
+        newer = [
+            info
+            for info in CheckpointStore(str(self.args.output_dir)).list()
+            if info.complete and info.step > loaded.step
+        ]
+        if not collectives.agree_to_stop(bool(newer)):
+            return None
+        if newer:
+            logger.warning(
+                "resumed from %s as asked, although %s (step %d) is complete and newer: its "
+                "steps are trained again, and the save of a step that has a complete checkpoint "
+                "keeps that checkpoint (never replaced); to branch off, use another output_dir",
+                loaded.path,
+                newer[-1].path,
+                newer[-1].step,
+            )
+        return loaded.step
+
+    def _kept_checkpoint(self, step: int) -> CheckpointInfo | None:
+        """The complete checkpoint of ``step`` already in the output dir that this save must
+        not replace (a run resumed from an older one), or None: save as usual. Every rank looks
+        at its own view of the directory; it is kept only when every rank sees it complete."""
+        if self._keep_complete_after is None or step <= self._keep_complete_after:
+            return None
+        info = CheckpointStore(str(self.args.output_dir)).inspect(checkpoint_name(step))
+        if collectives.agree_to_stop(not info.complete):
+            return None
+        logger.warning(
+            "not saving step %d: %s is complete already (attempt %s) and newer than the "
+            "checkpoint this run resumed from; it is kept, never replaced",
+            step,
+            info.path,
+            info.attempt,
+        )
+        return info
 
     def _resume_start_state(self) -> dict[str, Any]:
         """What loading a checkpoint changes besides the model (which the next load overwrites),
@@ -924,9 +971,11 @@ class Trainer(
         self.last_checkpoint = None
         # What was loaded (a fallback may load an earlier one): the termination message says it.
         self._resumed_from: CheckpointInfo | None = None
+        self._keep_complete_after = None
         if checkpoint is not None:
             self._resumed_from = self._load_resume_checkpoint(checkpoint)
             self._load_callback_state()
+            self._keep_complete_after = self._newer_complete_kept(self._resumed_from)
         self.state.preemptible["attempt"] = attempt_from_env()
         if self.state.global_step >= self.state.max_steps:
             # Resumed from the final checkpoint (e.g. preempted right after it): nothing to do.
@@ -1584,6 +1633,10 @@ class Trainer(
         step = self.state.global_step
         if self.last_checkpoint is not None and self.last_checkpoint.step == step:
             return self.last_checkpoint
+        kept = self._kept_checkpoint(step)
+        if kept is not None:
+            self.last_checkpoint = kept
+            return kept
         if not jit and self._save_async_active():
             return self._start_async_save()
         writer = self._new_checkpoint_writer(step)
@@ -1665,6 +1718,10 @@ class Trainer(
                     entries.append(
                         (dataset_state_file_name(rank, world), _json_bytes(dataset_state), True)
                     )
+        if share:
+            # Each rank plans its share alone: the plans must be the same (one small all-gather
+            # of their digests), or no index could be trusted (a tensor on one rank only).
+            agree_on_plan(groups, world, per_node.gather_objects)
         entries += [(n, d, False) for n, d in share_entries(groups, rank, world, coordinator=main)]
         # Every rank records the best checkpoint, so every rank loads it at the end.
         self._before_checkpoint_write()
