@@ -259,7 +259,7 @@ def _parser_script_under_accelerate(name: str, root: Path, **kw: Any) -> dict[st
         "--main_process_port", "$(MASTER_PORT)", "--max_restarts", "0",
         str(PARSER_SCRIPT),
         "--max_steps", str(STEPS), "--save_steps", "4", "--step_sleep", "0.3",
-        "--dataloader_num_workers", "2",
+        "--dataloader_num_workers", "2", "--per_device_train_batch_size", "4",
         # One epoch for the whole run (4 ranks x 4 samples a step): the stop never meets the
         # start of an epoch's workers (that window is the runtime tier's to test).
         "--num_samples", str(STEPS * 16),
