@@ -108,6 +108,7 @@ from trainer_runtime.data.dispatch import (
 from trainer_runtime.data.length_sampling import EPOCH_ORDER_KEY
 from trainer_runtime.data.neftune import enable_neftune
 from trainer_runtime.data.samplers import ResumableBatchSampler
+from trainer_runtime.data.worker_signals import shield_dataloader, shield_prepared_dataloaders
 from trainer_runtime.distributed import collectives
 from trainer_runtime.distributed.ddp_args import (
     accelerator_kwargs,
@@ -249,6 +250,7 @@ class Trainer(
         model = resolve_model(model, model_init, optimizers)
         cuda = not self.args.use_cpu and torch.cuda.is_available()
         self.create_accelerator_and_postprocess()
+        shield_prepared_dataloaders(self.accelerator)  # DataLoader workers and SIGTERM: data/
         self.model = model.to(self.accelerator.device)
         # fsdp: sharded here (so evaluate/predict work before train too); never DDP-wrapped.
         self._init_fsdp(user_optimizer=optimizers[0] is not None, cuda=cuda)
@@ -934,7 +936,7 @@ class Trainer(
         args = self.args
         # The sampler of the loader get_train_dataloader() builds (None for an override's own).
         self.train_sampler = None
-        self.train_dataloader = self.get_train_dataloader()
+        self.train_dataloader = shield_dataloader(self.get_train_dataloader())  # overrides too
         self._check_custom_loader()
         max_steps, num_epochs = self._plan_steps()
         if self._created_lr_scheduler:

@@ -165,6 +165,8 @@ def dataloader_kwargs(args: Any) -> dict[str, Any]:
 
     from torch.utils.data import DataLoader
 
+    from trainer_runtime.data.worker_signals import shielded_worker_init_fn
+
     workers = int(args.dataloader_num_workers)
     kwargs: dict[str, Any] = {
         "num_workers": workers,
@@ -176,7 +178,8 @@ def dataloader_kwargs(args: Any) -> dict[str, Any]:
             kwargs["prefetch_factor"] = int(args.dataloader_prefetch_factor)
         if args.dataloader_multiprocessing_context is not None:
             kwargs["multiprocessing_context"] = args.dataloader_multiprocessing_context
-        kwargs["worker_init_fn"] = seed_worker
+        # Behind the shield: a SIGTERM forwarded to the process group must not kill the workers.
+        kwargs["worker_init_fn"] = shielded_worker_init_fn(seed_worker)
         if "in_order" in inspect.signature(DataLoader.__init__).parameters:
             kwargs["in_order"] = bool(args.dataloader_in_order)
         elif not args.dataloader_in_order:

@@ -41,6 +41,7 @@ from trainer_runtime.data.columns import (
     is_hf_dataset,
     remove_unused_columns,
 )
+from trainer_runtime.data.worker_signals import shield_dataloader
 from trainer_runtime.distributed import collectives
 from trainer_runtime.distributed.ddp_args import even_batches
 from trainer_runtime.errors import ConfigurationError
@@ -484,6 +485,8 @@ class TrainerFeaturesMixin:
     ) -> Any:
         """The evaluation loop plus the HF speed metrics (runtime, samples and steps per second)."""
         started = time.time()
+        # shielded here so that an overridden get_eval/test_dataloader()'s loader is too
+        loader = shield_dataloader(loader)
         output = self.evaluation_loop(
             loader, description, ignore_keys=ignore_keys, metric_key_prefix=prefix
         )

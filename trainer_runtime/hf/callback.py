@@ -779,6 +779,9 @@ def attach(trainer: Any, *, exit_on_preemption: bool = True) -> PreemptibleCallb
     trainer.train = _train
     trainer.add_callback(callback)
     setattr(trainer, _ATTR, callback)
+    from trainer_runtime.hf.hook import shield_dataloaders  # DataLoader workers vs SIGTERM
+
+    shield_dataloaders(trainer)
     return callback
 
 
