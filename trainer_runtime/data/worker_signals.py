@@ -24,6 +24,7 @@ user are covered without rebuilding them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -133,6 +134,7 @@ def shielded_worker_init_fn(user_fn: WorkerInitFn | None = None) -> SigtermShiel
 
         DataLoader(..., num_workers=2, worker_init_fn=shielded_worker_init_fn(my_init))
     """
+    _start_workers_blocked()
     if isinstance(user_fn, SigtermShieldedInit):
         return user_fn
     return SigtermShieldedInit(user_fn)
@@ -144,14 +146,61 @@ def shield_dataloader(loader: Any) -> Any:
     Any object with ``num_workers`` and ``worker_init_fn`` (torch's DataLoader, accelerate's
     DataLoaderShard / DataLoaderDispatcher); others, and loaders without workers, are returned
     unchanged. Takes effect for the iterators started afterwards (a persistent iterator already
-    running keeps the workers it has).
+    running keeps the workers it has). Their workers start with SIGTERM blocked
+    (:func:`_start_workers_blocked`), so none is unshielded even for a moment.
     """
     if int(getattr(loader, "num_workers", 0) or 0) <= 0 or not hasattr(loader, "worker_init_fn"):
         return loader
     current = loader.worker_init_fn
     if not is_shielded(current):
         loader.worker_init_fn = shielded_worker_init_fn(current)
+    _start_workers_blocked()
     return loader
+
+
+def _start_method(loader: Any) -> str | None:
+    import multiprocessing
+
+    context = getattr(loader, "multiprocessing_context", None)
+    try:
+        if isinstance(context, str):
+            return context
+        if context is None:
+            return multiprocessing.get_start_method()
+        return str(context.get_start_method())
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def _start_workers_blocked() -> None:
+    """From now on, a DataLoader whose ``worker_init_fn`` is shielded starts its 'fork' workers
+    with SIGTERM blocked, so that one sent before the shield runs in the worker waits for it
+    instead of killing the worker.
+
+    torch's ``DataLoader._get_iterator`` (where workers are started) is wrapped once; loaders
+    without the shield are untouched. Only 'fork' passes the mask on: multiprocessing's 'spawn'
+    and 'forkserver' start their processes with an empty one (such a worker is unshielded while
+    its interpreter starts and unpickles the dataset). In the training process the block lasts
+    while the workers start; a SIGTERM of its own that came meanwhile is delivered when it ends.
+    """
+    from torch.utils.data import DataLoader
+
+    original = DataLoader._get_iterator
+    if getattr(original, "__sigterm_shield__", False):
+        return
+
+    @functools.wraps(original)
+    def _get_iterator(self: Any) -> Any:
+        if not is_shielded(getattr(self, "worker_init_fn", None)) or _start_method(self) != "fork":
+            return original(self)
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            return original(self)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+    _get_iterator.__sigterm_shield__ = True  # type: ignore[attr-defined]
+    DataLoader._get_iterator = _get_iterator  # type: ignore[method-assign]
 
 
 def shield_prepared_dataloaders(accelerator: Any) -> Any:

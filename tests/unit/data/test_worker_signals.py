@@ -71,6 +71,31 @@ def test_a_worker_survives_a_sigterm_from_another_process() -> None:
     assert [int(i) for b in batches for i in b["i"]] == list(range(16))
 
 
+_SLOW_START = {"seconds": 0.0}
+
+
+def _slow_start() -> None:
+    # In every forked child: the seconds the parent set before forking (0 outside the test below).
+    time.sleep(_SLOW_START["seconds"])
+
+
+os.register_at_fork(after_in_child=_slow_start)
+
+
+def test_a_sigterm_before_the_shield_runs_waits_for_it() -> None:
+    """A worker that takes long to reach its worker_init_fn: the SIGTERM lands before the shield
+    (and before torch's own handler) and must wait for it, not kill the worker."""
+    loader = shield_dataloader(_loader())
+    _SLOW_START["seconds"] = 1.5
+    try:
+        it = iter(loader)
+    finally:
+        _SLOW_START["seconds"] = 0.0
+    pids = [w.pid for w in it._workers]  # type: ignore[attr-defined]
+    subprocess.run(["kill", "-TERM", *map(str, pids)], check=True)  # still starting
+    assert [int(i) for b in it for i in b["i"]] == list(range(16))
+
+
 def test_the_parents_sigterm_still_ends_a_worker_at_once() -> None:
     it = iter(shield_dataloader(_loader(persistent_workers=True)))
     next(it)
