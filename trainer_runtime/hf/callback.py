@@ -6,6 +6,11 @@
 - SIGTERM is latched (:class:`~trainer_runtime.signals.SigtermLatch`, ``kill_wait`` from the
   environment); at every optimizer-step boundary the ranks agree (an all-reduce of the stop flag)
   so a signal that reached one rank stops all of them at the same step;
+- as our Trainer (``jit_stop.py``), it does not always wait for the step boundary: an evaluation or
+  prediction inside train() is abandoned after its current batch (``on_prediction_step``; the
+  training loop's evaluation runs again first after resume), a gradient-accumulation step that
+  cannot fit the deadline is dropped at a micro-batch boundary (``on_substep_end``), and a JIT
+  save that cannot finish before the deadline is not started (``deadline_too_short``);
 - every checkpoint, periodic or JIT, is written by transformers' own ``_save_checkpoint`` inside our
   commit protocol: sentinel first (coordinator), every file fsynced, ``manifest.json`` written
   last, the sentinel removed last; transformers' rotation is deferred until after the commit and
@@ -23,8 +28,9 @@ transformers writes with ``os``/``open``, so an object-store output dir (``s3://
 ``$PREEMPTIBLE_OUTPUT_DIR`` or ``args.output_dir``) is served through a local scratch directory
 (``$PREEMPTIBLE_SCRATCH_DIR``, e.g. an emptyDir): transformers saves there, then every file is
 uploaded into the checkpoint on the store (multipart, checksummed on the way) inside the same
-commit protocol, and the local copy is removed; a resume downloads the chosen checkpoint into the
-scratch directory first (parallel ranged reads, checksums checked).
+commit protocol, and the local copies are removed but the best checkpoint's; a resume downloads the
+chosen checkpoint into the scratch directory first (parallel ranged reads, checksums checked), and
+the best checkpoint next to it, so that ``best_model_checkpoint`` names a copy on this pod.
 """
 
 from __future__ import annotations
@@ -381,14 +387,17 @@ class PreemptibleCallback(TrainerCallback):
         )
         self._jit_stop(state, "micro_batch", rng=snapshot.rng)
 
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._micro_started is not None and self._micro_done:
+            # the step's last micro-batch (no on_substep_end for it), before the optimizer step
+            self.micro_batch_timer.record(time.monotonic() - self._micro_started)
+        self._micro_started = None
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._step_started is not None:
             self.step_timer.record(time.monotonic() - self._step_started)
             self._step_started = None
         self._snapshot = None
-        if self._micro_started is not None and self._micro_done:
-            # the step's last micro-batch (no on_substep_end for it)
-            self.micro_batch_timer.record(time.monotonic() - self._micro_started)
         self._micro_started = None
         # Every rank takes part in the collective at every step boundary, signalled or not: this
         # is what stops all ranks at the same step when SIGTERM reached only one.
