@@ -526,3 +526,38 @@ def test_a_jit_save_that_cannot_finish_before_the_deadline_is_not_started(tmp_pa
     assert msg.sigterm_to_exit_seconds < grace, msg
     assert [c.step for c in CheckpointStore(str(out)).list()] == [4], "a JIT save was started"
     assert len(_lines(run.log(), "SAVING")) == 1, run.log()
+
+
+def test_sigterm_to_one_of_two_ranks_during_an_evaluation_abandons_it_on_both(
+    tmp_path: Path,
+) -> None:
+    """The ranks agree at every evaluation batch: a SIGTERM that reached rank 1 only abandons
+    the evaluation on both, at the same batch, and both save the same step (no rank left in
+    the evaluation's collectives)."""
+    out = tmp_path / "out"
+    port = str(free_port())
+    runs = []
+    for rank in range(2):
+        env = _operator_env(
+            out,
+            tmp_path / f"rank{rank}",
+            1,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            WORLD_SIZE="2",
+            RANK=str(rank),
+            NODE_RANK=str(rank),
+            LOCAL_RANK="0",
+        )
+        (tmp_path / f"rank{rank}").mkdir()
+        extra = ("--eval-steps", "4", "--eval-sleep", "1.5", "--save-steps", "99")
+        runs.append(Run(tmp_path / f"rank{rank}", _argv(SCRIPT, out, mode="run", extra=extra), env))
+    runs[1].wait_for("EVAL BATCH 4")
+    runs[1].signal(signal.SIGTERM)  # only rank 1 is signalled
+    codes = [r.wait(timeout=120) for r in runs]
+    assert codes == [EXIT_PREEMPTED, EXIT_PREEMPTED], [r.log()[-3000:] for r in runs]
+    msgs = [r.termination() for r in runs]
+    assert [(m.step, m.stop) for m in msgs] == [(4, "evaluation")] * 2, msgs
+    assert not any(_lines(r.log(), "EVALUATED") for r in runs)
+    info = CheckpointStore(str(out)).inspect("checkpoint-4")
+    assert info.complete and info.manifest["world_size"] == 2, info
