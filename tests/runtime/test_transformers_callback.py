@@ -561,3 +561,35 @@ def test_sigterm_to_one_of_two_ranks_during_an_evaluation_abandons_it_on_both(
     assert not any(_lines(r.log(), "EVALUATED") for r in runs)
     info = CheckpointStore(str(out)).inspect("checkpoint-4")
     assert info.complete and info.manifest["world_size"] == 2, info
+
+
+def test_an_abandoned_evaluation_still_decides_the_best_checkpoint_after_resume(
+    tmp_path: Path,
+) -> None:
+    """load_best_model_at_end, the first evaluation the best one (greater_is_better on
+    eval_loss), and the SIGTERM during that evaluation: the resumed run evaluates step 4 first,
+    so the best checkpoint and the final (best) weights are transformers' alone, uninterrupted."""
+    config = ("--best", "--greater-is-better")
+    ref_final, ref_log = _transformers_alone(tmp_path / "ref", *config)
+    assert [ln.rsplit("/", 1)[-1] for ln in _lines(ref_log, "LOADING BEST")] == ["checkpoint-4"]
+    out, final = tmp_path / "out", tmp_path / "final"
+    first = Run(
+        tmp_path / "a1",
+        _argv(SCRIPT, out, mode="run", extra=(*config, "--eval-sleep", "1.5")),
+        _operator_env(out, tmp_path, 1, PREEMPTIBLE_GRACE_SECONDS="3"),
+    )
+    first.wait_for("EVAL BATCH 4")
+    first.signal(signal.SIGTERM)
+    assert first.wait() == EXIT_PREEMPTED, first.log()
+    msg = first.termination()
+    assert (msg.step, msg.stop) == (4, "evaluation"), msg
+    second = Run(
+        tmp_path / "a2",
+        _argv(SCRIPT, out, mode="run", extra=(*config, "--final-dir", str(final))),
+        _operator_env(out, tmp_path, 2),
+    )
+    assert second.wait() == 0, second.log()
+    log = second.log()
+    assert _lines(log, "EVALUATED") == _lines(ref_log, "EVALUATED"), log
+    assert _lines(log, "LOADING BEST") == [f"LOADING BEST {out / 'checkpoint-4'}"], log
+    _assert_same_weights(final, ref_final)
