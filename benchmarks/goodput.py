@@ -11,8 +11,9 @@ saves synchronous). High-priority batch Jobs of 1 CPU (the preemptors, each hold
 ``--hold`` seconds) arrive at seeded random times; Kueue preempts a TrainingJob for each. The same
 arrival trace is replayed under each policy:
 
-(a) ours: JIT checkpoint on SIGTERM, the measured (automatic) grace period (initial 30 s,
-    min 5 s), checkpoint-aware victims (operator ``--priority-boost``,
+(a) ours, with the product's defaults: JIT checkpoint on SIGTERM, the measured (automatic)
+    grace period as a spec without ``gracePeriod`` gets it (300 s before anything is measured,
+    then the rule, within [30, 3600] s), checkpoint-aware victims (operator ``--priority-boost``,
     ``spec.preemption.minRunSeconds: 0``) and ``spec.checkpoint.interval: auto``;
 (b) periodic checkpoints only: the toy's ``--jit-checkpoint false`` (a SIGTERM ends the process
     with no save, as a Trainer without a SIGTERM handler), a pinned 30 s grace, no boost;
@@ -150,6 +151,47 @@ def job_steps(
     return JobSteps(computed=computed, lost=lost)
 
 
+def attempt_cause(attempt: dict[str, Any], initial_grace: int | None) -> str:
+    """How a preempted attempt ended, for the loss breakdown: its reason, whether a container
+    was SIGKILLed, and whether it ran on the grace given before anything was measured."""
+    cause = str(attempt.get("reason") or "unknown")
+    if attempt.get("killed"):
+        cause += " (killed)"
+    if initial_grace is not None and attempt.get("graceSeconds") == initial_grace:
+        cause += " on the initial grace"
+    return cause
+
+
+def loss_by_cause(
+    attempts: Sequence[dict[str, Any]], checkpoint_step: int | None, initial_grace: int | None
+) -> dict[str, dict[str, int]]:
+    """Steps lost per preempted attempt, grouped by :func:`attempt_cause`: an attempt's endStep
+    (its termination message, exact; else the last scraped step, an undercount) minus the step
+    the next attempt started from, or, for a last attempt preempted and waiting, minus the newest
+    complete checkpoint. The exact total comes from the events (:func:`job_steps`); this says
+    where it went."""
+    out: dict[str, dict[str, int]] = {}
+    for i, a in enumerate(attempts):
+        if a.get("outcome") != "Preempted":
+            continue
+        resumed = attempts[i + 1].get("startStep") if i + 1 < len(attempts) else checkpoint_step
+        lost = max(0, int(a.get("endStep") or 0) - int(resumed or 0))
+        entry = out.setdefault(attempt_cause(a, initial_grace), {"attempts": 0, "lost": 0})
+        entry["attempts"] += 1
+        entry["lost"] += lost
+    return out
+
+
+def merge_causes(parts: Iterable[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for part in parts:
+        for cause, entry in part.items():
+            into = out.setdefault(cause, {"attempts": 0, "lost": 0})
+            into["attempts"] += entry["attempts"]
+            into["lost"] += entry["lost"]
+    return dict(sorted(out.items()))
+
+
 def goodput_at_rate(
     lost_per_preemption: float, step_seconds: float, seconds_between: float = 600.0
 ) -> float:
@@ -275,27 +317,35 @@ def policy_spec(policy: str, name: str, root: Path, kueue: Any, args: argparse.N
     extra = ["--save-sleep", str(args.save_sleep), "--save-async", "false"]
     extra += ["--events-file", str(events), "--logging-steps", "1000"]
     spec: dict[str, Any] = {}
+    grace: dict[str, Any] | None = None
     if policy == "a":
-        grace = {"initialSeconds": FIXED_GRACE, "min": 5, "max": 120}
+        # The product's defaults: no gracePeriod at all (automatic, GracePolicy's defaults),
+        # unless --a-initial-grace asks for the short first grace earlier runs used.
+        if args.a_initial_grace is not None:
+            grace = {"initialSeconds": args.a_initial_grace, "min": 5, "max": 120}
         spec["checkpoint"] = {"uri": f"{root}/{name}", "interval": "auto"}
         spec["preemption"] = {"minRunSeconds": 0}
     else:
         grace = {"seconds": FIXED_GRACE}
         if policy == "b":
             extra += ["--jit-checkpoint", "false"]
-    return toy_training_job(
+    body = toy_training_job(
         name,
         root,
         max_steps=1_000_000,
         step_sleep=args.step_sleep,
         save_steps=args.save_steps,
         extra_args=tuple(extra),
-        grace=grace,
         cpu="1",
         queueName=kueue.local_queue,
         priorityClass=kueue.low_priority,
         **spec,
     )
+    if grace is None:
+        del body["spec"]["gracePeriod"]  # the harness's test default is not the product's
+    else:
+        body["spec"]["gracePeriod"] = grace
+    return body
 
 
 def run_policy(
@@ -307,6 +357,7 @@ def run_policy(
     from benchmarks.operator_scale import Operator
     from preemptible_operator import models
     from tests.cluster.helpers import job_manifest, python_container
+    from trainer_runtime.grace import GracePolicy
 
     ns = f"goodput-{policy}"
     root = ckpt_root / policy
@@ -405,6 +456,10 @@ def run_policy(
         op.stop()
 
     jobs, preemptions, graces, sigterm = [], [], [], []
+    causes: list[dict[str, dict[str, int]]] = []
+    initial = None
+    if policy == "a":
+        initial = args.a_initial_grace or GracePolicy.initial_seconds
     step_times: list[float] = []
     for name in names:
         st = statuses[name]
@@ -416,6 +471,7 @@ def run_policy(
         )
         ckpt = (st.get("lastCompleteCheckpoint") or {}).get("step")
         jobs.append(job_steps(segs, running, ckpt))
+        causes.append(loss_by_cause(attempts, ckpt, initial))
         preemptions.append(int(st.get("preemptions") or 0))
         for a in attempts:
             if a.get("outcome") == "Preempted":
@@ -443,6 +499,7 @@ def run_policy(
         graces,
         statistics.median(step_times) if step_times else None,
     )
+    summary["lost_steps_by_cause"] = merge_causes(causes)
     summary["operator_lost_steps"] = sum(int(s.get("lostSteps") or 0) for s in statuses.values())
     summary["sigterm_to_exit_seconds_records"] = _stats(sigterm)
     summary["per_job"] = {
@@ -490,6 +547,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-steps", type=int, default=20, help="periodic checkpoint every N")
     parser.add_argument("--save-sleep", type=float, default=0.1, help="delay per checkpoint file")
     parser.add_argument("--policies", default="a,b,c")
+    parser.add_argument(
+        "--a-initial-grace",
+        type=int,
+        default=None,
+        help="policy (a) with gracePeriod {initialSeconds: N, min: 5, max: 120} instead of the "
+        "product's defaults (the setup of the runs before issue 37)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     policies = [p for p in args.policies.split(",") if p]
@@ -543,6 +607,9 @@ def main(argv: list[str] | None = None) -> int:
            "seconds": round(time.monotonic() - t_start)}  # fmt: skip
     print(json.dumps(out, indent=2))
     print(table(results))
+    for policy, r in results.items():
+        for cause, entry in r["lost_steps_by_cause"].items():
+            print(f"({policy}) {cause}: {entry['attempts']} attempts, {entry['lost']} steps lost")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     return 0

@@ -36,14 +36,17 @@ def resume_checkpoint(
     verified, None when it saw none. ``reported_latest``: the newest complete checkpoint the
     runtime reported (termination message, /metrics) or any earlier pass saw.
 
-    Never older than what the runtime reported: an operator that cannot see the pods' volume, or
-    whose listing misses the newest JIT checkpoint, must not send training back. So the newest of
-    the two wins (storage on a tie: its path is verified). Without either it is "latest" and the
-    runtime applies the completeness rule itself (no complete checkpoint there: it starts
-    fresh). The operator never forces a fresh start (""): a root it cannot see, or sees empty,
-    says nothing sure about the pods' volume (the path map may point at another volume, e.g.
-    the operator's own PVC for every namespace), while "latest" over an empty root costs
-    nothing.
+    A path only when the operator saw the storage itself and its newest complete checkpoint is
+    at least what the runtime reported (storage on a tie: its path is verified). A report alone
+    is never sent as a path: it can be older than the newest complete checkpoint (a periodic
+    save committed after the last scrape, a pod that ended without a message), and a path sends
+    training back to it. Every other case is "latest": the runtime applies the completeness
+    rule itself and takes the newest complete checkpoint (none: it starts fresh); the attempt
+    fence already keeps stale writers out. ``step`` is then the newest step the operator knows
+    of (the report), the least the runtime is expected to load. The operator never forces a
+    fresh start (""): a root it cannot see, or sees empty, says nothing sure about the pods'
+    volume (the path map may point at another volume, e.g. the operator's own PVC for every
+    namespace), while "latest" over an empty root costs nothing.
     """
     if (
         storage_seen
@@ -51,13 +54,16 @@ def resume_checkpoint(
         and (reported_latest is None or storage_latest.step >= reported_latest.step)
     ):
         return ResumeChoice(storage_latest.path, storage_latest.step, "storage")
-    if reported_latest is not None:
-        return ResumeChoice(reported_latest.path, reported_latest.step, "runtime report")
+    known = reported_latest.step if reported_latest is not None else None
+    if storage_seen and storage_latest is not None:
+        return ResumeChoice(
+            LATEST, known, "storage listed older than the runtime reported: the runtime looks"
+        )
     if storage_seen:
         return ResumeChoice(
-            LATEST, None, "storage seen without a complete checkpoint: the runtime looks"
+            LATEST, known, "storage seen without a complete checkpoint: the runtime looks"
         )
-    return ResumeChoice(LATEST, None, "storage not visible to the operator: the runtime looks")
+    return ResumeChoice(LATEST, known, "storage not visible to the operator: the runtime looks")
 
 
 def attempt_fence(created: str | None, attempt: int) -> int:

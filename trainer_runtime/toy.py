@@ -193,6 +193,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument(
+        "--dataloader-num-workers",
+        type=int,
+        default=0,
+        help="TrainingArguments.dataloader_num_workers (DataLoader worker processes)",
+    )
+    p.add_argument(
+        "--dataloader-persistent-workers",
+        action="store_true",
+        help="TrainingArguments.dataloader_persistent_workers (needs --dataloader-num-workers)",
+    )
+    p.add_argument(
+        "--dataloader-pin-memory",
+        choices=("true", "false"),
+        default="true",
+        help="TrainingArguments.dataloader_pin_memory (pinning needs an accelerator: a no-op "
+        "on CPU)",
+    )
+    p.add_argument(
         "--jit-checkpoint",
         choices=("true", "false"),
         default="true",
@@ -358,6 +376,9 @@ def build_trainer(args: argparse.Namespace) -> Any:
         enable_jit_checkpoint=args.jit_checkpoint == "true",
         use_cpu=True,
         report_to="none",
+        dataloader_num_workers=args.dataloader_num_workers,
+        dataloader_persistent_workers=args.dataloader_persistent_workers,
+        dataloader_pin_memory=args.dataloader_pin_memory == "true",
         fsdp=args.fsdp,
         fsdp_config=args.fsdp_config,
         save_async={"auto": None, "true": True, "false": False}[args.save_async],

@@ -66,7 +66,9 @@ from trainer_runtime.checkpoint.layout import (
     CheckpointInfo,
     CheckpointStore,
     attempt_from_env,
+    checkpoint_name,
     inspect_checkpoint,
+    parse_step,
 )
 from trainer_runtime.checkpoint.model_state import (
     MODEL_STEM,
@@ -81,7 +83,7 @@ from trainer_runtime.checkpoint.resharding import DataShape, reshard_position
 from trainer_runtime.checkpoint.resume_choice import parent_of, requested_resume, resolve_in_store
 from trainer_runtime.checkpoint.rng import restore_rng_state
 from trainer_runtime.checkpoint.safetensors_stream import TensorFile
-from trainer_runtime.checkpoint.shares import ShareGroup, share_entries
+from trainer_runtime.checkpoint.shares import ShareGroup, agree_on_plan, share_entries
 from trainer_runtime.checkpoint.storage import Storage, configure_direct_io
 from trainer_runtime.data.arguments import (
     build_train_dataloader,
@@ -103,8 +105,10 @@ from trainer_runtime.data.dispatch import (
     TaggedDataset,
     dispatch_iterator,
 )
+from trainer_runtime.data.length_sampling import EPOCH_ORDER_KEY
 from trainer_runtime.data.neftune import enable_neftune
 from trainer_runtime.data.samplers import ResumableBatchSampler
+from trainer_runtime.data.worker_signals import shield_dataloader, shield_prepared_dataloaders
 from trainer_runtime.distributed import collectives
 from trainer_runtime.distributed.ddp_args import (
     accelerator_kwargs,
@@ -246,6 +250,7 @@ class Trainer(
         model = resolve_model(model, model_init, optimizers)
         cuda = not self.args.use_cpu and torch.cuda.is_available()
         self.create_accelerator_and_postprocess()
+        shield_prepared_dataloaders(self.accelerator)  # DataLoader workers and SIGTERM: data/
         self.model = model.to(self.accelerator.device)
         # fsdp: sharded here (so evaluate/predict work before train too); never DDP-wrapped.
         self._init_fsdp(user_optimizer=optimizers[0] is not None, cuda=cuda)
@@ -324,6 +329,9 @@ class Trainer(
         # falls back to. "latest": resume_from_checkpoint=True; "latest_env": $..._RESUME_FROM
         # =latest; "env_path": a path from the operator; "path": a path the caller gave.
         self._resume_mode: str | None = None
+        # After a resume from an older checkpoint than the newest complete one: its step (the
+        # saves of later steps keep complete checkpoints there, _kept_checkpoint).
+        self._keep_complete_after: int | None = None
         self._num_batches: int | None = None  # micro-batches per epoch (when known up front)
         self._epoch_length_known = False
         # create_scheduler() built the schedule (rebuilt per train() call, as transformers does).
@@ -638,6 +646,48 @@ class Trainer(
         step = fallback.agree_step(older.step if older is not None else None)
         return older if step is not None else None
 
+    def _newer_complete_kept(self, loaded: CheckpointInfo | None) -> int | None:
+        """After a resume from a path: the loaded step when complete checkpoints newer than it
+        are in the output dir (a caller's explicit path to an older one), whose steps' saves
+        then keep them (:meth:`_kept_checkpoint`); else None. The ranks agree (one all-reduce,
+        only after a resume from a path), so that every rank takes the same path at a save."""
+        if loaded is None or self._resume_mode not in ("path", "env_path"):
+            return None  # "latest" loaded the newest complete one (or the one before a corrupt)
+        store = CheckpointStore(str(self.args.output_dir))
+        # only the directories of later steps are inspected (usually none)
+        later = [n for n in store.names() if (parse_step(n) or -1) > loaded.step]
+        newer = [i for i in (store.inspect(n) for n in later) if i.complete]
+        if not collectives.agree_to_stop(bool(newer)):
+            return None
+        if newer:
+            logger.warning(
+                "resumed from %s as asked, although %s (step %d) is complete and newer: its "
+                "steps are trained again, and the save of a step that has a complete checkpoint "
+                "keeps that checkpoint (never replaced); to branch off, use another output_dir",
+                loaded.path,
+                newer[-1].path,
+                newer[-1].step,
+            )
+        return loaded.step
+
+    def _kept_checkpoint(self, step: int) -> CheckpointInfo | None:
+        """The complete checkpoint of ``step`` already in the output dir that this save must
+        not replace (a run resumed from an older one), or None: save as usual. Every rank looks
+        at its own view of the directory; it is kept only when every rank sees it complete."""
+        if self._keep_complete_after is None or step <= self._keep_complete_after:
+            return None
+        info = CheckpointStore(str(self.args.output_dir)).inspect(checkpoint_name(step))
+        if collectives.agree_to_stop(not info.complete):
+            return None
+        logger.warning(
+            "not saving step %d: %s is complete already (attempt %s) and newer than the "
+            "checkpoint this run resumed from; it is kept, never replaced",
+            step,
+            info.path,
+            info.attempt,
+        )
+        return info
+
     def _resume_start_state(self) -> dict[str, Any]:
         """What loading a checkpoint changes besides the model (which the next load overwrites),
         as it is before the first load: copied back before a fallback loads another one."""
@@ -913,7 +963,7 @@ class Trainer(
         args = self.args
         # The sampler of the loader get_train_dataloader() builds (None for an override's own).
         self.train_sampler = None
-        self.train_dataloader = self.get_train_dataloader()
+        self.train_dataloader = shield_dataloader(self.get_train_dataloader())  # overrides too
         self._check_custom_loader()
         max_steps, num_epochs = self._plan_steps()
         if self._created_lr_scheduler:
@@ -948,9 +998,11 @@ class Trainer(
         self.last_checkpoint = None
         # What was loaded (a fallback may load an earlier one): the termination message says it.
         self._resumed_from: CheckpointInfo | None = None
+        self._keep_complete_after = None
         if checkpoint is not None:
             self._resumed_from = self._load_resume_checkpoint(checkpoint)
             self._load_callback_state()
+            self._keep_complete_after = self._newer_complete_kept(self._resumed_from)
         self.state.preemptible["attempt"] = attempt_from_env()
         if self.state.global_step >= self.state.max_steps:
             # Resumed from the final checkpoint (e.g. preempted right after it): nothing to do.
@@ -1149,13 +1201,14 @@ class Trainer(
 
     def _loss_num_items(self, count: int | None) -> torch.Tensor | None:
         """``num_items_in_batch`` as transformers hands it to ``training_step`` and
-        ``compute_loss``: a 0-dim tensor on the device, and only when the loss uses it (the model
-        takes loss kwargs, or a ``compute_loss_func`` is set); None otherwise."""
+        ``compute_loss`` (in training and evaluation): a 0-dim tensor of the default float dtype
+        on the device (transformers divides the count by its parallel sizes), and only when the
+        loss uses it (the model takes loss kwargs, or a ``compute_loss_func`` is set)."""
         if count is None or not (
             self._model_accepts_loss_kwargs() or self.compute_loss_func is not None
         ):
             return None
-        return torch.tensor(count, device=self.accelerator.device)
+        return torch.tensor(float(count), device=self.accelerator.device)
 
     def _num_items_count(self, num_items_in_batch: int | torch.Tensor | None) -> int | None:
         """The step's label-token count as an int (no device sync for the loop's own tensor)."""
@@ -1295,7 +1348,8 @@ class Trainer(
         assert self.train_dataloader is not None
         epoch = self._position.epoch
         private = getattr(self.train_dataloader, "generator", None) is not None
-        if not skip and not self._position.started and private:
+        fresh = not skip and not self._position.started
+        if fresh and private:
             # transformers' DataLoader draws its base seed from the global torch RNG when an
             # epoch's iterator starts; ours draws it from its private generator (so a resume
             # mid-epoch does not shift the global RNG). Take that one draw here, at the start of
@@ -1306,6 +1360,16 @@ class Trainer(
         self._position.started = True
         if self.train_sampler is not None:
             self.train_sampler.load_state_dict({"epoch": epoch, "start": skip})
+            begin = getattr(self.train_sampler, "begin_epoch", None)
+            if begin is not None:
+                # group_by_length on one process draws the epoch's order from the global RNG
+                # now, as transformers' sampler does; a resume rebuilds it from the record.
+                saved = None if fresh else self.state.preemptible.get(EPOCH_ORDER_KEY)
+                record = begin(epoch, saved)
+                if record is None:
+                    self.state.preemptible.pop(EPOCH_ORDER_KEY, None)
+                else:
+                    self.state.preemptible[EPOCH_ORDER_KEY] = record
             self._data_iter = self._dispatched(self._epoch_source())
             return
         set_dataset_epoch(self.train_dataset, epoch, self._data_seed())
@@ -1613,6 +1677,10 @@ class Trainer(
         step = self.state.global_step
         if self.last_checkpoint is not None and self.last_checkpoint.step == step:
             return self.last_checkpoint
+        kept = self._kept_checkpoint(step)
+        if kept is not None:
+            self.last_checkpoint = kept
+            return kept
         if not jit and self._save_async_active():
             return self._start_async_save()
         writer = self._new_checkpoint_writer(step)
@@ -1704,6 +1772,10 @@ class Trainer(
                     entries.append(
                         (dataset_state_file_name(rank, world), _json_bytes(dataset_state), True)
                     )
+        if share:
+            # Each rank plans its share alone: the plans must be the same (one small all-gather
+            # of their digests), or no index could be trusted (a tensor on one rank only).
+            agree_on_plan(groups, world, per_node.gather_objects)
         entries += [(n, d, False) for n, d in share_entries(groups, rank, world, coordinator=main)]
         # Every rank records the best checkpoint, so every rank loads it at the end.
         self._before_checkpoint_write()

@@ -43,11 +43,13 @@ from trainer_runtime.protocol import ENV_OUTPUT_DIR, ENV_STOP_POLICY, STOP_POLIC
 
 __all__ = [
     "DEBUG_OPTIONS",
+    "ENV_DEFAULTS",
     "HUB_STRATEGIES",
     "OPTIMIZER_NAMES",
     "RUNTIME_ONLY_FIELDS",
     "SAMPLING_STRATEGIES",
     "SCHEDULER_TYPES",
+    "EnvDefault",
     "ParallelMode",
     "TrainingArguments",
     "TrainingArgumentsSchema",
@@ -162,6 +164,44 @@ def _default_jit() -> bool:
 def _default_stop_policy() -> str:
     # The operator passes spec.gracePeriod.stopPolicy; a script's own value wins over it.
     return os.environ.get(ENV_STOP_POLICY, "").strip() or "finish_step"
+
+
+class EnvDefault:
+    """The default of a field the operator's environment decides, read when the arguments are built.
+
+    The generated dataclass holds one of these as the field's plain ``default`` (the schema keeps
+    the ``default_factory``), because transformers' ``HfArgumentParser`` gives a ``bool`` field
+    whose default comes from a ``default_factory`` the default False, and reads the factory of
+    other fields once, when the parser is made. A plain default is passed through unchanged
+    (argparse converts only string defaults), so ``__post_init__`` resolves it the same way
+    however the arguments are built; a value given explicitly replaces it, as any value does.
+    ``str()`` is what ``--help`` shows.
+    """
+
+    __slots__ = ("factory", "rule")
+
+    def __init__(self, factory: Any, rule: str) -> None:
+        self.factory = factory
+        self.rule = rule
+
+    def resolve(self) -> Any:
+        return self.factory()
+
+    def __repr__(self) -> str:
+        return f"<from the environment: {self.rule}>"
+
+    def __str__(self) -> str:
+        return f"{self.rule}; here {self.resolve()!r}"
+
+    def __copy__(self) -> EnvDefault:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> EnvDefault:
+        return self
+
+
+def _resolve_env_defaults(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.resolve() if isinstance(v, EnvDefault) else v for k, v in values.items()}
 
 
 def _steps_or_ratio(name: str, value: float) -> float:
@@ -577,6 +617,16 @@ _PARSER_TYPES: dict[str, Any] = {
 }
 # Defaults shown to dataclasses / HfArgumentParser where the schema fills in a derived value.
 _FIELD_DEFAULTS: dict[str, Any] = {"accelerator_config": None, "fsdp": None}
+# Fields whose default the operator's environment decides (docs/trainer.md, "Arguments"): every
+# schema default_factory that reads os.environ. tests/unit/runtime/test_env_defaults.py checks
+# that no other default changes with the environment.
+ENV_DEFAULTS: dict[str, EnvDefault] = {
+    "output_dir": EnvDefault(_default_output_dir, f"${ENV_OUTPUT_DIR}, else required"),
+    "enable_jit_checkpoint": EnvDefault(
+        _default_jit, f"True when ${ENV_OUTPUT_DIR} is set, else False"
+    ),
+    "jit_stop_policy": EnvDefault(_default_stop_policy, f"${ENV_STOP_POLICY}, else 'finish_step'"),
+}
 _FLAG = "_preemptible_validated"
 _SCHEMA_FIELDS: tuple[str, ...] = tuple(TrainingArgumentsSchema.model_fields)
 
@@ -590,6 +640,8 @@ def _dataclass_field(name: str) -> tuple[str, Any, dataclasses.Field[Any]]:
     metadata = {"help": info.description or ""}
     if name in _FIELD_DEFAULTS:
         spec = dataclasses.field(default=_FIELD_DEFAULTS[name], metadata=metadata)
+    elif name in ENV_DEFAULTS:
+        spec = dataclasses.field(default=ENV_DEFAULTS[name], metadata=metadata)
     elif info.default_factory is not None:
         spec = dataclasses.field(default_factory=info.default_factory, metadata=metadata)
     else:
@@ -603,6 +655,7 @@ def _field_values(obj: Any) -> dict[str, Any]:
 
 def _validate(obj: Any, values: dict[str, Any]) -> None:
     """Validate ``values`` and store the normalised fields on ``obj``."""
+    values = _resolve_env_defaults(values)
     try:
         model = TrainingArgumentsSchema(**values)
     except ValidationError as exc:

@@ -54,6 +54,7 @@ from kubernetes.client.exceptions import ApiException
 
 from trainer_runtime.protocol import ENV_TERMINATION_LOG
 
+from .image import write_image_bin
 from .kubeconfig import api_client_from
 from .pod_network import (
     HOST_SERVICE_NET,
@@ -603,8 +604,9 @@ class _PodWorker(threading.Thread):
         core = kubernetes.client.CoreV1Api(self.agent.client)
         namespace = self.record.namespace
         env: dict[str, str] = {
-            # What the "image" provides: this project's virtualenv first on PATH.
-            "PATH": f"{self.agent.image_bin}:{_SYSTEM_PATH}",
+            # What the "image" provides: this project's virtualenv first on PATH, then the
+            # console scripts of its dependencies (see image.py).
+            "PATH": f"{self.agent.image_bin}:{self.agent.image_scripts}:{_SYSTEM_PATH}",
             "HOME": str(self.record.directory / "home"),
             "LANG": "C.UTF-8",
             "PYTHONUNBUFFERED": "1",
@@ -1014,6 +1016,9 @@ class NodeAgent:
         self.nodes = list(nodes)
         self.capacity = dict(capacity or DEFAULT_CAPACITY)
         self.image_bin = image_bin or Path(sys.executable).parent
+        # The console scripts of the dependencies, run by the image's python (start() writes
+        # them): the development venv keeps them in another layer (image.py).
+        self.image_scripts = workdir / "image" / "bin"
         self.apiserver_port = apiserver_port
         self.k8s_version = k8s_version
         # Pod IPs 127.<octet>.Y.Z: a random second octet keeps two test sessions on one machine
@@ -1052,6 +1057,13 @@ class NodeAgent:
         self.log.setLevel(logging.INFO)
         self.log.propagate = False
         self.client = api_client_from(self.kubeconfig)
+        python = self.image_bin / "python"
+        own = {p.name for p in self.image_bin.iterdir()}
+        scripts = write_image_bin(python, self.image_scripts, skip=own)
+        self.log.info(
+            "image: %s, then %d console scripts in %s", self.image_bin, len(scripts),
+            self.image_scripts,
+        )  # fmt: skip
         self._start_network()
         if self.provision_volumes:
             self.provisioner = LocalDirProvisioner(self.client, self.workdir / "volumes", self.log)

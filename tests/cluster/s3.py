@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import signal
 import socket
@@ -175,6 +176,18 @@ class S3Server:
             self._mounts.remove(path)
 
 
+_REQUEST_LINE = re.compile(rb"(?:GET|PUT|POST|HEAD|DELETE) /[^ \r\n]* HTTP/1\.[01]\r\n")
+
+
+class _Connection:
+    """What the two directions of one relayed connection share."""
+
+    def __init__(self) -> None:
+        self.tail = b""
+        self.dropping: bytes | None = None
+        self.held = b""
+
+
 class FaultyLink:
     """A TCP path from clients on the host to the S3 server that a test can slow down and cut:
     ``endpoint`` is what the client uses instead of the server's.
@@ -185,7 +198,13 @@ class FaultyLink:
       to be under way);
     - ``cut()``: the network goes: the bytes of open connections stop flowing (the client waits
       until its read timeout) and new connections are refused; ``restore()`` ends the stalled
-      connections and accepts new ones again.
+      connections and accepts new ones again;
+    - ``drop_response_once(request)``: the next request whose request line contains ``request``
+      (e.g. ``b"PUT /bucket/run/checkpoint-5/manifest.json"``) reaches the server, which does
+      it, but its response never reaches the client: the connection closes instead (interim
+      ``1xx`` answers still go through). The client sees a lost response and retries.
+      ``dropped`` lists the request lines whose responses were dropped; ``requests`` every
+      request line forwarded.
     """
 
     def __init__(self, upstream_port: int, *, rate: float | None = None) -> None:
@@ -200,6 +219,9 @@ class FaultyLink:
         self._budget_at = time.monotonic()
         self._sockets: list[socket.socket] = []
         self._listener: socket.socket | None = None
+        self._drop: bytes | None = None
+        self.dropped: list[bytes] = []
+        self.requests: list[bytes] = []
         self._listen()
 
     @property
@@ -227,8 +249,13 @@ class FaultyLink:
                 continue
             with self._lock:
                 self._sockets += [client, upstream]
+            conn = _Connection()
             for src, dst, up in ((client, upstream, True), (upstream, client, False)):
-                threading.Thread(target=self._pump, args=(src, dst, up), daemon=True).start()
+                threading.Thread(target=self._pump, args=(src, dst, up, conn), daemon=True).start()
+
+    def drop_response_once(self, request: bytes) -> None:
+        with self._lock:
+            self._drop = request
 
     def _wait_for_budget(self, n: int) -> None:
         if self.rate is None:
@@ -244,7 +271,7 @@ class FaultyLink:
                 wait = (n - self._budget) / self.rate
             time.sleep(min(wait, 0.05))
 
-    def _pump(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, up: bool, conn: _Connection) -> None:
         try:
             while True:
                 data = src.recv(64 << 10)
@@ -253,6 +280,12 @@ class FaultyLink:
                 while self._cut.is_set() and not self._stopping.is_set():
                     time.sleep(0.05)  # the packets are lost; the sender waits for its timeout
                 self._wait_for_budget(len(data))
+                if up:
+                    self._watch_requests(data, conn)
+                elif conn.dropping is not None:
+                    if not self._drop_response(data, conn, dst):
+                        break  # the final response came: dropped, the connection ends
+                    continue
                 dst.sendall(data)
                 if up:
                     with self._lock:
@@ -263,6 +296,35 @@ class FaultyLink:
             for sock in (src, dst):
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
+
+    def _watch_requests(self, data: bytes, conn: _Connection) -> None:
+        """Request lines in the bytes a client sends (a window keeps one split across reads);
+        marks the connection when one is the request whose response is to be dropped."""
+        window = conn.tail + data
+        for match in _REQUEST_LINE.finditer(window):
+            if match.end() <= len(conn.tail):
+                continue  # seen in the previous read already
+            line = match.group(0).rstrip()
+            with self._lock:
+                self.requests.append(line)
+                if self._drop is not None and self._drop in line:
+                    self._drop = None
+                    conn.dropping = line  # set before the request reaches the server
+        conn.tail = window[-512:]
+
+    def _drop_response(self, data: bytes, conn: _Connection, client: socket.socket) -> bool:
+        """Hold back the server's answer to the marked request: interim 1xx answers go to the
+        client; the final one does not. False once it came (the caller ends the connection)."""
+        conn.held += data
+        while conn.held.startswith(b"HTTP/1.1 1") and b"\r\n\r\n" in conn.held:
+            end = conn.held.index(b"\r\n\r\n") + 4
+            client.sendall(conn.held[:end])
+            conn.held = conn.held[end:]
+        if conn.held.startswith(b"HTTP/") and not conn.held.startswith(b"HTTP/1.1 1"):
+            with self._lock:
+                self.dropped.append(conn.dropping or b"")
+            return False
+        return True
 
     def cut(self) -> None:
         self._cut.set()

@@ -113,6 +113,41 @@ def test_fallback_to_logs_on_error(
     assert terminated["message"] == "first\nboom: bad input\n"
 
 
+def test_the_launchers_of_the_image_run_as_the_pod_command(
+    control_plane: ControlPlane, node_agent: NodeAgent, namespace: str
+) -> None:
+    """As in the Docker image, whose bin holds every installed distribution's console scripts:
+    `accelerate` and `torchrun` (from our dependencies) and `trainer-runtime` (ours) resolve as
+    `command`, and a launcher's worker (started with the launcher's own interpreter) imports
+    this project."""
+
+    def container(name: str, *argv: str) -> dict[str, Any]:
+        return {"name": name, "image": "preemptible:test", "command": list(argv),
+                "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}}}  # fmt: skip
+
+    accelerate = ("accelerate", "launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
+                  "--mixed_precision", "no", "--dynamo_backend", "no",
+                  "-m", "trainer_runtime.cli", "--help")  # fmt: skip
+    containers = [
+        container("accelerate", *accelerate),
+        container("torchrun", "torchrun", "--help"),
+        container("trainer-runtime", "trainer-runtime", "--help"),
+    ]
+    with control_plane.api_client() as client:
+        kubernetes.client.CoreV1Api(client).create_namespaced_pod(
+            namespace, _pod("launchers", containers)
+        )
+        status = _terminal(client, namespace, "launchers")["status"]
+    codes = {s["name"]: s["state"]["terminated"] for s in status["containerStatuses"]}
+    logs = {n: node_agent.log_path(namespace, "launchers", n).read_text() for n in codes}
+    assert {n: t["exitCode"] for n, t in codes.items()} == dict.fromkeys(logs, 0), (codes, logs)
+    assert status["phase"] == "Succeeded"
+    # accelerate's worker ran our CLI: the launcher's interpreter is the image's python.
+    assert "usage: trainer-runtime" in logs["accelerate"], logs["accelerate"]
+    assert "usage: torchrun" in logs["torchrun"], logs["torchrun"]
+    assert "usage: trainer-runtime" in logs["trainer-runtime"], logs["trainer-runtime"]
+
+
 ESCAPER = """
 import os, pathlib, subprocess, sys, time
 # A child in a session of its own (as torchrun starts its workers): the container's process group

@@ -36,6 +36,7 @@ from trainer_runtime.training_args import (  # noqa: E402
     OPTIMIZER_NAMES,
     RUNTIME_ONLY_FIELDS,
     SCHEDULER_TYPES,
+    EnvDefault,
     TrainingArguments,
     check_runtime_support,
 )
@@ -49,6 +50,8 @@ def _no_operator_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def _default(spec: dataclasses.Field[Any]) -> Any:
     if spec.default_factory is not dataclasses.MISSING:
         return spec.default_factory()
+    if isinstance(spec.default, EnvDefault):  # decided by the operator's environment (unset here)
+        return spec.default.resolve()
     return spec.default
 
 

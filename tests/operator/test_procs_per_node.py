@@ -1,13 +1,19 @@
 """Pods of several processes (``numProcPerNode``) on the real control plane: two pods on two
 stand-in nodes, two training processes each (4 ranks, gloo), every pod ending as one unit.
 
-- our launcher (the operator starts the command through ``trainer-runtime launch``): Kueue
-  preempts the job mid-run; both pods exit 75 with one message each at one step, the next
-  attempt resumes with no lost steps and ends bit-identical to an uninterrupted 2 x 2 run;
+- our launcher (the operator starts the command through ``trainer-runtime launch``), two
+  DataLoader workers per rank: Kueue preempts the job mid-run; both pods exit 75 with one
+  message each at one step, the next attempt resumes with no lost steps and ends bit-identical
+  to an uninterrupted 2 x 2 run;
 - a stock transformers script under plain torchrun (``python -m torch.distributed.run``, which
   reads the PET_* variables the operator renders): preempted by Kueue, the pods exit with
   torchrun's own code after a complete JIT checkpoint, the attempt is a preemption with no lost
   steps, and the resumed run ends bit-identical to an uninterrupted one;
+- ``accelerate launch`` as users write it (``command: [accelerate, launch]`` with the flags
+  docs/operator.md gives) running a transformers script with only the import changed, which
+  parses its arguments with ``HfArgumentParser`` and loads data with two DataLoader workers per
+  rank: preempted by Kueue, it writes its JIT checkpoint, the next attempt resumes from the newest
+  complete checkpoint with no lost steps, and ends bit-identical to an uninterrupted run;
 - one local worker raising: the attempt fails promptly, naming the pod, local rank and rank, the
   grace is not doubled.
 """
@@ -27,12 +33,14 @@ from tests.cluster.helpers import job_manifest, python_container
 from tests.cluster.kueue import Kueue
 from tests.cluster.node_agent import NodeAgent, PodRecord
 from tests.operator.harness import OperatorProcess, TJClient, toy_training_job, wait_for
+from trainer_runtime.checkpoint.layout import CheckpointStore
 from trainer_runtime.protocol import EXIT_PEER_FAILED, EXIT_PREEMPTED, read_termination_message
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 STEPS = 24
 STOCK_SCRIPT = Path(__file__).resolve().parents[1] / "runtime" / "hf_stock_script.py"
+PARSER_SCRIPT = Path(__file__).resolve().parents[1] / "runtime" / "hf_parser_script.py"
 
 
 @pytest.fixture
@@ -126,10 +134,11 @@ def test_two_by_two_preempted_by_kueue_resumes_bit_identical(
 ) -> None:
     kueue.create_local_queue(tj.ns)
     per_node = str(int(kueue.quota["cpu"]) // 2)  # the two pods take the whole quota
-    # 4 DDP ranks resume bit-identical with full determinism (docs/distributed.md).
+    # 4 DDP ranks resume bit-identical with full determinism (docs/distributed.md); two
+    # DataLoader workers per rank, as GPU jobs run (the launcher's SIGTERM reaches them too).
     common = {
         "max_steps": STEPS, "step_sleep": 0.3, "save_steps": STEPS,
-        "extra_args": ("--full-determinism",),
+        "extra_args": ("--full-determinism", "--dataloader-num-workers", "2"),
     }  # fmt: skip
     tj.create(_two_by_two("ref", checkpoint_root, **common))
     tj.create(
@@ -233,6 +242,98 @@ def test_stock_transformers_script_under_plain_torchrun_preempted_by_kueue(
     assert (status["preemptions"], status.get("lostSteps", 0)) == (1, 0), describe()
     ours = _weights(checkpoint_root / "st" / f"checkpoint-{STEPS}")
     theirs = _weights(checkpoint_root / "sref" / f"checkpoint-{STEPS}")
+    assert sorted(ours) == sorted(theirs)
+    different = [k for k in ours if not torch.equal(ours[k], theirs[k])]
+    assert not different, f"weights differ: {different[:5]}"
+
+
+def _parser_script_under_accelerate(name: str, root: Path, **kw: Any) -> dict[str, Any]:
+    """``command: [accelerate, launch]`` with docs/operator.md's flags, running a transformers
+    script with only the import changed (arguments from ``HfArgumentParser``), as a user writes
+    it: two DataLoader workers per rank, periodic saves between which the stop falls."""
+    body = _two_by_two(name, root, **kw)
+    body["spec"]["command"] = ["accelerate", "launch"]
+    body["spec"]["args"] = [
+        "--multi_gpu", "--num_machines", "$(PET_NNODES)", "--num_processes", "$(WORLD_SIZE)",
+        "--machine_rank", "$(NODE_RANK)", "--main_process_ip", "$(MASTER_ADDR)",
+        "--main_process_port", "$(MASTER_PORT)", "--max_restarts", "0",
+        str(PARSER_SCRIPT),
+        "--max_steps", str(STEPS), "--save_steps", "4", "--step_sleep", "0.3",
+        "--dataloader_num_workers", "2", "--per_device_train_batch_size", "4",
+        # One epoch for the whole run (4 ranks x 4 samples a step): the stop never meets the
+        # start of an epoch's workers (that window is the runtime tier's to test).
+        "--num_samples", str(STEPS * 16),
+        # This CPU machine's only difference from a GPU job: accelerate forms a CPU (gloo) group
+        # only when told (without it each rank would train alone, in transformers too).
+        "--use_cpu", "true",
+        # Bit-identical resume with 4 DDP ranks (docs/distributed.md).
+        "--full_determinism", "true",
+    ]  # fmt: skip
+    body["spec"]["resourcesPerNode"]["requests"]["memory"] = "1Gi"
+    return body
+
+
+def _newest_complete(root: Path) -> str | None:
+    """Path of the newest complete checkpoint on the volume."""
+    info = CheckpointStore(str(root)).latest_complete()
+    return info.path if info is not None else None
+
+
+def test_accelerate_launch_of_an_hf_parser_script_with_dataloader_workers_preempted_by_kueue(
+    control_plane: ControlPlane,
+    netns_agent: NodeAgent,
+    kueue: Kueue,
+    tj: TJClient,
+    operator: OperatorProcess,
+    checkpoint_root: Path,
+) -> None:
+    """Issue 37's user shape end to end: the JIT checkpoint is written through accelerate's
+    torchrun and the DataLoader workers, the next attempt is told the newest complete checkpoint
+    (not an older one the operator heard of), no step is lost, the end is bit-identical."""
+    kueue.create_local_queue(tj.ns)
+    per_node = str(int(kueue.quota["cpu"]) // 2)
+    tj.create(_parser_script_under_accelerate("aref", checkpoint_root))
+    tj.create(
+        _parser_script_under_accelerate("acc", checkpoint_root, cpu=per_node,
+                                        queueName=kueue.local_queue,
+                                        priorityClass=kueue.low_priority)
+    )  # fmt: skip
+    describe = _describe(tj, operator, "acc", "aref")
+    # After the first periodic save (checkpoint-4), before the second.
+    wait_for(
+        "acc training (step >= 6)",
+        lambda: (tj.status("acc").get("progress") or {}).get("step", 0) >= 6,
+        on_timeout=describe,
+    )
+    _preempt_with_a_high_priority_job(control_plane, kueue, tj.ns)
+    # What the volume holds when attempt 1 is recorded, before attempt 2 can write anything.
+    wait_for(
+        "acc attempt 1 recorded",
+        lambda: ((tj.status("acc").get("attempts") or [{}])[0]).get("outcome"),
+        interval=0.2,
+        on_timeout=describe,
+    )
+    newest = _newest_complete(checkpoint_root / "acc")
+    for name in ("acc", "aref"):
+        status = wait_for(
+            f"{name} finished",
+            lambda name=name: tj.phase_is(name, "Succeeded", "Failed"),
+            on_timeout=describe,
+        )
+        assert status["phase"] == "Succeeded", describe()
+    status = tj.status("acc")
+    first, second = status["attempts"]
+    # accelerate launch exits 143 when signalled, whatever its workers did (docs/operator.md).
+    assert first["exitCodes"] == [143, 143], describe()
+    _check_preempted_attempt(netns_agent, tj, "acc", first, describe)
+    assert not first.get("killed") and first["sigtermToExitSeconds"] > 0, first
+    # The JIT checkpoint is the newest complete one, and the next attempt was told it.
+    assert newest is not None and newest.endswith(f"checkpoint-{first['endStep']}"), (newest, first)
+    assert second["resumeFrom"] == first["checkpoint"] == newest, describe()
+    assert second["startStep"] == first["endStep"], describe()
+    assert (status["preemptions"], status.get("lostSteps", 0)) == (1, 0), describe()
+    ours = _weights(checkpoint_root / "acc" / f"checkpoint-{STEPS}")
+    theirs = _weights(checkpoint_root / "aref" / f"checkpoint-{STEPS}")
     assert sorted(ours) == sorted(theirs)
     different = [k for k in ours if not torch.equal(ours[k], theirs[k])]
     assert not different, f"weights differ: {different[:5]}"

@@ -91,3 +91,41 @@ def test_recreated_job_resumes_from_checkpoints_the_operator_cannot_see(
     assert _manifest_attempt(root, 2) == 5 and _manifest_attempt(root, 4) == 5
     assert _manifest_attempt(root, 8) > 5
     assert status["lastCompleteCheckpoint"]["step"] == 8  # the runtime's report
+
+
+def test_a_requeued_attempt_gets_latest_when_the_operator_cannot_see_the_storage(
+    node_agent: NodeAgent,
+    tj: TJClient,
+    operator_elsewhere: tuple[OperatorProcess, Path],
+    checkpoint_root: Path,
+) -> None:
+    """Issue 37: what the operator merely heard from the pods (here attempt 1's termination
+    message) is never sent as a path: it can be older than the newest complete checkpoint on
+    the volume. Attempt 2 gets ``latest``, expects at least the reported step, and the runtime
+    resumes from the newest complete checkpoint (the JIT one), 0 steps lost."""
+    operator, _ = operator_elsewhere
+    tj.create(toy_training_job("unseen", checkpoint_root, max_steps=30, step_sleep=0.3))
+
+    def running_at_4() -> dict | None:
+        s = tj.status("unseen")
+        return s if (s.get("progress") or {}).get("step", 0) >= 4 else None
+
+    wait_for("step 4", running_at_4, on_timeout=lambda: tj.describe("unseen") + operator.tail())
+    pod = tj.running_pod("unseen", 1)
+    assert pod is not None
+    tj.evict(pod.metadata.name)
+    status = wait_for(
+        "Succeeded",
+        lambda: tj.phase_is("unseen", "Succeeded", "Failed"),
+        on_timeout=lambda: tj.describe("unseen") + operator.tail(),
+    )
+    assert status["phase"] == "Succeeded", tj.describe("unseen") + operator.tail()
+    first, second = status["attempts"]
+    assert first["outcome"] == "Preempted" and first["exitCodes"] == [75], first
+    assert second["resumeFrom"] == "latest", second  # before: first["checkpoint"], as heard
+    # startStep: what the runtime says it loaded, the JIT checkpoint attempt 1 reported
+    assert second["startStep"] == first["endStep"] >= 4, status
+    assert second.get("resumedFrom") == first["checkpoint"], second
+    assert status.get("lostSteps", 0) == 0, status
+    reasons = [reason for reason, _ in tj.events("unseen")]
+    assert "ResumeFellBack" not in reasons, reasons

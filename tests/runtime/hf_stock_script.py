@@ -2,7 +2,8 @@
 
 It imports only ``transformers``: the tests run it unmodified under ``python -m
 trainer_runtime.hf.run`` (no line changed), or with ``--attach`` (the one-line integration).
-``--step-sleep`` / ``--save-sleep`` only slow it down so a test can signal it mid-step or mid-save.
+``--step-sleep`` / ``--save-sleep`` / ``--eval-sleep`` / ``--micro-sleep`` only slow it down so a
+test can signal it mid-step, mid-save, mid-evaluation or between micro-batches.
 """
 
 from __future__ import annotations
@@ -35,6 +36,31 @@ class SleepCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         time.sleep(self.seconds)
         print(f"STEP {state.global_step}", flush=True)
+
+
+class EvalCallback(TrainerCallback):
+    """Says when an evaluation ended; ``seconds``: each evaluation batch lasts at least that."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        time.sleep(self.seconds)
+        print(f"EVAL BATCH {state.global_step}", flush=True)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        print(f"EVALUATED {state.global_step} {metrics.get('eval_loss')}", flush=True)
+
+
+class MicroBatchCallback(TrainerCallback):
+    """Makes each micro-batch of a gradient-accumulation step but its last last ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        time.sleep(self.seconds)
+        print(f"SUBSTEP {state.global_step + 1}", flush=True)
 
 
 class EndCallback(TrainerCallback):
@@ -77,6 +103,15 @@ def main() -> None:
         action="store_true",
         help="evaluate every --save-steps, load_best_model_at_end=True (with --save-total-limit 1)",
     )
+    p.add_argument(
+        "--greater-is-better",
+        action="store_true",
+        help="with --best: the highest eval_loss is the best (the first evaluation, not the last)",
+    )
+    p.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps")
+    p.add_argument("--eval-sleep", type=float, default=0.0, help="each evaluation batch sleeps")
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps")
+    p.add_argument("--micro-sleep", type=float, default=0.0, help="each micro-batch sleeps")
     p.add_argument("--fail-save-rank", type=int, default=-1, help="this rank's saves raise")
     p.add_argument(
         "--linger", type=float, default=0.0, help="the failing rank stays alive this long after"
@@ -93,6 +128,11 @@ def main() -> None:
         if a.best
         else {}
     )
+    if a.best and a.greater_is_better:
+        best.update(metric_for_best_model="eval_loss", greater_is_better=True)
+    if a.eval_steps:
+        best.update(eval_strategy="steps", eval_steps=a.eval_steps)
+    evaluating = bool(a.best or a.eval_steps)
     args = TrainingArguments(
         output_dir=a.output_dir,
         max_steps=a.max_steps,
@@ -104,6 +144,7 @@ def main() -> None:
         logging_steps=1,
         report_to="none",
         seed=7,
+        gradient_accumulation_steps=a.grad_accum,
         use_cpu=True,
         disable_tqdm=True,
         **best,
@@ -114,9 +155,14 @@ def main() -> None:
         model=model,
         args=args,
         train_dataset=ds,
-        eval_dataset=ds if a.best else None,
+        eval_dataset=ds if evaluating else None,
         data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-        callbacks=[EndCallback(), *([SleepCallback(a.step_sleep)] if a.step_sleep else [])],
+        callbacks=[
+            EndCallback(),
+            *([SleepCallback(a.step_sleep)] if a.step_sleep else []),
+            *([EvalCallback(a.eval_sleep)] if evaluating else []),
+            *([MicroBatchCallback(a.micro_sleep)] if a.micro_sleep else []),
+        ],
     )
     if a.attach:
         import trainer_runtime

@@ -30,7 +30,7 @@ from trainer_runtime.checkpoint.layout import (
     SENTINEL_NAME,
     CheckpointStore,
 )
-from trainer_runtime.protocol import EXIT_PREEMPTED, TerminationMessage
+from trainer_runtime.protocol import EXIT_PREEMPTED, REASON_DEADLINE_TOO_SHORT, TerminationMessage
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "hf_stock_script.py"
@@ -411,3 +411,185 @@ def test_trl_sft_trainer_unmodified_sigterm_and_resume(tmp_path: Path) -> None:
     )
     assert second.wait() == 0, second.log()
     _assert_same_weights(final, work / "final")
+
+
+# -- the stops of our Trainer (issue 37): an evaluation abandoned, a step dropped at a
+# micro-batch boundary, a save that cannot fit not started ------------------------------------
+
+
+def _transformers_alone(work: Path, *extra: str) -> tuple[Path, str]:
+    """The stock script with ``extra``, uninterrupted, without the integration: its final
+    weights and its log."""
+    final = work / "final"
+    argv = [str(SCRIPT), "--output-dir", str(work / "out"), "--final-dir", str(final), *extra]
+    run = Run(work, argv, _env())
+    assert run.wait() == 0, run.log()
+    return final, run.log()
+
+
+def _lines(log: str, prefix: str) -> list[str]:
+    return [ln for ln in log.splitlines() if ln.startswith(prefix)]
+
+
+def test_sigterm_during_a_long_evaluation_abandons_it_and_the_resumed_run_evaluates_again(
+    tmp_path: Path,
+) -> None:
+    """An evaluation of 4 batches of 1.5 s (6 s) with a 3 s grace: the SIGTERM after its first
+    batch abandons it at the next batch, the completed step is saved at once. The resumed run
+    runs that evaluation first, with the same random numbers: its evaluations and its final
+    weights equal transformers' alone, uninterrupted (side by side)."""
+    config = ("--eval-steps", "4", "--save-steps", "99")
+    ref_final, ref_log = _transformers_alone(tmp_path / "ref", *config)
+    out, final = tmp_path / "out", tmp_path / "final"
+    grace = 3.0
+    first = Run(
+        tmp_path / "a1",
+        _argv(SCRIPT, out, mode="run", extra=(*config, "--eval-sleep", "1.5")),
+        _operator_env(out, tmp_path, 1, PREEMPTIBLE_GRACE_SECONDS=str(grace)),
+    )
+    first.wait_for("EVAL BATCH 4")
+    first.signal(signal.SIGTERM)
+    assert first.wait() == EXIT_PREEMPTED, first.log()
+    log = first.log()
+    msg = first.termination()
+    assert msg.reason == "preempted" and msg.complete and msg.stop == "evaluation", msg
+    assert msg.step == 4 and msg.checkpoint and msg.checkpoint.endswith("checkpoint-4"), msg
+    assert msg.sigterm_to_exit_seconds is not None and msg.sigterm_to_exit_seconds < grace, msg
+    assert len(_lines(log, "EVAL BATCH 4")) <= 2, "the evaluation was not abandoned"
+    assert not _lines(log, "EVALUATED"), log
+    record = json.loads((out / "checkpoint-4" / RUNTIME_STATE_NAME).read_text())
+    assert record["pending_evaluation"] == {"skip_scheduler": False}, record
+
+    second = Run(
+        tmp_path / "a2",
+        _argv(SCRIPT, out, mode="run", extra=(*config, "--final-dir", str(final))),
+        _operator_env(out, tmp_path, 2),
+    )
+    assert second.wait() == 0, second.log()
+    evaluated = _lines(second.log(), "EVALUATED")
+    assert evaluated[:1] == _lines(ref_log, "EVALUATED 4"), "the evaluation did not run again"
+    assert evaluated == _lines(ref_log, "EVALUATED"), (evaluated, _lines(ref_log, "EVALUATED"))
+    _assert_same_weights(final, ref_final)
+
+
+def test_a_step_that_cannot_fit_is_dropped_at_a_micro_batch_boundary(tmp_path: Path) -> None:
+    """Four micro-batches of 0.8 s per step, a 1 s grace, finish_step (the default): after the
+    SIGTERM the rest of the step cannot fit, so the partial accumulation is dropped at the next
+    micro-batch boundary and the previous step saved at once; the resumed run trains the
+    dropped micro-batches again and ends equal to transformers alone, uninterrupted."""
+    config = ("--grad-accum", "4", "--save-steps", "99")
+    ref_final, _ = _transformers_alone(tmp_path / "ref", *config)
+    out, final = tmp_path / "out", tmp_path / "final"
+    first = Run(
+        tmp_path / "a1",
+        _argv(SCRIPT, out, mode="run", extra=(*config, "--micro-sleep", "0.8")),
+        _operator_env(out, tmp_path, 1, PREEMPTIBLE_GRACE_SECONDS="1"),
+    )
+    first.wait_for("SUBSTEP 4")  # the first micro-batch of step 4 (the 2nd step of epoch 1)
+    first.signal(signal.SIGTERM)
+    assert first.wait() == EXIT_PREEMPTED, first.log()
+    msg = first.termination()
+    assert msg.reason == "preempted" and msg.complete and msg.stop == "micro_batch", msg
+    assert msg.step == 3, f"the last completed step is 3, the JIT checkpoint is {msg.step}"
+    assert len(_lines(first.log(), "SUBSTEP 4")) <= 2, "step 4 was not stopped"
+    assert msg.micro_batch_seconds is not None and msg.micro_batch_seconds.max >= 0.8, msg
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
+
+    second = Run(
+        tmp_path / "a2",
+        _argv(SCRIPT, out, mode="run", extra=(*config, "--final-dir", str(final))),
+        _operator_env(out, tmp_path, 2),
+    )
+    assert second.wait() == 0, second.log()
+    _assert_same_weights(final, ref_final)
+
+
+def test_a_jit_save_that_cannot_finish_before_the_deadline_is_not_started(tmp_path: Path) -> None:
+    """The periodic save of step 4 takes over 2.5 s, the grace is 1.5 s: after the SIGTERM no
+    JIT save is started (a save SIGKILLed half-way is worth nothing); exit 75 at once with
+    ``deadline_too_short``, as our Trainer reports it."""
+    out = tmp_path / "out"
+    grace = 1.5
+    run = Run(
+        tmp_path / "a1",
+        _argv(SCRIPT, out, mode="run", extra=("--step-sleep", "0.3", "--save-sleep", "2.5")),
+        _operator_env(out, tmp_path, 1, PREEMPTIBLE_GRACE_SECONDS=str(grace)),
+    )
+    run.wait_for("STEP 6")
+    run.signal(signal.SIGTERM)
+    assert run.wait() == EXIT_PREEMPTED, run.log()
+    msg = run.termination()
+    assert msg.reason == REASON_DEADLINE_TOO_SHORT, msg
+    assert msg.checkpoint is None and not msg.complete and msg.stop == "no_save", msg
+    assert msg.message and "deadline too short" in msg.message, msg
+    assert msg.step >= 6 and msg.sigterm_to_exit_seconds is not None, msg
+    assert msg.sigterm_to_exit_seconds < grace, msg
+    assert [c.step for c in CheckpointStore(str(out)).list()] == [4], "a JIT save was started"
+    assert len(_lines(run.log(), "SAVING")) == 1, run.log()
+
+
+def test_sigterm_to_one_of_two_ranks_during_an_evaluation_abandons_it_on_both(
+    tmp_path: Path,
+) -> None:
+    """The ranks agree at every evaluation batch: a SIGTERM that reached rank 1 only abandons
+    the evaluation on both, at the same batch, and both save the same step (no rank left in
+    the evaluation's collectives)."""
+    out = tmp_path / "out"
+    port = str(free_port())
+    runs = []
+    for rank in range(2):
+        env = _operator_env(
+            out,
+            tmp_path / f"rank{rank}",
+            1,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            WORLD_SIZE="2",
+            RANK=str(rank),
+            NODE_RANK=str(rank),
+            LOCAL_RANK="0",
+        )
+        (tmp_path / f"rank{rank}").mkdir()
+        extra = ("--eval-steps", "4", "--eval-sleep", "1.5", "--save-steps", "99")
+        runs.append(Run(tmp_path / f"rank{rank}", _argv(SCRIPT, out, mode="run", extra=extra), env))
+    runs[1].wait_for("EVAL BATCH 4")
+    runs[1].signal(signal.SIGTERM)  # only rank 1 is signalled
+    codes = [r.wait(timeout=120) for r in runs]
+    assert codes == [EXIT_PREEMPTED, EXIT_PREEMPTED], [r.log()[-3000:] for r in runs]
+    msgs = [r.termination() for r in runs]
+    assert [(m.step, m.stop) for m in msgs] == [(4, "evaluation")] * 2, msgs
+    assert not any(_lines(r.log(), "EVALUATED") for r in runs)
+    info = CheckpointStore(str(out)).inspect("checkpoint-4")
+    assert info.complete and info.manifest["world_size"] == 2, info
+
+
+def test_an_abandoned_evaluation_still_decides_the_best_checkpoint_after_resume(
+    tmp_path: Path,
+) -> None:
+    """load_best_model_at_end, the first evaluation the best one (greater_is_better on
+    eval_loss), and the SIGTERM during that evaluation: the resumed run evaluates step 4 first,
+    so the best checkpoint and the final (best) weights are transformers' alone, uninterrupted."""
+    config = ("--best", "--greater-is-better")
+    ref_final, ref_log = _transformers_alone(tmp_path / "ref", *config)
+    assert [ln.rsplit("/", 1)[-1] for ln in _lines(ref_log, "LOADING BEST")] == ["checkpoint-4"]
+    out, final = tmp_path / "out", tmp_path / "final"
+    first = Run(
+        tmp_path / "a1",
+        _argv(SCRIPT, out, mode="run", extra=(*config, "--eval-sleep", "1.5")),
+        _operator_env(out, tmp_path, 1, PREEMPTIBLE_GRACE_SECONDS="3"),
+    )
+    first.wait_for("EVAL BATCH 4")
+    first.signal(signal.SIGTERM)
+    assert first.wait() == EXIT_PREEMPTED, first.log()
+    msg = first.termination()
+    assert (msg.step, msg.stop) == (4, "evaluation"), msg
+    second = Run(
+        tmp_path / "a2",
+        _argv(SCRIPT, out, mode="run", extra=(*config, "--final-dir", str(final))),
+        _operator_env(out, tmp_path, 2),
+    )
+    assert second.wait() == 0, second.log()
+    log = second.log()
+    assert _lines(log, "EVALUATED") == _lines(ref_log, "EVALUATED"), log
+    assert _lines(log, "LOADING BEST") == [f"LOADING BEST {out / 'checkpoint-4'}"], log
+    _assert_same_weights(final, ref_final)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cluster.s3 import S3Server
+from tests.cluster.s3 import FaultyLink, S3Server
 from tests.s3.helpers import S3Calls, client
 from trainer_runtime.checkpoint import object_store
 from trainer_runtime.checkpoint.io import CheckpointReader, CheckpointWriter, rotate_checkpoints
@@ -100,6 +100,35 @@ def test_the_manifest_is_a_conditional_create(
     with pytest.raises(CheckpointError, match="written by another writer first"):
         writer.commit()
     assert client(s3_server).cat_file(f"{s3_bucket}/run/checkpoint-5/{MANIFEST_NAME}") == rival
+
+
+def test_a_lost_response_to_the_manifest_put_is_recognised_as_our_own_commit(
+    s3_server: S3Server, s3_bucket: str, s3_env: dict
+) -> None:
+    """Issue 37: the store did our manifest PUT but its response was lost on the way back; the
+    client's retry meets the manifest (412) and must not take it for another writer's (the
+    save's discard would then remove our own committed checkpoint)."""
+    link = FaultyLink(s3_server.port)
+    try:
+        options = {**s3_server.storage_options(), "endpoint_url": link.endpoint}
+        url = f"s3://{s3_bucket}/run"
+        writer = CheckpointWriter(url, 5, attempt=1, storage_options=options)
+        writer.begin()
+        writer.write_tensors("model.safetensors", {"w": torch.arange(10.0)})
+        link.drop_response_once(f"PUT /{s3_bucket}/run/checkpoint-5/{MANIFEST_NAME}".encode())
+        info = writer.commit()
+        assert info.complete and info.step == 5
+        puts = [r for r in link.requests if r.startswith(b"PUT") and MANIFEST_NAME.encode() in r]
+        assert len(link.dropped) == 1 and len(puts) == 2, (link.dropped, puts)
+        writer.discard()  # what a failed save does: nothing, the checkpoint is committed
+    finally:
+        link.close()
+    store = CheckpointStore(url)
+    (only,) = store.list()
+    assert only.complete and only.step == 5, only
+    assert CheckpointReader(only.path).load_tensors("model.safetensors")["w"].tolist() == list(
+        range(10)
+    )
 
 
 def _write_checkpoint(url: str, step: int, attempt: int) -> None:

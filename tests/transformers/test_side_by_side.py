@@ -450,3 +450,138 @@ def test_iterable_dataset_logs_fractional_epochs(tmp_path: Path) -> None:
     assert epochs[0] == pytest.approx(1 / 7) and epochs[-1] > 1.0, epochs
     assert [e["epoch"] for e in ours.train_logs()] == pytest.approx(epochs)
     assert_runs_match(theirs, ours)
+
+
+def eval_num_items_script(api: sbs.Api, out: Path) -> dict[str, Any]:
+    """A compute_loss override recording what it gets in training and in evaluation (during
+    train() and from evaluate()): type, dtype and value of ``num_items_in_batch``."""
+    from transformers import DataCollatorForLanguageModeling
+
+    seen: list[tuple[str, str, str | None, float | None]] = []
+
+    class Recording(api.Trainer):  # type: ignore[misc, name-defined]
+        def compute_loss(  # type: ignore[no-untyped-def]
+            self, model, inputs, return_outputs=False, num_items_in_batch=None
+        ):
+            phase = "train" if model.training else "eval"
+            if num_items_in_batch is None:
+                seen.append((phase, "None", None, None))
+            else:
+                dtype = getattr(num_items_in_batch, "dtype", None)
+                seen.append(
+                    (
+                        phase,
+                        type(num_items_in_batch).__name__,
+                        None if dtype is None else str(dtype),
+                        float(num_items_in_batch),
+                    )
+                )
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+
+    tok = models.tokenizer()
+    model = models.gpt2(tok, seed=0)
+    train = models.causal_lm_dataset(tok, n=16, seed=0).remove_columns(["text"])
+    held_out = models.causal_lm_dataset(tok, n=6, seed=1).remove_columns(["text"])
+    trainer = Recording(
+        model=model,
+        args=api.args(
+            out,
+            per_device_train_batch_size=2,
+            per_device_eval_batch_size=4,  # a short last batch: 4 + 2
+            gradient_accumulation_steps=2,
+            max_steps=3,
+            logging_steps=1,
+            eval_strategy="steps",
+            eval_steps=2,
+            save_strategy="no",
+        ),
+        train_dataset=train,
+        eval_dataset=held_out,
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+        callbacks=sbs.callbacks(api),
+    )
+    trainer.train()
+    return {"trainer": trainer, "seen": seen, "eval": trainer.evaluate()}
+
+
+def test_compute_loss_override_gets_num_items_in_evaluation_as_transformers_passes_it(
+    tmp_path: Path,
+) -> None:
+    theirs, ours = sbs.run_both(eval_num_items_script, tmp_path)
+    evals = [s for s in theirs.results["seen"] if s[0] == "eval"]
+    assert evals and all(s[1] == "Tensor" for s in evals), theirs.results["seen"]
+    assert ours.results["seen"] == theirs.results["seen"]
+    assert_runs_match(theirs, ours)
+    sbs.assert_metrics_match(theirs.results["eval"], ours.results["eval"], "evaluate()")
+
+
+def group_by_length_script(gradient_accumulation_steps: int) -> sbs.Script:
+    """``train_sampling_strategy="group_by_length"`` with the same seed under both Trainers, two
+    epochs, dropout on, then evaluate() and predict(): the padded length of every batch is
+    recorded (by the collator)."""
+
+    def script(api: sbs.Api, out: Path) -> dict[str, Any]:
+        from transformers import DataCollatorForLanguageModeling
+
+        tok = models.tokenizer()
+        model = models.gpt2(tok, seed=0, dropout=0.1)
+        # 64 samples of 5 to 13 tokens: megabatches of 4 batches, sorted within
+        train = models.causal_lm_dataset(tok, n=64, seed=0).remove_columns(["text"])
+        collate = DataCollatorForLanguageModeling(tok, mlm=False)
+        padded: list[int] = []
+
+        def recording_collator(features: list[dict[str, Any]]) -> Any:
+            batch = collate(features)
+            padded.append(int(batch["input_ids"].shape[1]))
+            return batch
+
+        trainer = api.Trainer(
+            model=model,
+            args=api.args(
+                out,
+                train_sampling_strategy="group_by_length",
+                per_device_train_batch_size=4,
+                per_device_eval_batch_size=2,  # megabatches of 5 batches
+                gradient_accumulation_steps=gradient_accumulation_steps,
+                num_train_epochs=2,
+                logging_steps=1,
+                save_strategy="no",
+            ),
+            train_dataset=train,
+            data_collator=recording_collator,
+            callbacks=sbs.callbacks(api),
+        )
+        trainer.train()
+        trained = len(padded)
+        # transformers length-groups the evaluation and prediction batches too (seeded)
+        held_out = models.causal_lm_dataset(tok, n=40, seed=1).remove_columns(["text"])
+        metrics = trainer.evaluate(held_out)
+        predicted = trainer.predict(held_out)
+        return {
+            "trainer": trainer,
+            "padded": padded[:trained],
+            "eval_padded": padded[trained:],
+            "eval": metrics,
+            "predict": predicted,
+        }
+
+    return script
+
+
+@pytest.mark.parametrize("gradient_accumulation_steps", [1, 2])
+def test_group_by_length_batch_order_equals_transformers(
+    gradient_accumulation_steps: int, tmp_path: Path
+) -> None:
+    theirs, ours = sbs.run_both(group_by_length_script(gradient_accumulation_steps), tmp_path)
+    assert len(theirs.results["padded"]) == 32  # 16 micro-batches per epoch, two epochs
+    assert len(set(theirs.results["padded"])) > 1  # lengths vary: the order is visible
+    assert ours.results["padded"] == theirs.results["padded"]
+    assert_runs_match(theirs, ours)
+    assert len(set(theirs.results["eval_padded"])) > 1
+    assert ours.results["eval_padded"] == theirs.results["eval_padded"]
+    sbs.assert_metrics_match(theirs.results["eval"], ours.results["eval"], "evaluate()")
+    t_pred, o_pred = theirs.results["predict"], ours.results["predict"]
+    sbs.assert_metrics_match(t_pred.metrics, o_pred.metrics, "predict().metrics")
+    sbs.assert_arrays_match(t_pred.label_ids, o_pred.label_ids, "label_ids")

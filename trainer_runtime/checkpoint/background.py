@@ -169,7 +169,8 @@ def snapshot_entry(name: str, data: Any, buffers: SnapshotBuffers | None = None)
     ``buffers`` when given), a record (callable) built now; bytes are immutable already."""
     if isinstance(data, TensorFile):
         pool = buffers if buffers is not None else SnapshotBuffers()
-        return TensorFile(pool.snapshot(name, data.tensors), data.metadata)
+        # the same kind of file (a ShardFile stays one: its tensors' names go to the index)
+        return type(data)(pool.snapshot(name, data.tensors), data.metadata)
     if callable(data):
         return data()
     return data

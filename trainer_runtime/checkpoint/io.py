@@ -79,7 +79,7 @@ from trainer_runtime.checkpoint.safetensors_stream import (
     tensors_from_buffer,
     write_safetensors,
 )
-from trainer_runtime.checkpoint.shares import load_indexed
+from trainer_runtime.checkpoint.shares import ShardFile, ShareIndex, load_indexed
 from trainer_runtime.checkpoint.storage import Storage
 from trainer_runtime.errors import (
     CheckpointCorruptError,
@@ -107,7 +107,17 @@ __all__ = [
 OPTIMIZER_META_KEY = "preemptible.optimizer_meta"
 _OPTIMIZER_META_FORMAT = "preemptible-optimizer/1"
 _RESERVED_MANIFEST_KEYS = frozenset(
-    {"format", "step", "world_size", "attempt", "save_seconds", "created_at", "files", "node_copy"}
+    {
+        "format",
+        "step",
+        "world_size",
+        "attempt",
+        "save_seconds",
+        "created_at",
+        "files",
+        "node_copy",
+        "commit_token",
+    }
 )
 
 # write_entries: safetensors files at least this large are written concurrently, this many at once
@@ -225,6 +235,12 @@ class CheckpointWriter:
         self._created = False
         self._marked = False  # a corrupt marker was in the directory: removed at the commit
         self._touched: set[str] = set()
+        # Rank-shared groups (shares.py): the tensors of the shards this rank wrote (file ->
+        # names, in its record), and on the coordinator the indexes built from every rank's at
+        # the commit.
+        self._shard_tensors: dict[str, list[str]] = {}
+        self._indexes: dict[str, ShareIndex] = {}
+        self._written_shards: dict[str, list[str]] = {}
         # Set by another thread to stop a background write between blocks (Cancelled).
         self.cancel: threading.Event | None = None
 
@@ -302,9 +318,10 @@ class CheckpointWriter:
         if existed:
             # A rewrite of the same step (e.g. a resumed attempt saving where the previous one
             # stopped): drop everything the earlier writer left, now that the sentinel protects it.
-            # A complete checkpoint of this step is only ever rewritten by a run that did not
-            # resume from it (the Trainers skip a save of the step they resumed from or saved):
-            # another trajectory's state, which this one replaces.
+            # A complete checkpoint of this step is only ever rewritten by a run that started
+            # fresh (transformers' behaviour: another trajectory's state, which this one
+            # replaces): our Trainer skips the save of the step it resumed from or saved, and
+            # after a resume keeps complete checkpoints of later steps (Trainer._kept_checkpoint).
             if replaced is not None and replaced.complete:
                 logger.warning(
                     "replacing the complete checkpoint %s (attempt %s) with this run's state "
@@ -390,12 +407,28 @@ class CheckpointWriter:
         self._files[name] = file_record(name, fh.size, fh.digest)
 
     def write_entry(
-        self, filename: str, data: bytes | TensorFile, *, per_rank: bool = False
+        self, filename: str, data: bytes | TensorFile | ShareIndex, *, per_rank: bool = False
     ) -> None:
         """Write bytes or a :class:`TensorFile` (e.g. an entry of
-        :func:`~trainer_runtime.checkpoint.hf_format.model_file_entries`)."""
+        :func:`~trainer_runtime.checkpoint.hf_format.model_file_entries`). A ShareIndex (the
+        coordinator's entry of shares.share_entries) is written at the commit, built from the
+        shards every rank wrote."""
+        if isinstance(data, ShareIndex):
+            self._require_open()
+            name = _check_filename(filename)
+            if name in self._files or name in self._rank_files or name in self._indexes:
+                raise CheckpointError(f"{name} written twice to {self.path}")
+            if self.each_node or not self.is_coordinator:
+                raise ConfigurationError(
+                    f"{name}: a shared group's index is written by the coordinator of a single "
+                    "copy (rank 0, save_on_each_node=False)"
+                )
+            self._indexes[name] = data
+            return
         if isinstance(data, TensorFile):
             self.write_tensors(filename, data.tensors, data.metadata, per_rank=per_rank)
+            if isinstance(data, ShardFile):
+                self._shard_tensors[_check_filename(filename)] = list(data.tensors)
         else:
             self.write_bytes(filename, data, per_rank=per_rank)
 
@@ -541,7 +574,13 @@ class CheckpointWriter:
         error: BaseException | None = None
         if self.world_size > 1 and not self.is_coordinator:  # the coordinator has its own in memory
             try:
-                record = {"rank": self.rank, "attempt": self.attempt, "files": self.files}
+                record = {
+                    "rank": self.rank,
+                    "attempt": self.attempt,
+                    "files": self.files,
+                    # the tensors of its shards: the coordinator builds the indexes from them
+                    "shard_tensors": self._shard_tensors,
+                }
                 self.root.write_json(self._rel(_partial_name(self.rank)), record)
             except BaseException as exc:
                 error = exc
@@ -567,14 +606,27 @@ class CheckpointWriter:
         return info
 
     def _commit_coordinator(self, extra: dict[str, Any]) -> CheckpointInfo:
-        return self._publish_manifest(self._prepare_manifest(extra, self._merge_records()))
+        merged = self._merge_records()
+        self._write_indexes(merged)
+        return self._publish_manifest(self._prepare_manifest(extra, merged))
+
+    def _write_indexes(self, merged: dict[str, dict[str, Any]]) -> None:
+        """Coordinator, every rank's record merged: write each shared group's index from the
+        shards the ranks wrote (not from its own plan), and add it to the files to commit."""
+        for name, index in sorted(self._indexes.items()):
+            data = index.build(self._written_shards, f"{self.path}/{name}")
+            self._write_file(name, data)
+            entry = self._files[name]
+            merged[name] = {k: v for k, v in entry.items() if k in ("path", "size", *ALGORITHMS)}
 
     def _merge_records(self) -> dict[str, dict[str, Any]]:
         merged: dict[str, dict[str, Any]] = {}
         owners: dict[str, int] = {}
+        self._written_shards = {}
         for rank in range(self.world_size):
             if rank == 0:
                 files = self.files
+                self._written_shards.update(self._shard_tensors)
             else:
                 rel = self._rel(_partial_name(rank))
                 try:
@@ -589,6 +641,9 @@ class CheckpointWriter:
                         f"the coordinator runs attempt {self.attempt}"
                     )
                 files = record.get("files", [])
+                shards = record.get("shard_tensors") or {}
+                if isinstance(shards, dict):
+                    self._written_shards.update({str(k): list(v) for k, v in shards.items()})
             for entry in files:
                 if entry["path"] in merged:
                     raise CheckpointError(
@@ -628,6 +683,9 @@ class CheckpointWriter:
             "save_seconds": round(save_seconds, 6),
             "created_at": _utc_now(),
             "files": sorted(merged.values(), key=lambda e: e["path"]),
+            # this save's own token (the sentinel's): a conditional create refused because the
+            # manifest exists is ours when it carries it (_publish_manifest)
+            "commit_token": self._token,
         }
         if self.each_node:
             manifest["node_copy"] = {
@@ -646,12 +704,13 @@ class CheckpointWriter:
         try:
             self.root.atomic_write_json(self._rel(MANIFEST_NAME), manifest, exclusive=True)
         except StorageError as exc:
-            if isinstance(exc.cause, FileExistsError):
+            if not isinstance(exc.cause, FileExistsError):
+                raise
+            if not self._manifest_is_ours(manifest, exc):
                 raise CheckpointError(
                     f"{self.path}/{MANIFEST_NAME} was written by another writer first: "
                     "checkpoint not committed by this one"
                 ) from exc
-            raise
         if self._marked:
             try:
                 self.root.remove(self._rel(CORRUPT_NAME))
@@ -666,6 +725,31 @@ class CheckpointWriter:
                 f"checkpoint {self.path} is not complete after commit: {info.reason}"
             )
         return info
+
+    def _manifest_is_ours(self, manifest: Mapping[str, Any], refused: StorageError) -> bool:
+        """The conditional create of the manifest was refused because it exists: whether the
+        manifest there is the one this writer sent. It is when an earlier try of the same
+        request was done by the store but its response was lost (a connection reset, a
+        timeout): the client's retry then meets our own manifest (HTTP 412). Told apart from
+        another writer's by this save's token. An unreadable manifest raises CheckpointError:
+        whether this save committed is not known, so it is not reported as another writer's."""
+        try:
+            there = self.root.read_json(self._rel(MANIFEST_NAME))
+        except StorageError as exc:
+            raise CheckpointError(
+                f"{self.path}/{MANIFEST_NAME} exists ({refused}) but cannot be read back to "
+                f"tell whether this writer's own earlier try wrote it: {exc}"
+            ) from exc
+        token = manifest.get("commit_token")
+        if not (isinstance(there, dict) and token and there.get("commit_token") == token):
+            return False
+        logger.warning(
+            "%s/%s: the store refused the manifest as existing, and the manifest there is this "
+            "save's own (a retry after an earlier try's response was lost): committed",
+            self.path,
+            MANIFEST_NAME,
+        )
+        return True
 
     # -- a failed save ---------------------------------------------------------------------------
     def discard(self, *, every_rank_done: bool = False) -> list[str]:

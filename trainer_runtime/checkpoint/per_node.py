@@ -42,6 +42,7 @@ __all__ = [
     "each_node_active",
     "gather_objects",
     "is_checkpoint_writer",
+    "newer_than_requested",
     "node_label",
     "resolve_resume",
     "writer_options",
@@ -221,6 +222,19 @@ def choose_latest_step(reports: Collection[NodeReport]) -> tuple[int | None, str
     return step, note
 
 
+def newer_than_requested(reports: Collection[NodeReport]) -> int | None:
+    """The newest step complete on every node when it is newer than the requested checkpoint's
+    step (every node's, the same), else None; pure."""
+    requested = {r.requested[1] for r in reports if r.requested is not None}
+    if len(requested) != 1 or min(requested) < 0:
+        return None
+    try:
+        step, _ = choose_latest_step(reports)
+    except ResumeError:
+        return None
+    return step if step is not None and step > requested.pop() else None
+
+
 def check_requested_checkpoint(path: str, reports: Collection[NodeReport]) -> int:
     """The step of an explicitly requested checkpoint, which must be complete (and the same step)
     on every node; ResumeError naming each node's state otherwise."""
@@ -293,6 +307,17 @@ def resolve_resume(
     path = None if resume is True else str(resume)
     report = _report(store, path, below)
     reports = [NodeReport(*r) for r in gather_objects(tuple(_fields(report)))]
+    if path is not None and from_env and below is None:
+        newer = newer_than_requested(reports)
+        if newer is not None:
+            # a path from the operator is the least a resume may start from
+            logger.warning(
+                "%s=%s, but checkpoint-%d is complete on every node and newer: resuming from it",
+                ENV_RESUME_FROM,
+                path,
+                newer,
+            )
+            path = None
     if path is not None:
         check_requested_checkpoint(path, reports)
         info = store.inspect(path)

@@ -4,8 +4,10 @@ integration (torch-free).
 ``resume_from_checkpoint`` as the caller gave it, or ``$PREEMPTIBLE_RESUME_FROM`` (the operator's)
 when the caller gave none: ``latest`` / ``True`` is the newest complete checkpoint (a fresh start
 under the operator when there is none, an error for a caller who asked), a path must be
-complete, except that a path the operator passed that a resume has marked corrupt since gives way
-to the newest complete checkpoint before it (docs/checkpoints.md, "Resume").
+complete. A path the operator passed is the least it may resume from: a newer complete
+checkpoint next to it wins (what the operator knew of can be older than what the pods wrote
+since), and one a resume has marked corrupt since gives way to the newest complete checkpoint
+before it (docs/checkpoints.md, "Resume").
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 
-from trainer_runtime.checkpoint.layout import CheckpointInfo, CheckpointStore
+from trainer_runtime.checkpoint.layout import CheckpointInfo, CheckpointStore, parse_step
 from trainer_runtime.errors import ResumeError
 from trainer_runtime.protocol import ENV_RESUME_FROM
 
@@ -67,6 +69,21 @@ def resolve_in_store(
         return latest
     path = str(resume)
     info = CheckpointStore(output_dir).inspect(path)
+    if from_env and parse_step(info.name) is not None:
+        newer = CheckpointStore(parent_of(info.path)).latest_complete()
+        if newer is not None and newer.step > info.step:
+            # Resuming from the older one would train the steps between them again and then
+            # overwrite the newer checkpoint with this run's state of its step.
+            logger.warning(
+                "%s=%s, but %s (step %d) is complete and newer: resuming from it (a path from "
+                "the operator is the least a resume may start from; what it knew of can be "
+                "older than the newest complete checkpoint)",
+                ENV_RESUME_FROM,
+                path,
+                newer.path,
+                newer.step,
+            )
+            return newer
     if not info.complete and from_env and info.corrupt:
         # The operator passes the newest complete checkpoint it knew (never an older one than
         # the runtime reported); one a resume marked corrupt since gives way to the newest

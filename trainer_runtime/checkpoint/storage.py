@@ -281,8 +281,12 @@ class Storage:
         return out
 
     def read_bytes(self, rel: str) -> bytes:
+        path = self._path(rel)
         with self._op("read", rel):
-            return bytes(self.fs.cat_file(self._path(rel)))
+            # s3fs answers a read from a cached listing that lacks the file (a listing taken
+            # before another writer, or our own try whose response was lost, created it)
+            self._fresh(path)
+            return bytes(self.fs.cat_file(path))
 
     @contextmanager
     def open_read(self, rel: str) -> Iterator[BinaryIO]:

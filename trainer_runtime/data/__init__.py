@@ -1,5 +1,6 @@
 """The data pipeline: resumable and length-aware samplers, padding collator, column removal,
-batch dispatch, NEFTune and the data arguments of ``TrainingArguments``."""
+batch dispatch, NEFTune, the data arguments of ``TrainingArguments`` and DataLoader workers that
+a forwarded SIGTERM does not kill."""
 
 from __future__ import annotations
 
@@ -20,5 +21,7 @@ __all__, __getattr__, __dir__ = lazy_exports(
         "activate_neftune": "neftune",
         "deactivate_neftune": "neftune",
         "DataArguments": "arguments",
+        "shielded_worker_init_fn": "worker_signals",
+        "shield_dataloader": "worker_signals",
     },
 )

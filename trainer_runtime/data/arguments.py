@@ -165,6 +165,8 @@ def dataloader_kwargs(args: Any) -> dict[str, Any]:
 
     from torch.utils.data import DataLoader
 
+    from trainer_runtime.data.worker_signals import shielded_worker_init_fn
+
     workers = int(args.dataloader_num_workers)
     kwargs: dict[str, Any] = {
         "num_workers": workers,
@@ -176,7 +178,8 @@ def dataloader_kwargs(args: Any) -> dict[str, Any]:
             kwargs["prefetch_factor"] = int(args.dataloader_prefetch_factor)
         if args.dataloader_multiprocessing_context is not None:
             kwargs["multiprocessing_context"] = args.dataloader_multiprocessing_context
-        kwargs["worker_init_fn"] = seed_worker
+        # Behind the shield: a SIGTERM forwarded to the process group must not kill the workers.
+        kwargs["worker_init_fn"] = shielded_worker_init_fn(seed_worker)
         if "in_order" in inspect.signature(DataLoader.__init__).parameters:
             kwargs["in_order"] = bool(args.dataloader_in_order)
         elif not args.dataloader_in_order:
@@ -343,14 +346,19 @@ def build_train_dataloader(
             model_input_name=model_input_name,
             parallelism=parallelism,
         )
-    if strategy == "group_by_length" and rank == 0:
-        # Kept deliberately (docs/trainer.md, "Differences from transformers"): said at start.
-        logger.warning(
-            "train_sampling_strategy='group_by_length': the batch order differs from "
-            "transformers' with the same seed (ours is drawn from data_seed=%d so that a resume "
-            "mid-epoch restores it exactly; transformers draws it from the global torch RNG)",
-            seed,
-        )
+    if strategy == "group_by_length":
+        # One process: each epoch's order from the global torch RNG, as transformers draws it
+        # (the same batches with the same seed; the checkpoint keeps what a resume needs).
+        options["order_from_global_rng"] = num_replicas == 1
+        if num_replicas > 1 and rank == 0:
+            # docs/trainer.md, "Differences from transformers": said at start.
+            logger.warning(
+                "train_sampling_strategy='group_by_length' with %d ranks: the batch order "
+                "differs from transformers' with the same seed (ours is drawn from "
+                "data_seed=%d, the same on every rank, and deals samples to the ranks in turn)",
+                num_replicas,
+                seed,
+            )
     factory = BATCH_SAMPLERS.get(strategy)
     if factory is None:
         raise ConfigurationError(

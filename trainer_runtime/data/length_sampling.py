@@ -16,6 +16,8 @@ are disjoint, and a rank short of samples ends the epoch with padding batches (s
 
 from __future__ import annotations
 
+import base64
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -26,19 +28,26 @@ from trainer_runtime.data.samplers import BATCH_SAMPLERS, ResumableBatchSampler
 from trainer_runtime.errors import ConfigurationError
 
 __all__ = [
+    "EPOCH_ORDER_KEY",
     "LENGTH_STRATEGIES",
     "BatchRebalanceBatchSampler",
     "LengthGroupedBatchSampler",
     "balanced_partition",
     "batch_rebalance_plan",
     "build_length_batch_sampler",
+    "eval_length_grouped_order",
     "group_by_length_plan",
     "infer_lengths",
     "item_length",
     "padded_cost",
 ]
 
+logger = logging.getLogger(__name__)
+
 LENGTH_STRATEGIES = ("group_by_length", "batch_rebalance")
+# Key of the runtime record (preemptible_state.json) holding what LengthGroupedBatchSampler.
+# begin_epoch returned: how a resume rebuilds the epoch's order.
+EPOCH_ORDER_KEY = "group_by_length_order"
 DEFAULT_MODEL_INPUT_NAME = "input_ids"
 # Upper bound of the megabatch multiplier, as in the Hugging Face length-grouped sampler.
 _MAX_MEGA_BATCH_MULT = 50
@@ -148,10 +157,16 @@ def padded_cost(lengths: Sequence[int]) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
-    # Same seeding convention as DistributedSampler: seed + epoch.
+def _epoch_permutation(
+    n: int, seed: int, epoch: int, generator_state: torch.Tensor | None = None
+) -> list[int]:
     generator = torch.Generator()
-    generator.manual_seed(seed + epoch)
+    if generator_state is not None:
+        # The global torch RNG's state when the epoch began (group_by_length, one process).
+        generator.set_state(generator_state)
+    else:
+        # Same seeding convention as DistributedSampler: seed + epoch.
+        generator.manual_seed(seed + epoch)
     return torch.randperm(n, generator=generator).tolist()
 
 
@@ -192,21 +207,32 @@ def group_by_length_plan(
     drop_last: bool = False,
     mega_batch_mult: int | None = None,
     even_batches: bool = True,
+    gradient_accumulation_steps: int = 1,
+    generator_state: torch.Tensor | None = None,
 ) -> list[list[int]]:
     """This rank's micro-batches for one epoch of ``group_by_length``.
 
-    The epoch permutation is cut into megabatches of ``mega_batch_mult * batch_size * world_size``
-    samples, each sorted by length (longest first); the megabatch holding the longest sample goes
-    first so an out-of-memory shows up on the first step. Consecutive ``batch_size * world_size``
-    runs of the sorted order form one step and are dealt round-robin to the ranks, so the ranks of
-    a step get similar lengths. ``even_batches=False``: no wrap-around, so the last ranks may get
-    fewer samples (and micro-batches).
+    As transformers' length-grouped sampler (on one process the same order from the same
+    permutation): the epoch permutation (drawn from a generator in ``generator_state``, else
+    seeded with ``seed + epoch``) is cut into megabatches of ``mega_batch_mult * batch_size *
+    gradient_accumulation_steps * world_size`` samples (``mega_batch_mult`` by default the
+    largest of 1 and ``min(samples // (4 * that step size), 50)``), each sorted by length
+    (longest first, ties in permutation order); the longest sample of the epoch then trades
+    places with the first sample of the first megabatch, so an out-of-memory shows up on the
+    first step. Consecutive ``batch_size * world_size`` runs of the sorted order are dealt
+    round-robin to the ranks, so the ranks of a micro-step get similar lengths.
+    ``even_batches=False``: no wrap-around, so the last ranks may get fewer samples (and
+    micro-batches).
     """
     _check_common(lengths, batch_size, rank, world_size)
-    perm = _epoch_permutation(len(lengths), seed, epoch)
+    if gradient_accumulation_steps < 1:
+        raise ConfigurationError(
+            f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}"
+        )
+    perm = _epoch_permutation(len(lengths), seed, epoch, generator_state)
     if even_batches:
         perm = _pad_to_world(perm, world_size)
-    step_size = batch_size * world_size
+    step_size = batch_size * gradient_accumulation_steps * world_size
     if mega_batch_mult is None:
         mega_batch_mult = max(1, min(len(perm) // (step_size * 4), _MAX_MEGA_BATCH_MULT))
     if mega_batch_mult < 1:
@@ -217,14 +243,24 @@ def group_by_length_plan(
         for i in range(0, len(perm), mega)
     ]
     if megabatches:
+        # First of the megabatches with the longest head (the first of them on a tie).
         longest = max(range(len(megabatches)), key=lambda m: int(lengths[megabatches[m][0]]))
-        megabatches[0], megabatches[longest] = megabatches[longest], megabatches[0]
+        first, top = megabatches[0], megabatches[longest]
+        first[0], top[0] = top[0], first[0]
     flat = [idx for mb in megabatches for idx in mb]
     mine = flat[rank::world_size]
     batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
     if drop_last and batches and len(batches[-1]) < batch_size:
         batches.pop()
     return batches
+
+
+def eval_length_grouped_order(lengths: Sequence[int], batch_size: int, *, seed: int) -> list[int]:
+    """Order of the evaluation and prediction samples under ``group_by_length``, as transformers
+    orders them: :func:`group_by_length_plan` of one epoch with a generator seeded with ``seed``
+    (``data_seed``, else ``seed``), the same at every evaluation."""
+    plan = group_by_length_plan(lengths, batch_size, seed=seed, epoch=0)
+    return [idx for batch in plan for idx in batch]
 
 
 def balanced_partition(lengths_desc: Sequence[int], parts: int) -> list[int]:
@@ -469,7 +505,16 @@ class _LengthBatchSampler(ResumableBatchSampler):
 
 
 class LengthGroupedBatchSampler(_LengthBatchSampler):
-    """``train_sampling_strategy="group_by_length"``: similar lengths share a micro-batch."""
+    """``train_sampling_strategy="group_by_length"``: similar lengths share a micro-batch.
+
+    ``order_from_global_rng`` (what the Trainer asks for on one process): each epoch's
+    permutation is drawn from the global torch RNG when the epoch begins, as transformers'
+    sampler draws it, so the same seed gives the same batches and leaves the global RNG where
+    transformers leaves it. The Trainer calls :meth:`begin_epoch` then and keeps what it returns
+    in the checkpoint; a resume hands it back and the epoch's order is rebuilt from it without
+    touching the global RNG. Otherwise (several ranks, which must agree on the order, or a
+    sampler built directly) the permutation comes from ``seed + epoch``.
+    """
 
     strategy = "group_by_length"
 
@@ -484,6 +529,8 @@ class LengthGroupedBatchSampler(_LengthBatchSampler):
         rank: int = 0,
         mega_batch_mult: int | None = None,
         even_batches: bool = True,
+        gradient_accumulation_steps: int = 1,
+        order_from_global_rng: bool = False,
     ) -> None:
         super().__init__(
             lengths,
@@ -494,9 +541,60 @@ class LengthGroupedBatchSampler(_LengthBatchSampler):
             rank=rank,
             even_batches=even_batches,
         )
+        if gradient_accumulation_steps < 1:
+            raise ConfigurationError(
+                f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}"
+            )
         self.mega_batch_mult = mega_batch_mult
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.order_from_global_rng = order_from_global_rng and num_replicas == 1
+        # (epoch, state of the generator its permutation is drawn from)
+        self._epoch_rng: tuple[int, torch.Tensor] | None = None
+
+    def begin_epoch(self, epoch: int, saved: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """Fix ``epoch``'s order when its iterator starts; returns what a resume needs.
+
+        ``saved`` None: the epoch starts afresh, its permutation is drawn from the global torch
+        RNG (advancing it as transformers' sampler does). Otherwise ``saved`` is what this call
+        returned for the run being resumed: the same permutation, the global RNG untouched. A
+        record of another epoch or dataset (a checkpoint written before this existed) falls back
+        to ``seed + epoch``, with a warning. Without ``order_from_global_rng``: nothing (None).
+        """
+        if not self.order_from_global_rng:
+            return None
+        self._plan_cache = None
+        self._real_batches = None
+        if saved is None:
+            state = torch.get_rng_state()
+            torch.randperm(self.num_samples)  # the draw transformers' sampler takes
+        elif saved.get("epoch") == epoch and saved.get("num_samples") == self.num_samples:
+            state = torch.frombuffer(
+                bytearray(base64.b64decode(saved["rng_state"])), dtype=torch.uint8
+            ).clone()
+        else:
+            logger.warning(
+                "group_by_length: the checkpoint does not hold the order of epoch %d; this epoch "
+                "is ordered from data_seed=%d instead (it differs from the interrupted run's)",
+                epoch,
+                self.seed,
+            )
+            self._epoch_rng = None
+            return None
+        self._epoch_rng = (epoch, state)
+        return {
+            "epoch": epoch,
+            "num_samples": self.num_samples,
+            "rng_state": base64.b64encode(state.numpy().tobytes()).decode("ascii"),
+        }
+
+    def _fingerprint(self) -> dict[str, Any]:
+        return {
+            **super()._fingerprint(),
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+        }
 
     def _make_plan(self, epoch: int) -> list[list[int]]:
+        rng = self._epoch_rng
         return group_by_length_plan(
             self.lengths,
             self.batch_size,
@@ -507,6 +605,8 @@ class LengthGroupedBatchSampler(_LengthBatchSampler):
             drop_last=self.drop_last,
             mega_batch_mult=self.mega_batch_mult,
             even_batches=self.even_batches,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            generator_state=rng[1] if rng is not None and rng[0] == epoch else None,
         )
 
 
@@ -592,12 +692,14 @@ def build_length_batch_sampler(
     lengths: Sequence[int] | None = None,
     parallelism: str = "data",
     even_batches: bool = True,
+    order_from_global_rng: bool = False,
 ) -> ResumableBatchSampler:
     """The batch sampler for ``train_sampling_strategy`` ``group_by_length``/``batch_rebalance``.
 
     Lengths come from ``lengths``, else the ``length_column_name`` column, else one scan of the
     dataset (see :func:`infer_lengths`): build it before removing unused columns, or keep the
     length column. ``parallelism`` other than ``"data"`` is refused for ``batch_rebalance``.
+    ``order_from_global_rng``: see :class:`LengthGroupedBatchSampler` (one process only).
     """
     if strategy not in LENGTH_STRATEGIES:
         raise ConfigurationError(
@@ -625,7 +727,13 @@ def build_length_batch_sampler(
         "even_batches": even_batches,
     }
     if strategy == "group_by_length":
-        return LengthGroupedBatchSampler(lengths, batch_size, **common)
+        return LengthGroupedBatchSampler(
+            lengths,
+            batch_size,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            order_from_global_rng=order_from_global_rng,
+            **common,
+        )
     return BatchRebalanceBatchSampler(
         lengths, batch_size, gradient_accumulation_steps=gradient_accumulation_steps, **common
     )

@@ -17,7 +17,8 @@
 It relies on these Trainer attributes: ``args``, ``model``, ``model_wrapped``, ``accelerator``,
 ``state``, ``control``, ``callback_handler``, ``data_collator``, ``eval_dataset``,
 ``compute_metrics``, ``compute_loss``, ``compute_loss_func``, ``label_names``, ``log``,
-``_event``, ``_prepare_inputs``, ``_model_accepts_loss_kwargs``, ``last_checkpoint``.
+``_event``, ``_prepare_inputs``, ``_model_accepts_loss_kwargs``, ``_loss_num_items``,
+``_model_input_name``, ``last_checkpoint``.
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from trainer_runtime.callbacks import TrainerCallback
+from trainer_runtime.data import length_sampling
 from trainer_runtime.data.columns import (
     RemoveColumnsCollator,
     is_hf_dataset,
     remove_unused_columns,
 )
+from trainer_runtime.data.worker_signals import shield_dataloader
 from trainer_runtime.distributed import collectives
 from trainer_runtime.distributed.ddp_args import even_batches
 from trainer_runtime.errors import ConfigurationError
@@ -156,6 +159,8 @@ class TrainerFeaturesMixin:
     compute_loss: Callable[..., Any]
     compute_loss_func: Callable[..., Any] | None
     _model_accepts_loss_kwargs: Callable[[], bool]
+    _loss_num_items: Callable[[int | None], torch.Tensor | None]
+    _model_input_name: Callable[[], str | None]
 
     preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None
     label_smoother: LabelSmoother | None = None
@@ -292,10 +297,24 @@ class TrainerFeaturesMixin:
                 collate_fn=self._collator_for(dataset),
                 num_workers=self.args.dataloader_num_workers,
             )
+        order: list[int] | None = None
+        if self.args.train_sampling_strategy == "group_by_length" and isinstance(dataset, Sized):
+            # transformers length-groups evaluation and prediction batches too under this
+            # strategy (seeded by data_seed/seed): the same batches, so the same eval_loss.
+            lengths = length_sampling.infer_lengths(
+                dataset,
+                length_column_name=self.args.length_column_name,
+                model_input_name=self._model_input_name(),
+            )
+            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+            order = length_sampling.eval_length_grouped_order(
+                lengths, self.args.per_device_eval_batch_size, seed=seed
+            )
         loader = DataLoader(
             self._drop_unused_columns(dataset),
             batch_size=self.args.per_device_eval_batch_size,
             shuffle=False,
+            sampler=order,
             collate_fn=self._collator_for(dataset),
             num_workers=self.args.dataloader_num_workers,
             drop_last=self.args.dataloader_drop_last,
@@ -349,20 +368,22 @@ class TrainerFeaturesMixin:
             autocast=self.compute_loss_context_manager(),
         )
 
-    def _eval_num_items(self, batch: Any) -> int | None:
+    def _eval_num_items(self, batch: Any) -> torch.Tensor | None:
         """``num_items_in_batch`` for one evaluation batch, as transformers 5.x passes it to a
         model that takes loss kwargs (or to ``compute_loss_func``): the batch's label tokens,
         shifted for causal LMs, so the model's summed loss is divided by the same count as in
-        training. With ``average_tokens_across_devices`` over several ranks it is left out (each
-        rank's loss is then its own mean; see docs/trainer.md, differences from transformers)."""
+        training; a tensor on the device, as in training (``_loss_num_items``). With
+        ``average_tokens_across_devices`` over several ranks it is left out (each rank's loss is
+        then its own mean; see docs/trainer.md, differences from transformers)."""
         uses_count = self.compute_loss_func is not None or self._model_accepts_loss_kwargs()
         if not uses_count or not isinstance(batch, Mapping):
             return None
         if self.args.average_tokens_across_devices and collectives.is_distributed():
             return None
-        return losses.count_items_in_batch(
+        count = losses.count_items_in_batch(
             [batch], shift_labels=losses.is_causal_lm(self.model), label_name=self.label_names[0]
         )
+        return self._loss_num_items(count)
 
     def _fire(self, event: str, **kwargs: Any) -> None:
         """Call ``event`` on the callbacks that define it (for events the handler may lack)."""
@@ -464,6 +485,8 @@ class TrainerFeaturesMixin:
     ) -> Any:
         """The evaluation loop plus the HF speed metrics (runtime, samples and steps per second)."""
         started = time.time()
+        # shielded here so that an overridden get_eval/test_dataloader()'s loader is too
+        loader = shield_dataloader(loader)
         output = self.evaluation_loop(
             loader, description, ignore_keys=ignore_keys, metric_key_prefix=prefix
         )

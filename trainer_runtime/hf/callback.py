@@ -6,6 +6,11 @@
 - SIGTERM is latched (:class:`~trainer_runtime.signals.SigtermLatch`, ``kill_wait`` from the
   environment); at every optimizer-step boundary the ranks agree (an all-reduce of the stop flag)
   so a signal that reached one rank stops all of them at the same step;
+- as our Trainer (``jit_stop.py``), it does not always wait for the step boundary: an evaluation or
+  prediction inside train() is abandoned after its current batch (``on_prediction_step``; the
+  training loop's evaluation runs again first after resume), a gradient-accumulation step that
+  cannot fit the deadline is dropped at a micro-batch boundary (``on_substep_end``), and a JIT
+  save that cannot finish before the deadline is not started (``deadline_too_short``);
 - every checkpoint, periodic or JIT, is written by transformers' own ``_save_checkpoint`` inside our
   commit protocol: sentinel first (coordinator), every file fsynced, ``manifest.json`` written
   last, the sentinel removed last; transformers' rotation is deferred until after the commit and
@@ -23,20 +28,24 @@ transformers writes with ``os``/``open``, so an object-store output dir (``s3://
 ``$PREEMPTIBLE_OUTPUT_DIR`` or ``args.output_dir``) is served through a local scratch directory
 (``$PREEMPTIBLE_SCRATCH_DIR``, e.g. an emptyDir): transformers saves there, then every file is
 uploaded into the checkpoint on the store (multipart, checksummed on the way) inside the same
-commit protocol, and the local copy is removed; a resume downloads the chosen checkpoint into the
-scratch directory first (parallel ranged reads, checksums checked).
+commit protocol, and the local copies are removed but the best checkpoint's; a resume downloads the
+chosen checkpoint into the scratch directory first (parallel ranged reads, checksums checked), and
+the best checkpoint next to it, so that ``best_model_checkpoint`` names a copy on this pod.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import json
 import logging
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +66,10 @@ from trainer_runtime.checkpoint.layout import (
 )
 from trainer_runtime.checkpoint.per_node import gather_objects
 from trainer_runtime.checkpoint.resume_choice import requested_resume, resolve_in_store
+from trainer_runtime.checkpoint.rng import capture_rng_state, restore_rng_state
 from trainer_runtime.checkpoint.shares import plan_shares
 from trainer_runtime.checkpoint.storage import Storage
+from trainer_runtime.deadline import Action, micro_batch_action, save_action
 from trainer_runtime.distributed import collectives
 from trainer_runtime.errors import (
     CheckpointCorruptError,
@@ -66,11 +77,19 @@ from trainer_runtime.errors import (
     ConfigurationError,
     ResumeError,
 )
+from trainer_runtime.hf.stops import (
+    EvaluationAbandoned,
+    best_copy,
+    deadline_message,
+    stop_policy,
+    superseded_copies,
+)
 from trainer_runtime.metrics import TrainingMetrics, metrics_from_env
 from trainer_runtime.protocol import (
     ENV_ATTEMPT,
     ENV_OUTPUT_DIR,
     EXIT_PREEMPTED,
+    REASON_DEADLINE_TOO_SHORT,
     writes_termination_message,
 )
 from trainer_runtime.signals import SigtermLatch
@@ -93,6 +112,9 @@ logger = logging.getLogger(__name__)
 # Name in the manifest of who wrote the checkpoint's files (the manifest is still ours).
 PRODUCER = "transformers.Trainer"
 _ATTR = "_preemptible_callback"
+# Key of the runtime record (preemptible_state.json) of a JIT checkpoint written in place of an
+# evaluation of the training loop that was abandoned: the resumed run evaluates first.
+PENDING_EVALUATION = "pending_evaluation"
 # Where transformers writes a checkpoint before it is uploaded to an object-store output dir
 # (give it an emptyDir; default: the system's temporary directory).
 ENV_SCRATCH_DIR = "PREEMPTIBLE_SCRATCH_DIR"
@@ -184,6 +206,15 @@ class JitStop(SystemExit):
         self.step = step
 
 
+@dataclass
+class _StepSnapshot:
+    """What a step dropped at a micro-batch boundary puts back: the state when it began."""
+
+    rng: Any
+    current_flos: float
+    num_input_tokens_seen: int
+
+
 class SaveFailedOnARank(CheckpointError):
     """A part of a save failed on some rank; raised on every rank at the same agreement point
     (so no rank waits for the others in a barrier), naming the failing ranks."""
@@ -246,6 +277,7 @@ class PreemptibleCallback(TrainerCallback):
         self.latch = SigtermLatch()
         self.step_timer = StepTimer()
         self.save_timer = SaveTimer()
+        self.micro_batch_timer = StepTimer()
         self.sigterm_to_exit: list[float] = []
         self.metrics: TrainingMetrics | None = None
         self.preempted = False
@@ -254,6 +286,24 @@ class PreemptibleCallback(TrainerCallback):
         # an object-store output dir: transformers writes into ``scratch``, we upload (attach)
         self.remote: str | None = None
         self.scratch: str | None = None
+        # how the JIT stop happened (termination message ``stop``), and why no save (no_save)
+        self.stop_kind: str | None = None
+        self._deadline_message: str | None = None
+        # inside the wrapped train() / evaluate() (the stops only act there)
+        self._in_train = False
+        self._eval_depth = 0
+        # the training loop's evaluation in progress ({"skip_scheduler": ...}), the one to run
+        # again after resume (read from the resumed checkpoint), train()'s ignore_keys_for_eval
+        self._loop_eval: dict[str, Any] | None = None
+        self._pending_eval: dict[str, Any] | None = None
+        self._pending_record: dict[str, Any] | None = None
+        self._ignore_keys: Any = None
+        self._resumed_local: str | None = None
+        # micro-batch stops: the state when the step began (what a dropped step puts back)
+        self._snapshot: _StepSnapshot | None = None
+        self._boundary_rng: Any = None
+        self._micro_started: float | None = None
+        self._micro_done = 0
 
     # -- events ------------------------------------------------------------------------------------
     def _require_trainer(self) -> Any:
@@ -268,14 +318,87 @@ class PreemptibleCallback(TrainerCallback):
         self._require_trainer()
         self._publish(state)
 
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Before the epoch's DataLoader iterator exists (it draws from the global RNG): the RNG
+        # a step dropped at the start of this epoch puts back (the periodic save of the step
+        # before holds this state too).
+        self._boundary_rng = capture_rng_state() if self._micro_batch_stops(args) else None
+
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        now = time.monotonic()
         if self._step_started is None:
-            self._step_started = time.monotonic()
+            self._step_started = now
+        self._micro_started, self._micro_done = now, 0
+        self._snapshot = None
+        if not self._micro_batch_stops(args):
+            return
+        trainer = self._require_trainer()
+        # The step's micro-batches are fetched already; fetching draws no random numbers (the
+        # sampler drew the epoch's order when the iterator was made), so the RNG now is the one
+        # after the previous step, except at an epoch's first step (taken at on_epoch_begin).
+        rng = self._boundary_rng if self._boundary_rng is not None else capture_rng_state()
+        self._boundary_rng = None
+        self._snapshot = _StepSnapshot(
+            rng=rng,
+            current_flos=float(getattr(trainer, "current_flos", 0.0)),
+            num_input_tokens_seen=state.num_input_tokens_seen,
+        )
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """After each micro-batch of a gradient-accumulation step but its last: every rank
+        agrees whether to drop the partial accumulation and save the last completed step now
+        (``deadline.micro_batch_action``: always under ``micro_batch``, under ``finish_step``
+        when the rest of the step and the save would miss the deadline)."""
+        now = time.monotonic()
+        if self._micro_started is not None:
+            self.micro_batch_timer.record(now - self._micro_started)
+        self._micro_started = now
+        self._micro_done += 1
+        snapshot = self._snapshot
+        if snapshot is None or self.preempted or not self._in_train:
+            return
+        trainer = self._require_trainer()
+        per_step = getattr(trainer, "current_gradient_accumulation_steps", None)
+        left = int(per_step or args.gradient_accumulation_steps) - self._micro_done
+        action = micro_batch_action(
+            policy=stop_policy(args),
+            acting=self.latch.should_act(),
+            seconds_left=self.latch.seconds_left(),
+            micro_batches_left=left,
+            micro_batch_seconds=self.micro_batch_timer.max,
+            save_seconds=self.save_timer.jit_estimate,
+        )
+        if collectives.agree_max(int(action)) < Action.DROP_STEP:
+            return
+        # Weights, optimizer and scheduler have not moved since the last completed step: put
+        # back what the dropped micro-batches changed; they are trained again after resume
+        # (transformers skips batches by global_step), with the same random numbers.
+        trainer.current_flos = snapshot.current_flos
+        state.num_input_tokens_seen = snapshot.num_input_tokens_seen
+        model = getattr(trainer, "model", None)
+        if model is not None:
+            model.zero_grad(set_to_none=True)  # the checkpoint never holds them anyway
+        logger.warning(
+            "SIGTERM: dropping the partial gradient accumulation of step %d (%d micro-batches, "
+            "trained again after resume): saving step %d now",
+            state.global_step + 1,
+            self._micro_done,
+            state.global_step,
+        )
+        self._jit_stop(state, "micro_batch", rng=snapshot.rng)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._micro_started is not None and self._micro_done:
+            # the step's last micro-batch (no on_substep_end for it), before the optimizer step
+            self.micro_batch_timer.record(time.monotonic() - self._micro_started)
+        self._micro_started = None
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._step_started is not None:
             self.step_timer.record(time.monotonic() - self._step_started)
             self._step_started = None
+        self._snapshot = None
+        self._micro_started = None
         # Every rank takes part in the collective at every step boundary, signalled or not: this
         # is what stops all ranks at the same step when SIGTERM reached only one.
         stop = collectives.agree_to_stop(self.latch.should_act())
@@ -287,9 +410,80 @@ class PreemptibleCallback(TrainerCallback):
         control.should_training_stop = True
         control.should_save = False  # the JIT save below is the save of this step
         control.should_evaluate = False
-        self.preempted = True
         logger.warning("SIGTERM: stopping at step %d for a JIT checkpoint", state.global_step)
+        self._jit_stop(state, "step")
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """After each batch of an evaluation or prediction inside train(): every rank agrees
+        whether to abandon it (transformers' loop has no stop; the wrapper around
+        ``evaluate``/``predict`` catches :class:`EvaluationAbandoned`)."""
+        if not self._in_train or self._eval_depth == 0 or self.preempted:
+            return
+        if collectives.agree_to_stop(self.latch.should_act()):
+            raise EvaluationAbandoned()
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.preempted:  # no second (epoch) save or evaluation after the JIT checkpoint
+            control.should_save = False
+            control.should_evaluate = False
+
+    # -- the JIT stops -----------------------------------------------------------------------------
+    def _micro_batch_stops(self, args: Any) -> bool:
+        """Whether this run decides at micro-batch boundaries: inside train(), with gradient
+        accumulation."""
+        return self._in_train and int(getattr(args, "gradient_accumulation_steps", 1) or 1) > 1
+
+    def _save_fits(self, state: Any) -> bool:
+        """All ranks agree whether the JIT save can finish before the deadline (the longest of
+        the recent saves, earlier attempts included). A step already saved always fits."""
+        last = self.last_checkpoint
+        if last is not None and last.step == state.global_step:
+            return True
+        action = save_action(
+            seconds_left=self.latch.seconds_left(), save_seconds=self.save_timer.jit_estimate
+        )
+        return collectives.agree_max(int(action)) < Action.SKIP_SAVE
+
+    def _jit_stop(
+        self,
+        state: Any,
+        kind: str,
+        *,
+        rng: Any = None,
+        pending: dict[str, Any] | None = None,
+    ) -> None:
+        """Save the JIT checkpoint of ``state.global_step`` (unless it cannot finish before the
+        deadline), write the termination message and leave train() (:class:`JitStop`).
+        ``rng``: the RNG state the checkpoint records instead of the current one (before a
+        dropped step or an abandoned evaluation); ``pending``: the abandoned evaluation of the
+        training loop, run again after resume."""
         trainer = self._require_trainer()
+        self.preempted = True
+        self.stop_kind = kind
+        if not self._save_fits(state):
+            # A save SIGKILLed half-way is worth nothing, and it would cost the newest
+            # complete checkpoint nothing to keep it: write nothing, exit now.
+            self.stop_kind = "no_save"
+            self._deadline_message = deadline_message(
+                save_seconds=self.save_timer.jit_estimate,
+                seconds_left=self.latch.seconds_left(),
+                grace_seconds=self.latch.grace_seconds,
+                node_notice_seconds=self.latch.node_notice_seconds,
+                step=int(state.global_step),
+                last_complete=self.last_checkpoint.step if self.last_checkpoint else None,
+            )
+            logger.error("DEADLINE TOO SHORT: %s", self._deadline_message)
+            self._terminate(
+                REASON_DEADLINE_TOO_SHORT,
+                message=self._deadline_message,
+                sigterm_to_exit=self.latch.elapsed(),
+                no_checkpoint=True,
+            )
+            _flush_trackers(trainer)
+            raise JitStop(int(state.global_step))
+        if rng is not None:
+            restore_rng_state(*rng)  # transformers' _save_rng_state writes the current state
+        self._pending_record = pending
         trainer._save_checkpoint(trainer.model, trial=None)
         # Committed on every rank (the commit ends with a barrier). Nothing of transformers' end
         # of training may run now: leave train() (see JitStop); the wrapper exits with 75.
@@ -297,10 +491,72 @@ class PreemptibleCallback(TrainerCallback):
         _flush_trackers(trainer)
         raise JitStop(int(state.global_step))
 
-    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.preempted:  # no second (epoch) save or evaluation after the JIT checkpoint
-            control.should_save = False
-            control.should_evaluate = False
+    def abandonable(self, original: Callable[..., Any], *a: Any, **kw: Any) -> Any:
+        """``evaluate`` / ``predict`` inside train(): a SIGTERM abandons it after the current
+        batch (every rank agreeing) and the JIT checkpoint of the completed step is written with
+        the RNG state from before the evaluation (it draws random numbers: the DataLoader's
+        seed), so that the evaluation run again after resume draws the same ones."""
+        if not self._in_train or self.preempted:
+            return original(*a, **kw)
+        rng = capture_rng_state()
+        pending = self._loop_eval
+        self._eval_depth += 1
+        try:
+            return original(*a, **kw)
+        except EvaluationAbandoned:
+            trainer = self._require_trainer()
+            control = trainer.control
+            control.should_save = control.should_evaluate = False
+            control.should_training_stop = True
+            logger.warning(
+                "SIGTERM: evaluation at step %d abandoned for the JIT checkpoint%s",
+                trainer.state.global_step,
+                "; it runs again after resume" if pending is not None else "",
+            )
+            self._jit_stop(trainer.state, "evaluation", rng=rng, pending=pending)
+            raise  # (not reached: _jit_stop raises JitStop)
+        finally:
+            self._eval_depth -= 1
+
+    def loop_evaluation(self, original: Callable[..., Any], *a: Any, **kw: Any) -> Any:
+        """transformers' ``_evaluate`` (the training loop's evaluation): marks the evaluation
+        as the loop's, so an abandoned one is run again after resume."""
+        skip = kw.get("skip_scheduler", a[2] if len(a) > 2 else False)
+        previous = self._loop_eval
+        self._loop_eval = {"skip_scheduler": bool(skip)}
+        try:
+            return original(*a, **kw)
+        finally:
+            self._loop_eval = previous
+
+    def rng_loaded(self, original: Callable[..., Any], checkpoint: Any, *a: Any, **kw: Any) -> Any:
+        """transformers' ``_load_rng_state`` on resume: the checkpoint's RNG state is current
+        from here on. An evaluation the previous attempt abandoned runs now, where the
+        uninterrupted run ran it (after the step, before the next one draws)."""
+        result = original(checkpoint, *a, **kw)
+        trainer = self._require_trainer()
+        pending, self._pending_eval = self._pending_eval, None
+        if pending is not None and checkpoint is not None:
+            self._run_pending_evaluation(pending)
+        if self._micro_batch_stops(trainer.args):
+            self._boundary_rng = capture_rng_state()  # (taken at on_epoch_begin before the load)
+        return result
+
+    def _run_pending_evaluation(self, pending: dict[str, Any]) -> None:
+        trainer = self._require_trainer()
+        state = trainer.state
+        logger.info(
+            "running the evaluation of step %d abandoned by the previous attempt", state.global_step
+        )
+        metrics = trainer._evaluate(
+            None, self._ignore_keys, skip_scheduler=bool(pending.get("skip_scheduler"))
+        )
+        trainer._determine_best_metric(metrics=metrics, trial=None)
+        # The uninterrupted run saved this step right after it: the best one is then its
+        # checkpoint, which is the one resumed from.
+        local = self._resumed_local
+        if state.best_global_step == state.global_step and local and os.path.isdir(local):
+            state.best_model_checkpoint = local
 
     # -- metrics -----------------------------------------------------------------------------------
     def _publish(self, state: Any) -> None:
@@ -321,12 +577,19 @@ class PreemptibleCallback(TrainerCallback):
     # -- the committed save ------------------------------------------------------------------------
     def _record(self, jit: bool) -> dict[str, Any]:
         elapsed = self.latch.elapsed() if jit else None
-        return {
+        record = {
             "producer": PRODUCER,
             **timings_record(
-                self.step_timer, self.save_timer, self.sigterm_to_exit, jit_elapsed=elapsed
+                self.step_timer,
+                self.save_timer,
+                self.sigterm_to_exit,
+                jit_elapsed=elapsed,
+                micro_batch_timer=self.micro_batch_timer,
             ),
         }
+        if jit and self._pending_record is not None:
+            record[PENDING_EVALUATION] = dict(self._pending_record)
+        return record
 
     def committed_save(
         self, original: Callable[..., Any], model: Any, trial: Any, *a: Any, **kw: Any
@@ -480,12 +743,29 @@ class PreemptibleCallback(TrainerCallback):
             protect = [self._remote_of(best)] if best else []
             rotate_checkpoints(remote_run, limit, protect=protect)
         collectives.barrier()
-        if _local_main() and str(local_ckpt) != str(best or ""):
-            # the store has it now; the best checkpoint stays for load_best_model_at_end
-            shutil.rmtree(local_ckpt, ignore_errors=True)
+        if _local_main():
+            self._sweep_scratch(local_run, best)
         self._publish(trainer.state)
         logger.info("checkpoint %s committed (%.3f s)", info.path, self.save_timer.last or 0.0)
         return result
+
+    @staticmethod
+    def _sweep_scratch(local_run: str, best: str | None) -> None:
+        """The store has every committed checkpoint: the scratch directory keeps only the copy
+        of the best one (``load_best_model_at_end`` loads it from there, transformers' save
+        checks it exists). A best checkpoint superseded by a newer best, the checkpoint just
+        committed and the copy a resume downloaded all go (an emptyDir must not fill up)."""
+        keep = None
+        if best and os.path.dirname(os.path.abspath(best)) == os.path.abspath(local_run):
+            keep = os.path.basename(best.rstrip("/"))
+        try:
+            names = os.listdir(local_run)
+        except OSError:
+            return
+        for name in superseded_copies(names, keep):
+            path = os.path.join(local_run, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
 
     def _adopt(self, writer: CheckpointWriter) -> None:
         """List what transformers wrote in the manifest. A JIT save records sizes only: reading
@@ -515,6 +795,9 @@ class PreemptibleCallback(TrainerCallback):
     ) -> Any:
         self._require_trainer()
         operator = _under_operator()
+        self._ignore_keys = kw.get("ignore_keys_for_eval")
+        self._pending_eval = None
+        self._resumed_local = None
         try:
             resolved = self._resolve(resume_from_checkpoint)
         except BaseException as exc:
@@ -524,6 +807,7 @@ class PreemptibleCallback(TrainerCallback):
                 self._terminate("failed", message=f"{type(exc).__name__}: {exc}")
             raise
         if isinstance(resolved, str):
+            self._resumed_local = resolved
             self._load_timings(resolved)
         if self.latch.triggered:
             self.latch = SigtermLatch()  # a SIGTERM that stopped an earlier train() is spent
@@ -531,18 +815,25 @@ class PreemptibleCallback(TrainerCallback):
         if self.metrics is None and _local_main():
             self.metrics = metrics_from_env()
         self.preempted = False
+        self.stop_kind = self._deadline_message = None
+        self._pending_record = None
         keep_handler = False
+        self._in_train = True
         try:
             try:
                 output = original(resolved, *a, **kw)
             except JitStop as stop:
-                # the JIT checkpoint is committed and the termination message written (the
-                # callback); transformers' end of training was skipped on purpose
+                # the JIT checkpoint is committed (or, deadline too short, none started) and the
+                # termination message written (the callback); transformers' end of training was
+                # skipped on purpose
                 keep_handler = True  # a second SIGTERM must not turn exit 75 into death by signal
                 if self.exit_on_preemption:
+                    written = self.last_checkpoint.path if self.last_checkpoint else None
                     logger.warning(
-                        "preempted: checkpoint %s written, exiting with %d",
-                        self.last_checkpoint.path if self.last_checkpoint else None,
+                        "preempted: %s, exiting with %d",
+                        "no checkpoint written (deadline too short)"
+                        if self.stop_kind == "no_save"
+                        else f"checkpoint {written} written",
                         EXIT_PREEMPTED,
                     )
                     collectives.exit_process(EXIT_PREEMPTED)
@@ -556,6 +847,7 @@ class PreemptibleCallback(TrainerCallback):
                 self._terminate("failed", message=f"{type(exc).__name__}: {exc}")
             raise
         finally:
+            self._in_train = False
             if not keep_handler:
                 self.latch.uninstall()
 
@@ -601,6 +893,8 @@ class PreemptibleCallback(TrainerCallback):
                     self._download(resolved, local)
                 except Exception as exc:
                     error = exc
+                else:
+                    self._restore_best(local)
             # every node's download agreed on (this also waits for every node's copy)
             kind, message = fallback.outcome_of(error)
             agreed, outcomes = fallback.settle(kind, message, resolved)
@@ -618,6 +912,48 @@ class PreemptibleCallback(TrainerCallback):
                 return None  # transformers has loaded nothing yet: a fresh start is clean
             resolved = older.path
             self.last_checkpoint = older
+
+    def _restore_best(self, local: str) -> None:
+        """After a resume from the store: ``best_model_checkpoint`` in the downloaded
+        ``trainer_state.json`` is a scratch path of the pod that saved it, which does not exist
+        here (transformers would drop it: ``load_best_model_at_end`` would then silently load
+        nothing, and our rotation would not protect the best checkpoint on the store). Download
+        the best checkpoint next to the resumed one (unless it is the resumed one) and point the
+        state at that copy, as a local output dir would have it. Best effort: a best checkpoint
+        that is gone from the store or fails its download is dropped, as transformers drops it."""
+        path = os.path.join(local, "trainer_state.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            return
+        plan = best_copy(doc.get("best_model_checkpoint") if isinstance(doc, dict) else None, local)
+        if plan is None:
+            return
+        name, target = plan
+        if os.path.abspath(target) != os.path.abspath(local):
+            remote = self._remote_of(target)
+            try:
+                info = CheckpointStore(self._remote_of(os.path.dirname(target))).inspect(name)
+                if not info.complete:
+                    raise ResumeError(f"{remote} is not complete")
+                self._download(remote, target)
+            except Exception as exc:  # best effort: transformers drops a best that is not there
+                logger.warning(
+                    "best checkpoint %s not restored (%s): load_best_model_at_end will not load it",
+                    remote,
+                    exc,
+                )
+                shutil.rmtree(target, ignore_errors=True)
+                return
+        if doc["best_model_checkpoint"] != target:
+            doc["best_model_checkpoint"] = target
+            tmp = f"{path}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=2, sort_keys=True)
+                f.write("\n")
+            os.replace(tmp, path)
+        logger.info("best checkpoint %s restored at %s", name, target)
 
     def _download(self, remote: str, local: str) -> None:
         started = time.monotonic()
@@ -679,9 +1015,17 @@ class PreemptibleCallback(TrainerCallback):
             self.step_timer.load(record.get("step_seconds"))
             self.save_timer.load(record.get("save_seconds"))
             self.sigterm_to_exit = [float(x) for x in record.get("sigterm_to_exit_seconds") or []]
+            self.micro_batch_timer.load(record.get("micro_batch_seconds"))
+            pending = record.get(PENDING_EVALUATION)
+            self._pending_eval = dict(pending) if isinstance(pending, dict) else None
 
     def _terminate(
-        self, reason: str, *, message: str | None = None, sigterm_to_exit: float | None = None
+        self,
+        reason: str,
+        *,
+        message: str | None = None,
+        sigterm_to_exit: float | None = None,
+        no_checkpoint: bool = False,
     ) -> None:
         # One message per pod (local rank 0), or one per worker under `trainer-runtime launch`,
         # which merges them.
@@ -690,11 +1034,14 @@ class PreemptibleCallback(TrainerCallback):
         write_termination(
             reason,
             step=self.trainer.state.global_step,
-            checkpoint=self.last_checkpoint,
+            # deadline too short: nothing was written, the message names no checkpoint
+            checkpoint=None if no_checkpoint else self.last_checkpoint,
             step_timer=self.step_timer,
             save_timer=self.save_timer,
             sigterm_to_exit=sigterm_to_exit,
             message=message,
+            micro_batch_timer=self.micro_batch_timer,
+            stop=self.stop_kind if self.preempted else None,
         )
 
 
@@ -746,6 +1093,31 @@ def _apply_output_dir(trainer: Any, callback: PreemptibleCallback) -> None:
         trainer.args.output_dir = path
 
 
+def _wrap(trainer: Any, name: str, through: Callable[..., Any]) -> None:
+    """Replace ``trainer.<name>`` on this instance by ``through(original, *args, **kwargs)``."""
+    original = getattr(trainer, name, None)
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    def wrapper(*a: Any, **kw: Any) -> Any:
+        return through(original, *a, **kw)
+
+    setattr(trainer, name, wrapper)
+
+
+def _wrap_evaluation(trainer: Any, callback: PreemptibleCallback) -> None:
+    """The evaluation stops: ``evaluate`` / ``predict`` catch an abandoned loop (transformers'
+    loop has no stop; ``on_prediction_step`` raises), ``_evaluate`` marks the training loop's
+    evaluation (run again after resume when abandoned), ``_load_rng_state`` runs that
+    evaluation where the uninterrupted run ran it. The last two are transformers' private
+    methods (5.x): without them an abandoned evaluation is not run again after resume."""
+    _wrap(trainer, "evaluate", callback.abandonable)
+    _wrap(trainer, "predict", callback.abandonable)
+    _wrap(trainer, "_evaluate", callback.loop_evaluation)
+    _wrap(trainer, "_load_rng_state", callback.rng_loaded)
+
+
 def attach(trainer: Any, *, exit_on_preemption: bool = True) -> PreemptibleCallback:
     """Give a ``transformers.Trainer`` (or subclass) the operator contract; idempotent.
 
@@ -767,6 +1139,7 @@ def attach(trainer: Any, *, exit_on_preemption: bool = True) -> PreemptibleCallb
     _apply_output_dir(trainer, callback)
     save = trainer._save_checkpoint
     train = trainer.train
+    _wrap_evaluation(trainer, callback)
 
     def _save_checkpoint(model: Any, trial: Any = None, *a: Any, **kw: Any) -> Any:
         return callback.committed_save(save, model, trial, *a, **kw)
@@ -779,6 +1152,9 @@ def attach(trainer: Any, *, exit_on_preemption: bool = True) -> PreemptibleCallb
     trainer.train = _train
     trainer.add_callback(callback)
     setattr(trainer, _ATTR, callback)
+    from trainer_runtime.hf.hook import shield_dataloaders  # DataLoader workers vs SIGTERM
+
+    shield_dataloaders(trainer)
     return callback
 
 

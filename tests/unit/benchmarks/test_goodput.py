@@ -110,3 +110,59 @@ def test_summary() -> None:
     assert empty["goodput"] is None and empty["lost_steps_per_preemption"] is None
     table = gp.table({"a": out})
     assert table.splitlines()[2].startswith("| (a) | 0.98 | 392 / 400 | 4 | 2 |")
+
+
+def _attempt(
+    n: int,
+    start: int,
+    end: int | None,
+    outcome: str | None = "Preempted",
+    reason: str = "KueuePreempted",
+    grace: int = 44,
+    **kw: Any,
+) -> dict[str, Any]:
+    return {"attempt": n, "startStep": start, "endStep": end, "outcome": outcome,
+            "reason": reason, "graceSeconds": grace, **kw}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("attempts", "ckpt", "expected"),
+    [
+        # JIT saves that fit: each attempt resumes where the last one stopped.
+        (
+            [_attempt(1, 0, 30, grace=300), _attempt(2, 30, 55), _attempt(3, 55, None, None)],
+            55,
+            {"KueuePreempted": {"attempts": 1, "lost": 0},
+             "KueuePreempted on the initial grace": {"attempts": 1, "lost": 0}},
+        ),
+        # The save did not fit: the next attempt went back to the periodic checkpoint.
+        (
+            [_attempt(1, 0, 37, reason="DeadlineTooShort", grace=300), _attempt(2, 20, 48,
+             killed=True), _attempt(3, 40, None, None)],
+            40,
+            {"DeadlineTooShort on the initial grace": {"attempts": 1, "lost": 17},
+             "KueuePreempted (killed)": {"attempts": 1, "lost": 8}},
+        ),
+        # The last attempt is preempted and waits: what it did beyond the newest checkpoint.
+        ([_attempt(1, 0, 12, grace=30)], 10, {"KueuePreempted": {"attempts": 1, "lost": 2}}),
+        # Failures and the running attempt are not preemptions.
+        ([_attempt(1, 0, 5, "Failed"), _attempt(2, 0, 9, None)], 0, {}),
+    ],
+)  # fmt: skip
+def test_loss_by_cause_says_where_the_steps_went(
+    attempts: list[dict[str, Any]], ckpt: int | None, expected: dict[str, Any]
+) -> None:
+    assert gp.loss_by_cause(attempts, ckpt, initial_grace=300) == expected
+
+
+def test_the_causes_of_several_jobs_add_up() -> None:
+    one = {"KueuePreempted": {"attempts": 1, "lost": 2}}
+    two = {"KueuePreempted": {"attempts": 2, "lost": 1}, "DeadlineTooShort": {"attempts": 1,
+           "lost": 9}}  # fmt: skip
+    assert gp.merge_causes([one, two]) == {
+        "DeadlineTooShort": {"attempts": 1, "lost": 9},
+        "KueuePreempted": {"attempts": 3, "lost": 3},
+    }
+    assert gp.loss_by_cause([_attempt(1, 0, 3)], 0, initial_grace=None) == {
+        "KueuePreempted": {"attempts": 1, "lost": 3}
+    }

@@ -12,6 +12,7 @@ from trainer_runtime.checkpoint.per_node import (
     check_requested_checkpoint,
     choose_latest_step,
     is_checkpoint_writer,
+    newer_than_requested,
     node_label,
 )
 from trainer_runtime.errors import ConfigurationError, ResumeError
@@ -85,6 +86,29 @@ def test_an_explicit_checkpoint_must_be_complete_on_every_node(
         check_requested_checkpoint("out/checkpoint-8", reports)
     assert needle is not None and needle in str(err.value), str(err.value)
     assert "out/checkpoint-8" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("steps", "requested", "expected"),
+    [
+        # issue 37: the operator's path is older than the newest step complete on every node
+        ({"n0": (4, 8), "n1": (4, 8)}, 4, 8),
+        ({"n0": (4, 8, 12), "n1": (4, 8)}, 4, 8),  # the newest one every node has
+        ({"n0": (4, 8), "n1": (4, 8)}, 8, None),  # the path is the newest: as asked
+        ({"n0": (4, 8), "n1": (4,)}, 4, None),  # nothing newer on every node
+        ({"n0": (4,), "n1": (8,)}, 4, None),  # no common step: the path's own checks decide
+        ({"n0": (), "n1": ()}, 4, None),
+        ({"n0": (4, 8), "n1": (4, 8)}, -1, None),  # a path that names no step
+    ],
+)
+def test_a_newer_step_than_the_requested_one(
+    steps: dict[str, tuple[int, ...]], requested: int, expected: int | None
+) -> None:
+    reports = [
+        NodeReport(node.removeprefix("n"), s, (requested in s, requested, None))
+        for node, s in steps.items()
+    ]
+    assert newer_than_requested(reports) == expected
 
 
 @pytest.mark.parametrize(

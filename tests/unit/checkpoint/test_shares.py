@@ -23,13 +23,15 @@ from trainer_runtime.checkpoint.io import (
 from trainer_runtime.checkpoint.model_state import MODEL_STEM, OPTIMIZER_STEM
 from trainer_runtime.checkpoint.safetensors_stream import TensorFile
 from trainer_runtime.checkpoint.shares import (
+    ShardFile,
     ShareGroup,
+    ShareIndex,
     load_indexed,
     plan_shares,
     shard_file_name,
     share_entries,
 )
-from trainer_runtime.errors import ConfigurationError, ResumeError
+from trainer_runtime.errors import CheckpointError, ConfigurationError, ResumeError
 
 
 @pytest.mark.parametrize(
@@ -91,6 +93,17 @@ def _groups() -> list[ShareGroup]:
     ]
 
 
+def _written(files: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """What the ranks' records give the coordinator: each shard's tensor names."""
+    return {n: list(d.tensors) for f in files for n, d in f.items() if isinstance(d, ShardFile)}
+
+
+def _built(files: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    index = files[0][name]
+    assert isinstance(index, ShareIndex)
+    return json.loads(index.build(_written(files), "here"))
+
+
 def test_each_rank_writes_its_share_and_the_coordinator_the_indexes() -> None:
     groups, world = _groups(), 3
     per_rank = [share_entries(groups, r, world, coordinator=r == 0) for r in range(world)]
@@ -100,7 +113,7 @@ def test_each_rank_writes_its_share_and_the_coordinator_the_indexes() -> None:
     assert not any(n.endswith(".index.json") for f in files[1:] for n in f)
     # every tensor is written exactly once, and the index points at the file that holds it
     for group in groups:
-        index = json.loads(files[0][f"{group.stem}.safetensors.index.json"])
+        index = _built(files, f"{group.stem}.safetensors.index.json")
         assert index["metadata"]["total_size"] == sum(
             t.numel() * t.element_size() for t in group.tensors.values()
         )
@@ -117,7 +130,44 @@ def test_each_rank_writes_its_share_and_the_coordinator_the_indexes() -> None:
     names = sorted(n for f in files for n in f if n.startswith("model-"))
     count = len(names)
     assert names == [shard_file_name("model", i + 1, count) for i in range(count)]
-    assert json.loads(files[0]["optimizer.safetensors.index.json"])[OPTIMIZER_META_KEY] == "{}"
+    assert _built(files, "optimizer.safetensors.index.json")[OPTIMIZER_META_KEY] == "{}"
+
+
+@pytest.mark.parametrize(
+    ("written", "needle"),
+    [
+        ({"model-00001-of-00002.safetensors": ["a"]}, "planned but in no shard: ['b']"),
+        (
+            {
+                "model-00001-of-00002.safetensors": ["a", "b"],
+                "model-00002-of-00002.safetensors": ["b"],
+            },
+            "in two shards: 'b' (model-00001-of-00002.safetensors, model-00002-of-00002",
+        ),
+        (
+            {"model-00001-of-00002.safetensors": ["a", "b", "c"]},
+            "in a shard but not planned: ['c']",
+        ),
+    ],
+)
+def test_an_index_is_built_only_from_shards_that_match_the_plan(
+    written: dict[str, list[str]], needle: str
+) -> None:
+    index = ShareIndex("model", 8, ("a", "b"))
+    with pytest.raises(CheckpointError) as err:
+        index.build(written, "ckpt/model.safetensors.index.json")
+    assert needle in str(err.value) and "not committed" in str(err.value), str(err.value)
+    # another group's shards are not this index's business
+    other = {
+        "optimizer-00001-of-00001.safetensors": ["x"],
+        **{"model-00001-of-00001.safetensors": ["a", "b"]},
+    }
+    built = json.loads(index.build(other, "here"))
+    assert built["weight_map"] == {
+        "a": "model-00001-of-00001.safetensors",
+        "b": "model-00001-of-00001.safetensors",
+    }
+    assert built["metadata"]["total_size"] == 8
 
 
 def test_bytes_per_rank_are_close_to_an_even_split() -> None:
@@ -217,7 +267,8 @@ def test_a_group_without_tensors_writes_an_empty_index() -> None:
     groups = [ShareGroup(OPTIMIZER_STEM, {}, index_extra={OPTIMIZER_META_KEY: "{}"})]
     (entry,) = share_entries(groups, 0, 2, coordinator=True)
     assert entry[0] == "optimizer.safetensors.index.json"
-    assert json.loads(entry[1])["weight_map"] == {}
+    assert isinstance(entry[1], ShareIndex)
+    assert json.loads(entry[1].build({}, "here"))["weight_map"] == {}
     assert share_entries(groups, 1, 2, coordinator=False) == []
 
 
@@ -261,3 +312,29 @@ def test_from_pretrained_opens_a_model_shared_by_two_ranks(tmp_path: Path) -> No
     loaded = transformers.LlamaForCausalLM.from_pretrained(str(ckpt))
     for name, t in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], t), name
+
+
+def test_the_index_comes_from_the_shards_the_ranks_wrote(tmp_path: Path) -> None:
+    """A rank whose shard lacks a tensor of the coordinator's plan (plans that differ, had they
+    not been checked): the commit fails naming it, instead of an index pointing at a shard
+    without the tensor."""
+    full = [ShareGroup(MODEL_STEM, {f"t{i}": torch.full((4,), float(i)) for i in range(4)})]
+    tensors = {f"t{i}": torch.full((4,), float(i)) for i in range(4) if i != 2}
+    lacking = [ShareGroup(MODEL_STEM, tensors)]
+
+    def body(rank: int, barrier: Callable[[], None]) -> Any:
+        w = CheckpointWriter(str(tmp_path), 7, rank=rank, world_size=2, attempt=1, barrier=barrier)
+        w.begin()
+        groups = full if rank == 0 else lacking
+        w.write_entries(
+            (n, d, False) for n, d in share_entries(groups, rank, 2, coordinator=rank == 0)
+        )
+        return w.commit()
+
+    results = _run_ranks(2, body)
+    assert all(isinstance(r, CheckpointError) for r in results), results
+    # rank 1 planned t0, t1, t3 alone and wrote t1 (rank 0 wrote t0 and t2): t3 is in no shard
+    assert "planned but in no shard: ['t3']" in str(results[0]), results[0]
+    ckpt = tmp_path / "checkpoint-7"
+    assert not (ckpt / "manifest.json").exists()
+    assert not (ckpt / "model.safetensors.index.json").exists()

@@ -257,16 +257,24 @@ def test_iterable_dataset_state_only_without_workers() -> None:
     assert iterable_dataset_state(Stream(), num_workers=0) is None
 
 
-@pytest.mark.parametrize(("strategy", "warned"), [("group_by_length", True), ("random", False)])
-def test_group_by_length_says_its_order_differs_from_transformers(
-    strategy: str, warned: bool, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    ("strategy", "ranks", "warned"),
+    [("group_by_length", 2, True), ("group_by_length", 1, False), ("random", 2, False)],
+)
+def test_group_by_length_says_its_order_differs_from_transformers_with_several_ranks(
+    strategy: str, ranks: int, warned: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """On one process the order is transformers' (the global RNG); with several ranks it is
+    drawn from data_seed (the ranks must agree) and dealt in turn: said at start."""
     with caplog.at_level("WARNING", logger="trainer_runtime.data.arguments"):
-        build_train_dataloader(
+        loader = build_train_dataloader(
             CountingDataset([3, 1, 2, 5]),
             Args(train_sampling_strategy=strategy),
             collate_fn=PaddingCollator(),
             seed=7,
+            num_replicas=ranks,
         )
     said = "differs from transformers' with the same seed" in caplog.text
     assert said is warned, caplog.text
+    global_order = getattr(loader.batch_sampler, "order_from_global_rng", False)
+    assert global_order is (strategy == "group_by_length" and ranks == 1)

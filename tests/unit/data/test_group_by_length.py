@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Any
 
 import pytest
+import torch
 
 from tests.unit.data._lengths import skewed_lengths
 from trainer_runtime.data.length_sampling import (
     LengthGroupedBatchSampler,
+    eval_length_grouped_order,
     group_by_length_plan,
     padded_cost,
 )
@@ -153,3 +156,125 @@ def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
     args = {"batch_size": 4, **kwargs}
     with pytest.raises(ConfigurationError, match=match):
         LengthGroupedBatchSampler(LENGTHS, **args)
+
+
+# -- transformers' order (issue 37, item 10) -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("n", "batch_size", "accumulation", "seed"),
+    [
+        (203, 8, 1, 0),  # megabatches of 6 batches
+        (203, 4, 2, 1),  # accumulation enlarges the megabatch, as transformers' does
+        (64, 4, 1, 2),
+        (30, 8, 1, 3),  # tiny: megabatches of one batch
+        (1000, 2, 1, 4),  # the multiplier's cap of 50
+        (17, 3, 3, 5),  # a short last batch
+    ],
+)
+def test_plan_is_transformers_length_grouped_order(
+    n: int, batch_size: int, accumulation: int, seed: int
+) -> None:
+    """The same permutation gives transformers' order: megabatches of 4 steps at most 50
+    times, sorted longest first with ties in permutation order, the longest sample first."""
+    pt_utils = pytest.importorskip("transformers.trainer_pt_utils")
+    lengths = skewed_lengths(n, seed=seed)
+    state = torch.Generator().manual_seed(100 + seed).get_state()
+    ours = group_by_length_plan(
+        lengths,
+        batch_size,
+        seed=0,
+        epoch=0,
+        gradient_accumulation_steps=accumulation,
+        generator_state=state,
+    )
+    generator = torch.Generator()
+    generator.set_state(state)
+    theirs = pt_utils.get_length_grouped_indices(
+        lengths, batch_size * accumulation, generator=generator
+    )
+    assert [i for b in ours for i in b] == theirs
+    assert all(len(b) == batch_size for b in ours[:-1])
+
+
+def test_order_from_the_global_rng_when_the_epoch_begins() -> None:
+    """A fresh epoch draws its permutation from the global RNG (advancing it as one randperm of
+    the dataset does); a resume rebuilds the order from the record, the global RNG untouched."""
+    sampler = LengthGroupedBatchSampler(LENGTHS, 8, seed=1, order_from_global_rng=True)
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    record = sampler.begin_epoch(0, None)
+    after = torch.get_rng_state()
+    first = list(sampler)
+    torch.set_rng_state(before)
+    torch.randperm(len(LENGTHS))
+    assert torch.equal(torch.get_rng_state(), after)  # one randperm's worth, as transformers
+
+    torch.manual_seed(7)
+    assert list(sampler) == first  # the order was fixed at begin_epoch
+    generator = torch.Generator()
+    generator.set_state(before)
+    flat = [i for b in first for i in b]
+    assert flat == group_by_length_plan_flat(LENGTHS, 8, generator)
+
+    resumed = LengthGroupedBatchSampler(LENGTHS, 8, seed=1, order_from_global_rng=True)
+    resumed.load_state_dict({"epoch": 0, "start": 3})
+    torch.manual_seed(123)
+    untouched = torch.get_rng_state()
+    assert record is not None
+    assert resumed.begin_epoch(0, json.loads(json.dumps(record))) == record
+    assert torch.equal(torch.get_rng_state(), untouched)
+    assert list(resumed) == first[3:]
+
+
+def group_by_length_plan_flat(lengths: list[int], batch_size: int, generator: Any) -> list[int]:
+    plan = group_by_length_plan(
+        lengths, batch_size, seed=0, epoch=0, generator_state=generator.get_state()
+    )
+    return [i for b in plan for i in b]
+
+
+def test_a_record_of_another_epoch_falls_back_to_the_seed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sampler = LengthGroupedBatchSampler(LENGTHS, 8, seed=1, order_from_global_rng=True)
+    record = sampler.begin_epoch(0, None)
+    assert record is not None
+    resumed = LengthGroupedBatchSampler(LENGTHS, 8, seed=1, order_from_global_rng=True)
+    resumed.set_epoch(1)
+    with caplog.at_level("WARNING", logger="trainer_runtime.data.length_sampling"):
+        assert resumed.begin_epoch(1, record) is None
+    assert "does not hold the order of epoch 1" in caplog.text
+    assert list(resumed) == group_by_length_plan(LENGTHS, 8, seed=1, epoch=1)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_seeded_order_without_the_global_rng(ranks: int) -> None:
+    """Built directly, or with several ranks (which must agree): the order comes from
+    seed + epoch and begin_epoch neither records nor draws anything."""
+    sampler = LengthGroupedBatchSampler(
+        LENGTHS, 8, seed=1, num_replicas=ranks, order_from_global_rng=True
+    )
+    assert sampler.order_from_global_rng is (ranks == 1)
+    if ranks == 1:
+        sampler = LengthGroupedBatchSampler(LENGTHS, 8, seed=1)
+    state = torch.get_rng_state()
+    assert sampler.begin_epoch(0, None) is None
+    assert torch.equal(torch.get_rng_state(), state)
+    assert list(sampler) == group_by_length_plan(
+        LENGTHS, 8, seed=1, epoch=0, world_size=ranks, rank=0
+    )
+
+
+@pytest.mark.parametrize(("n", "batch_size", "seed"), [(203, 8, 42), (24, 4, 0), (7, 3, 5)])
+def test_evaluation_order_is_transformers(n: int, batch_size: int, seed: int) -> None:
+    """transformers' evaluation sampler under group_by_length: its length-grouped sampler with a
+    generator seeded with data_seed/seed, the same order at every evaluation."""
+    pt_utils = pytest.importorskip("transformers.trainer_pt_utils")
+    lengths = skewed_lengths(n, seed=seed)
+    theirs = pt_utils.LengthGroupedSampler(
+        batch_size, lengths=lengths, generator=torch.Generator().manual_seed(seed)
+    )
+    ours = eval_length_grouped_order(lengths, batch_size, seed=seed)
+    assert ours == list(theirs)
+    assert sorted(ours) == list(range(n))
