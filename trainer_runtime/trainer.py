@@ -1775,6 +1775,7 @@ class Trainer(
         if share:
             # Each rank plans its share alone: the plans must be the same (one small all-gather
             # of their digests), or no index could be trusted (a tensor on one rank only).
+            self._stamp(f"agreeing on the share plan of checkpoint-{self.state.global_step}")
             agree_on_plan(groups, world, per_node.gather_objects)
         entries += [(n, d, False) for n, d in share_entries(groups, rank, world, coordinator=main)]
         # Every rank records the best checkpoint, so every rank loads it at the end.
