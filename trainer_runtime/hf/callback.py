@@ -1152,9 +1152,12 @@ def attach(trainer: Any, *, exit_on_preemption: bool = True) -> PreemptibleCallb
     trainer.train = _train
     trainer.add_callback(callback)
     setattr(trainer, _ATTR, callback)
-    from trainer_runtime.hf.hook import shield_dataloaders  # DataLoader workers vs SIGTERM
+    # DataLoader workers vs a SIGTERM to the process group (as hook.shield_dataloaders does;
+    # imported from data, not hook: hook imports this module)
+    from trainer_runtime.data.worker_signals import shield_prepared_dataloaders
 
-    shield_dataloaders(trainer)
+    if getattr(trainer, "accelerator", None) is not None:
+        shield_prepared_dataloaders(trainer.accelerator)
     return callback
 
 
