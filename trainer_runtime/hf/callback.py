@@ -69,7 +69,7 @@ from trainer_runtime.checkpoint.resume_choice import requested_resume, resolve_i
 from trainer_runtime.checkpoint.rng import capture_rng_state, restore_rng_state
 from trainer_runtime.checkpoint.shares import plan_shares
 from trainer_runtime.checkpoint.storage import Storage
-from trainer_runtime.deadline import Action, micro_batch_action, save_action
+from trainer_runtime.deadline import Action, exit_reserve, micro_batch_action, save_action
 from trainer_runtime.distributed import collectives
 from trainer_runtime.errors import (
     CheckpointCorruptError,
@@ -367,6 +367,7 @@ class PreemptibleCallback(TrainerCallback):
             micro_batches_left=left,
             micro_batch_seconds=self.micro_batch_timer.max,
             save_seconds=self.save_timer.jit_estimate,
+            exit_seconds=exit_reserve(None),
         )
         if collectives.agree_max(int(action)) < Action.DROP_STEP:
             return
@@ -439,8 +440,12 @@ class PreemptibleCallback(TrainerCallback):
         last = self.last_checkpoint
         if last is not None and last.step == state.global_step:
             return True
+        # transformers' post-commit work (rotation, on_save) is not measured here: the exit
+        # reserve's unmeasured floor is kept back, as our Trainer does before its first save
         action = save_action(
-            seconds_left=self.latch.seconds_left(), save_seconds=self.save_timer.jit_estimate
+            seconds_left=self.latch.seconds_left(),
+            save_seconds=self.save_timer.jit_estimate,
+            exit_seconds=exit_reserve(None),
         )
         return collectives.agree_max(int(action)) < Action.SKIP_SAVE
 
