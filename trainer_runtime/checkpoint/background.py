@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 import traceback
@@ -81,7 +82,18 @@ class SnapshotBuffers:
     def __init__(self, keep: bool = False) -> None:
         self.keep = keep
         self._kept: dict[tuple[str, bool], tuple[tuple[Any, ...], list[torch.Tensor]]] = {}
+        # pinned ahead of the next snapshot (pin-ahead, checkpoint/pinned.py): used once
+        self._prepared: dict[tuple[str, bool], tuple[tuple[Any, ...], list[torch.Tensor]]] = {}
+        # each pinned group's last layout and device: what :meth:`prepare` pins
+        self._layouts: dict[tuple[str, bool], tuple[tuple[Any, ...], torch.device]] = {}
+        self._lock = threading.Lock()  # prepare() runs on a side thread
         self._held = HeldBytes()
+        # groups (a file's CUDA tensors, or its CPU tensors) copied into memory allocated
+        # before the snapshot (kept or pinned ahead), and into memory allocated by it
+        self.reused = 0
+        self.allocated = 0
+        # seconds the last snapshot spent allocating (and pinning) its memory
+        self.allocate_seconds = 0.0
 
     def snapshot(self, name: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copies of ``tensors`` (the file ``name``) in host memory: views of one pinned mapping
@@ -101,14 +113,27 @@ class SnapshotBuffers:
     def _copy_group(
         self, name: str, pinned: bool, items: list[tuple[str, torch.Tensor]]
     ) -> dict[str, torch.Tensor]:
+        group = (name, pinned)
         layout = tuple((key, t.dtype, tuple(t.shape)) for key, t in items)
-        kept = self._kept.get((name, pinned))
-        if kept is not None and kept[0] == layout:
-            dests = kept[1]
+        device = items[0][1].device
+        with self._lock:
+            ready = self._kept.get(group)
+            prepared = self._prepared.pop(group, None)
+            if ready is None or ready[0] != layout:
+                ready = prepared
+            if pinned:
+                self._layouts[group] = (layout, device)
+        if ready is not None and ready[0] == layout:
+            dests = ready[1]
+            self.reused += 1
         else:
-            dests = self._pinned_views(items) if pinned else self._pageable(items)
-            if self.keep:
-                self._kept[(name, pinned)] = (layout, dests)
+            started = time.perf_counter()
+            dests = self._pinned_views(layout, device) if pinned else self._pageable(items)
+            self.allocate_seconds += time.perf_counter() - started
+            self.allocated += 1
+        if self.keep:
+            with self._lock:
+                self._kept[group] = (layout, dests)
         engines: dict[torch.device, CopyEngine] = {}
         for (_key, t), dest in zip(items, dests, strict=True):
             engine = engines.get(t.device)
@@ -121,19 +146,51 @@ class SnapshotBuffers:
             wait()  # training may change the tensors once this returns
         return {key: dest for (key, _t), dest in zip(items, dests, strict=True)}
 
-    def _pinned_views(self, items: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def _pinned_views(self, layout: tuple[Any, ...], device: torch.device) -> list[torch.Tensor]:
         """Views of one pinned mapping of the group's exact size (each tensor page-aligned):
-        one registration per file, not one pinned block per tensor."""
+        one registration per file, not one pinned block per tensor; registered on ``device``
+        (the group's first tensor's), whichever thread asks."""
         offsets: list[int] = []
+        sizes: list[int] = []
         total = 0
-        for _key, t in items:
+        for _key, dtype, shape in layout:
+            nbytes = math.prod(shape) * dtype.itemsize
             offsets.append(total)
-            total += -(-(t.numel() * t.element_size()) // _ALIGN) * _ALIGN
-        buf = host_buffer(total, pin=True, account=self._held)
+            sizes.append(nbytes)
+            total += -(-nbytes // _ALIGN) * _ALIGN
+        buf = host_buffer(total, pin=True, account=self._held, device=device)
         return [
-            buf[offset : offset + t.numel() * t.element_size()].view(t.dtype).reshape(t.shape)
-            for (_key, t), offset in zip(items, offsets, strict=True)
+            buf[offset : offset + nbytes].view(dtype).reshape(shape)
+            for (_key, dtype, shape), offset, nbytes in zip(layout, offsets, sizes, strict=True)
         ]
+
+    def prepare(self) -> int:
+        """Pin, now, the memory of the next snapshot of every file of CUDA tensors snapshotted
+        before (same layout), unless it is kept or prepared already: the pin-ahead mode runs
+        this on a side thread in the steps before a save. Returns the bytes pinned."""
+        with self._lock:
+            todo = [
+                (group, layout, device)
+                for group, (layout, device) in self._layouts.items()
+                if group not in self._prepared
+                and (group not in self._kept or self._kept[group][0] != layout)
+            ]
+        before = self._held.value
+        for group, layout, device in todo:
+            dests = self._pinned_views(layout, device)
+            with self._lock:
+                self._prepared[group] = (layout, dests)
+        return self._held.value - before
+
+    @property
+    def pinned_layout_bytes(self) -> int:
+        """Bytes of the last snapshot's CUDA tensors (what keeping or pinning ahead holds)."""
+        with self._lock:
+            return sum(
+                math.prod(shape) * dtype.itemsize
+                for layout, _device in self._layouts.values()
+                for _key, dtype, shape in layout
+            )
 
     def _pageable(self, items: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
         """One allocation per tensor from torch's CPU allocator (exact sizes): blocks of the
@@ -160,8 +217,10 @@ class SnapshotBuffers:
         return self._held.value
 
     def clear(self) -> None:
-        """Drop the kept buffers (their memory goes once no write uses them)."""
-        self._kept.clear()
+        """Drop the kept and prepared buffers (their memory goes once no write uses them)."""
+        with self._lock:
+            self._kept.clear()
+            self._prepared.clear()
 
 
 def snapshot_entry(name: str, data: Any, buffers: SnapshotBuffers | None = None) -> Any:
