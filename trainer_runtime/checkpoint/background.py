@@ -66,17 +66,22 @@ class SnapshotBuffers:
     side stream at full speed, then one wait; CPU tensors into ordinary memory from torch's
     CPU allocator, one block per tensor. Memory is bounded by the entries this rank snapshots.
 
-    ``keep`` (``TrainingArguments.save_async_keep_snapshot``):
+    ``keep`` (decided by :class:`~trainer_runtime.checkpoint.pinned.PinnedStaging` from
+    ``TrainingArguments.save_async_keep_snapshot`` and the host memory left):
 
-    * ``False`` (the default): nothing is kept here; a buffer lives as long as the snapshot's
-      tensors, which :class:`BackgroundSave` drops once this rank's files are written: pinned
-      buffers are unpinned and unmapped, CPU buffers freed to the allocator (where training
-      reuses them; under the Trainer's CPU allocator settings the heap keeps them, so the next
-      snapshot finds them resident) before the next save;
+    * ``False``: nothing is kept here; a buffer lives as long as the snapshot's tensors, which
+      :class:`BackgroundSave` drops once this rank's files are written: pinned buffers are
+      unpinned and unmapped, CPU buffers freed to the allocator (where training reuses them;
+      under the Trainer's CPU allocator settings the heap keeps them, so the next snapshot
+      finds them resident) before the next save. :meth:`prepare` pins the next snapshot's
+      memory ahead of it (the pin-ahead mode; used once);
     * ``True``: each file's buffer is kept and reused by the next snapshot of the same file
       when the tensors' names, dtypes and shapes are the same (at most one write is in flight,
       so it is free by then): later snapshots are a plain copy into warm memory, for a copy of
       the state held (pinned, for GPU tensors) for the whole run.
+
+    ``reused`` / ``allocated`` count the groups copied into memory allocated before / by their
+    snapshot.
     """
 
     def __init__(self, keep: bool = False) -> None:

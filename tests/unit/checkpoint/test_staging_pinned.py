@@ -238,3 +238,37 @@ def test_kept_memory_is_given_back_at_a_jit_stop_when_memory_is_short(
     memory[0] = HostMemory(available)
     assert staged.on_stop() is given_back
     assert (staged.buffers.held_bytes == 0) is given_back
+
+
+@pytest.mark.parametrize(("keep", "kept"), [(None, 0.0), (True, 1.0)])
+def test_the_trainer_reports_pinned_staging_on_metrics(
+    tmp_path: Path, keep: bool | None, kept: float
+) -> None:
+    from tests.unit.runtime.test_resume import make_trainer
+    from trainer_runtime.callbacks import TrainerCallback
+    from trainer_runtime.metrics import RUNTIME_METRIC_NAMES, TrainingMetrics
+
+    trainer = make_trainer(tmp_path / "run", save_async=True, save_async_keep_snapshot=keep)
+    metrics = TrainingMetrics()
+    trainer.metrics = metrics
+    seen: list[dict[str, float | None]] = []
+
+    class AtSave(TrainerCallback):
+        def on_save(self, args: object, state: object, control: object, **kw: object) -> None:
+            trainer._publish_metrics()
+            seen.append(
+                {k: metrics.registry.get_sample_value(n) for k, n in RUNTIME_METRIC_NAMES.items()}
+            )
+
+    trainer.add_callback(AtSave())
+    trainer.train()
+    assert len(seen) >= 2
+    for values in seen:
+        assert values["pinned_staging_kept"] == kept
+        assert (
+            (values["pinned_staging_bytes"] or 0) > 0
+            if keep
+            else values["pinned_staging_bytes"] == 0
+        )
+        assert (values["snapshot_stall_seconds_last"] or 0) > 0
+    assert trainer._pinned_staging.buffers.reused >= (1 if keep else 0)
