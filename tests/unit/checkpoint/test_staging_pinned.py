@@ -265,10 +265,7 @@ def test_the_trainer_reports_pinned_staging_on_metrics(
     assert len(seen) >= 2
     for values in seen:
         assert values["pinned_staging_kept"] == kept
-        assert (
-            (values["pinned_staging_bytes"] or 0) > 0
-            if keep
-            else values["pinned_staging_bytes"] == 0
-        )
+        held = values["pinned_staging_bytes"] or 0
+        assert held > 0 if keep else held == 0  # kept; or given back once written
         assert (values["snapshot_stall_seconds_last"] or 0) > 0
     assert trainer._pinned_staging.buffers.reused >= (1 if keep else 0)
