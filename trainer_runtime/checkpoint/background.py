@@ -92,6 +92,7 @@ class SnapshotBuffers:
         # each pinned group's last layout and device: what :meth:`prepare` pins
         self._layouts: dict[tuple[str, bool], tuple[tuple[Any, ...], torch.device]] = {}
         self._lock = threading.Lock()  # prepare() runs on a side thread
+        self._stop_preparing = threading.Event()
         self._held = HeldBytes()
         # groups (a file's CUDA tensors, or its CPU tensors) copied into memory allocated
         # before the snapshot (kept or pinned ahead), and into memory allocated by it
@@ -180,12 +181,22 @@ class SnapshotBuffers:
                 if group not in self._prepared
                 and (group not in self._kept or self._kept[group][0] != layout)
             ]
+        self._stop_preparing.clear()
         before = self._held.value
         for group, layout, device in todo:
+            if self._stop_preparing.is_set():
+                break
             dests = self._pinned_views(layout, device)
             with self._lock:
+                if self._stop_preparing.is_set():
+                    break  # given back (a JIT stop) while this group was being pinned
                 self._prepared[group] = (layout, dests)
         return self._held.value - before
+
+    def stop_preparing(self) -> None:
+        """Make a :meth:`prepare` in progress stop after its current group and keep nothing
+        (it does not wait for it)."""
+        self._stop_preparing.set()
 
     @property
     def pinned_layout_bytes(self) -> int:

@@ -189,6 +189,7 @@ class PinnedStaging:
         self.state_bytes = 0
         self.last_stall: float | None = None
         self.warnings = 0
+        self.snapshots = 0
         self._ahead: threading.Thread | None = None
         self._pin_seconds: float | None = None
 
@@ -203,6 +204,7 @@ class PinnedStaging:
         """Record the stall; at the first snapshot decide the mode (now that the state's CUDA
         bytes are known) and log it."""
         self.last_stall = stall_seconds
+        self.snapshots += 1
         self.state_bytes = self.buffers.pinned_layout_bytes
         if self.buffers.allocated and self.buffers.allocate_seconds > 0 and self.state_bytes:
             self._pin_seconds = self.buffers.allocate_seconds
@@ -232,19 +234,24 @@ class PinnedStaging:
         )
 
     def after_write(self, write_seconds: float) -> bool:
-        """Once the background write is done: warn when the stall was over the limit."""
+        """Once the background write is done: True when the stall was over the limit, logged
+        with both figures: a warning the first time in a run, then at INFO (a stall over the
+        limit is usually so at every save). The first snapshot of a run pins its memory in
+        every mode (its layout was not known before): logged at INFO, not counted."""
         stall = self.last_stall
         if stall is None or not stall_too_long(stall, write_seconds):
             return False
-        self.warnings += 1
-        logger.warning(
+        message = (
             "save_async stalled training %.3f s, over %.0f%% of the %.3f s its write took "
-            "(pinned staging: %s)",
-            stall,
-            STALL_LIMIT * 100,
-            write_seconds,
-            self.mode,
+            "(pinned staging: %s%s)"
         )
+        first = self.snapshots <= 1
+        level = logging.INFO if first or self.warnings else logging.WARNING
+        note = "; the first save of the run pins its memory" if first else ""
+        logger.log(level, message, stall, STALL_LIMIT * 100, write_seconds, self.mode, note)
+        if first:
+            return False
+        self.warnings += 1
         return True
 
     # -- between saves -------------------------------------------------------------------------
@@ -282,9 +289,11 @@ class PinnedStaging:
             )
 
     def on_stop(self) -> bool:
-        """At a JIT stop: give the kept (or pinned-ahead) memory back if memory is short now.
-        Returns whether it was given back."""
-        self.before_snapshot()
+        """At a JIT stop: give the kept (or pinned-ahead) memory back if memory is short now;
+        a pin-ahead in progress is told to stop, not waited for. Returns whether it was given
+        back."""
+        if self.mode != KEEP:
+            self.buffers.stop_preparing()  # no periodic save follows a JIT stop
         held = self.buffers.held_bytes
         if not held:
             return False
@@ -292,6 +301,7 @@ class PinnedStaging:
             memory = self._read_memory()
             if staging_mode(memory, self.local_ranks, self.state_bytes, held=held) == KEEP:
                 return False
+        self.buffers.stop_preparing()
         self.buffers.clear()
         logger.info("pinned staging: %.2f GiB given back for the JIT save", held / _GIB)
         return True

@@ -214,6 +214,8 @@ def test_a_stall_over_a_tenth_of_the_write_is_a_warning_with_both_figures(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     staged = PinnedStaging(None, read_memory=lambda: HostMemory(100 * GIB))
+    staged.after_snapshot(2.5)  # the first save (it pins in every mode)
+    staged.after_write(9.0)
     staged.after_snapshot(1.8)
     with caplog.at_level(logging.WARNING, "trainer_runtime.checkpoint.pinned"):
         assert staged.after_write(9.0) is True
@@ -269,3 +271,42 @@ def test_the_trainer_reports_pinned_staging_on_metrics(
         assert held > 0 if keep else held == 0  # kept; or given back once written
         assert (values["snapshot_stall_seconds_last"] or 0) > 0
     assert trainer._pinned_staging.buffers.reused >= (1 if keep else 0)
+
+
+def test_the_first_saves_stall_is_no_warning_and_later_ones_warn_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    staged = PinnedStaging(None, read_memory=lambda: HostMemory(100 * GIB))
+    with caplog.at_level(logging.INFO, "trainer_runtime.checkpoint.pinned"):
+        staged.after_snapshot(1.8)
+        assert staged.after_write(9.0) is False  # the first save pins in every mode
+        assert "the first save of the run pins its memory" in caplog.text
+        staged.after_snapshot(1.8)
+        assert staged.after_write(9.0) is True
+        staged.after_snapshot(1.7)
+        assert staged.after_write(9.0) is True
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and staged.warnings == 2
+
+
+def test_a_jit_stop_stops_pinning_ahead_without_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(staging, "_can_pin", lambda: False)
+    staged = PinnedStaging(False)
+    _with_cuda_layout(staged, 1 << 20)
+    staged.buffers._layouts[("optimizer.safetensors", True)] = (
+        (("m", torch.uint8, (1 << 20,)),),
+        torch.device("cuda", 0),
+    )
+    staged.after_snapshot(0.01)
+    original = staged.buffers._pinned_views
+    calls: list[int] = []
+
+    def pin(layout: object, device: torch.device) -> list[torch.Tensor]:
+        calls.append(1)
+        staged.on_stop()  # the JIT stop arrives while this group is being pinned
+        return original(layout, device)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(staged.buffers, "_pinned_views", pin)
+    staged.buffers.prepare()
+    assert calls == [1]  # the second group was not pinned
+    assert staged.buffers.held_bytes == 0  # and the first was not kept
