@@ -199,6 +199,7 @@ class PinnedStaging:
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             ahead.join()
+        self.buffers.allocate_seconds = 0.0
 
     def after_snapshot(self, stall_seconds: float) -> None:
         """Record the stall; at the first snapshot decide the mode (now that the state's CUDA
@@ -206,8 +207,8 @@ class PinnedStaging:
         self.last_stall = stall_seconds
         self.snapshots += 1
         self.state_bytes = self.buffers.pinned_layout_bytes
-        if self.buffers.allocated and self.buffers.allocate_seconds > 0 and self.state_bytes:
-            self._pin_seconds = self.buffers.allocate_seconds
+        if self._pin_seconds is None and self.buffers.allocate_seconds > 0 and self.state_bytes:
+            self._pin_seconds = self.buffers.allocate_seconds  # the first save pinned it all
         if self.mode is not None:
             return
         if self.setting is True:
@@ -282,6 +283,7 @@ class PinnedStaging:
             logger.warning("pinning ahead of the next save failed: %s", exc)
             return
         if pinned:
+            self._pin_seconds = time.perf_counter() - started
             logger.debug(
                 "pinned %.2f GiB ahead of the next save in %.3f s",
                 pinned / _GIB,
