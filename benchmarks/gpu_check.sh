@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The checkpoint path's checks for one GPU machine, in one run of under 10 minutes:
-#   1. tests/gpu (marker cuda): the staging ring, pinned buffers and snapshots on a CUDA device;
+# The checkpoint path's checks for one GPU machine, in one run of about 8 minutes:
+#   1. tests/gpu (marker cuda): the staging ring, pinned buffers and snapshots on a CUDA device,
+#      helper threads on the tensors' device;
 #   2. benchmarks/gpu_d2h.py: a JIT save (real SIGTERM through our Trainer) of a 1.5B-parameter
 #      bf16 model from CUDA with its bytes, seconds and GB/s; device-to-host GB/s of the staging
 #      ring against a plain .to("cpu", non_blocking=True) into pinned memory; the pinned host
 #      memory a background snapshot holds before / during / after its write;
+#   2b. the save_async stall per GiB in each pinned staging mode (pinned at the save, kept,
+#      pinned ahead), through the real code path, beside a blocking save of the same 4 GiB;
 #   3. benchmarks/jit_scaling.py --ranks 1 --device cuda (skipped, with a message, where the
 #      file is not there);
 #   4. the same JIT save at 7B parameters (42 GB written), where the disk and the time allow.
@@ -94,6 +97,13 @@ else
   step gpu-d2h-cpu-smoke 240 "$PY" -P benchmarks/gpu_d2h.py --device cpu
 fi
 
+# 2b. the save_async stall per GiB: pinned at the save vs kept vs pinned ahead
+if [ "$CUDA" = 1 ]; then
+  step stall 150 "$PY" -P benchmarks/gpu_d2h.py --device cuda --only stall
+else
+  step stall-cpu-smoke 120 "$PY" -P benchmarks/gpu_d2h.py --device cpu --only stall
+fi
+
 # 3. the JIT scaling benchmark on one rank
 if [ ! -f benchmarks/jit_scaling.py ]; then
   echo
@@ -107,8 +117,8 @@ fi
 
 # 4. a JIT save at 7B (the size docs/checkpoints.md projects): 6 bytes a parameter on disk (bf16
 #    weights and AdamW's two bf16 moments, 42 GB), only where the disk has room for it and the
-#    run has time left (GPU_CHECK_BUDGET seconds in all, 570 by default)
-budget=${GPU_CHECK_BUDGET:-570}
+#    run has time left (GPU_CHECK_BUDGET seconds in all, 480 by default)
+budget=${GPU_CHECK_BUDGET:-480}
 left=$((budget - ($(date +%s) - started)))
 free_gb=$(df -Pk "${TMPDIR:-/tmp}" | awk 'NR == 2 {print int($4 / 1048576)}')
 if [ "$CUDA" != 1 ]; then

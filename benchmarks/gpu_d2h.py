@@ -1,7 +1,7 @@
 """Device-to-host checks of the checkpoint path on one GPU (``benchmarks/gpu_check.sh`` runs it).
 
     python -P benchmarks/gpu_d2h.py [--device cuda] [--params 1.5B] [--d2h-gib 4]
-        [--snapshot-gib 4] [--only jit,d2h,snapshot] [--workdir DIR]
+        [--snapshot-gib 4] [--only jit,d2h,snapshot,stall] [--workdir DIR]
 
 * ``jit``: a JIT save of a bf16 model of ``--params`` parameters trained with AdamW on the
   device: our Trainer in a child process under the operator's environment, stopped by a real
@@ -19,6 +19,14 @@
   weights, fp32 optimizer state), twice with the memory given back (the default) and twice
   kept (``save_async_keep_snapshot=True``): the training stall, then the pinned host memory
   before / during / after the write (ours, and torch's ``host_memory_stats``).
+* ``stall``: the training stall of a background save per GiB of ``--snapshot-gib`` of device
+  state, through the real code path (``PinnedStaging`` around ``SnapshotBuffers``, a
+  ``BackgroundSave`` writing, the Trainer's calls in its order), in each pinned staging mode:
+  ``at_save`` (pinned at the save, given back after the write), ``keep`` (kept pinned between
+  saves) and ``pin_ahead`` (given back after the write, pinned again on the side thread before
+  the next save); three saves each (the first pins in every mode), beside one blocking save of
+  the same state (``CheckpointWriter``): the stall as a fraction of it (the limit is 0.1).
+  (``--only stall`` is what ``gpu_check.sh``'s stall step runs.)
 
 On a machine without CUDA, ``--device cpu`` runs the same harness at small sizes (a smoke run:
 its figures are not GPU figures).
@@ -415,13 +423,99 @@ def run_snapshot(total: int, device: str, workdir: Path) -> None:
     shutil.rmtree(out, ignore_errors=True)
 
 
+def run_stall(total: int, device: str, workdir: Path) -> None:
+    from trainer_runtime.checkpoint.background import BackgroundSave, snapshot_entry
+    from trainer_runtime.checkpoint.io import CheckpointWriter
+    from trainer_runtime.checkpoint.pinned import (
+        STALL_LIMIT,
+        HostMemory,
+        PinnedStaging,
+        read_host_memory,
+    )
+    from trainer_runtime.checkpoint.safetensors_stream import TensorFile
+
+    files = dict(_state(total, device))
+    nbytes = sum(t.numel() * t.element_size() for f in files.values() for t in f.values())
+    gib = nbytes / GIB
+    _sync(device)
+    out = workdir / "stall"
+    memory = read_host_memory()
+    print(
+        f"stall: {gib:.2f} GiB of state; host memory usable {memory.usable / GIB:.1f} GiB "
+        f"(MemAvailable {memory.available / GIB:.1f} GiB, cgroup limit "
+        f"{'none' if memory.cgroup_limit is None else f'{memory.cgroup_limit / GIB:.1f} GiB'})"
+    )
+    # the blocking save of the same state (what the stall is compared with)
+    shutil.rmtree(out, ignore_errors=True)
+    writer = CheckpointWriter(str(out), 1)
+    t = time.perf_counter()
+    writer.begin()
+    writer.write_entries([(n, TensorFile(d), False) for n, d in files.items()])
+    writer.commit()
+    blocking = time.perf_counter() - t
+    print(f"  blocking save: {blocking:.2f} s ({_gbps(nbytes, blocking)})")
+    modes = {
+        "at_save": PinnedStaging(None, read_memory=lambda: HostMemory(0)),
+        "keep": PinnedStaging(True),
+        "pin_ahead": PinnedStaging(False),
+    }
+    save_steps = 10
+    for label, staged in modes.items():
+        stalls: list[float] = []
+        for save in (1, 2, 3):
+            step = save * save_steps
+            staged.before_snapshot()
+            t = time.perf_counter()
+            entries = [
+                (n, snapshot_entry(n, TensorFile(d), staged.buffers), False)
+                for n, d in files.items()
+            ]
+            stall = time.perf_counter() - t
+            staged.after_snapshot(stall)
+            stalls.append(stall)
+            shutil.rmtree(out, ignore_errors=True)
+            writer = CheckpointWriter(str(out), step)
+            t = time.perf_counter()
+            job = BackgroundSave(writer, entries, begin=True)
+            del entries
+            job.wait()
+            written = time.perf_counter() - t
+            if job.error is not None:
+                raise job.error
+            writer.commit()
+            staged.after_write(job.seconds)
+            held = staged.buffers.held_bytes
+            pinned = ""
+            # the steps before the next save: the pin-ahead thread (in its mode)
+            thread = staged.maybe_pin_ahead(step + save_steps - 1, save_steps, 1.0, writing=False)
+            if thread is not None:
+                t = time.perf_counter()
+                thread.join()
+                pinned = f", pinned ahead in {time.perf_counter() - t:.2f} s"
+            print(
+                f"  {label} (mode {staged.mode}), save {save}: stall {stall:.3f} s "
+                f"({stall / gib:.3f} s/GiB, {stall / blocking:.3f} x the blocking save), write "
+                f"{written:.2f} s; held after the write {held / MIB:.0f} MiB{pinned}"
+            )
+        later = stalls[1:]
+        worst = max(later)
+        print(
+            f"==> stall {label}: {statistics.median(later) / gib:.3f} s/GiB after the first save "
+            f"(first {stalls[0] / gib:.3f} s/GiB); worst {worst / blocking:.3f} x the blocking "
+            f"save ({'within' if worst <= STALL_LIMIT * blocking else 'OVER'} the "
+            f"{STALL_LIMIT} limit)"
+        )
+        staged.clear()
+    shutil.rmtree(out, ignore_errors=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--params", default=None, help="JIT model size (default 1.5B; CPU 20M)")
     p.add_argument("--d2h-gib", type=float, default=None, help="default 4 (CPU 0.25)")
     p.add_argument("--snapshot-gib", type=float, default=None, help="default 4 (CPU 0.25)")
-    p.add_argument("--only", default="jit,d2h,snapshot")
+    p.add_argument("--only", default="jit,d2h,snapshot", help="also: stall")
     p.add_argument("--jit-mode", choices=["auto", "trainer", "writer"], default="auto")
     p.add_argument("--workdir", default=None)
     p.add_argument("--jit-child", default=None, help=argparse.SUPPRESS)
@@ -454,6 +548,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_d2h(d2h, args.device)
         if "snapshot" in only:
             run_snapshot(snap, args.device, work)
+        if "stall" in only:
+            run_stall(snap, args.device, work)
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

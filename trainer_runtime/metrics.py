@@ -19,7 +19,7 @@ from trainer_runtime.protocol import (
     local_rank_from_env,
 )
 
-__all__ = ["TrainingMetrics", "metrics_from_env"]
+__all__ = ["RUNTIME_METRIC_NAMES", "TrainingMetrics", "metrics_from_env"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,19 @@ _HELP = {
     "accumulation; 0: not measured).",
     "last_complete_checkpoint_step": "Global step of the newest complete checkpoint (-1: none).",
     "stop_requested": "1 once SIGTERM was received, else 0.",
+    "pinned_staging_bytes": "Host memory this process holds for save_async snapshots, in bytes "
+    "(kept between saves, pinned ahead of one, or held by a write in flight).",
+    "pinned_staging_kept": "1 when save_async snapshot memory is kept pinned between saves, "
+    "else 0 (pinned ahead of each save or at it, given back after the write).",
+    "snapshot_stall_seconds_last": "Wall seconds training stalled for the last save_async "
+    "snapshot.",
+}
+
+# Served for people and dashboards only; the operator scrapes METRIC_NAMES (protocol.py).
+RUNTIME_METRIC_NAMES = {
+    "pinned_staging_bytes": "preemptible_pinned_staging_bytes",
+    "pinned_staging_kept": "preemptible_pinned_staging_kept",
+    "snapshot_stall_seconds_last": "preemptible_snapshot_stall_seconds_last",
 }
 
 
@@ -47,7 +60,7 @@ class TrainingMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.gauges: dict[str, Gauge] = {
             key: Gauge(name, _HELP.get(key, key), registry=self.registry)
-            for key, name in METRIC_NAMES.items()
+            for key, name in {**METRIC_NAMES, **RUNTIME_METRIC_NAMES}.items()
         }
         self.gauges["last_complete_checkpoint_step"].set(-1)
         self._server: Any = None

@@ -34,7 +34,6 @@ from trainer_runtime.callbacks import (
 from trainer_runtime.checkpoint import fallback, per_node
 from trainer_runtime.checkpoint.background import (
     BackgroundSave,
-    SnapshotBuffers,
     resolve_save_async,
     snapshot_entry,
 )
@@ -79,6 +78,7 @@ from trainer_runtime.checkpoint.model_state import (
     TRAINING_ARGS_NAME,
     rng_file_name,
 )
+from trainer_runtime.checkpoint.pinned import PinnedStaging, local_ranks_from_env
 from trainer_runtime.checkpoint.resharding import DataShape, reshard_position
 from trainer_runtime.checkpoint.resume_choice import parent_of, requested_resume, resolve_in_store
 from trainer_runtime.checkpoint.rng import restore_rng_state
@@ -310,9 +310,11 @@ class Trainer(
         # host buffers its snapshots are copied into (kept between saves or given back)
         self._async_save: BackgroundSave | None = None
         self._superseded: BackgroundSave | None = None
-        self._snapshot_buffers = SnapshotBuffers(
-            keep=bool(getattr(self.args, "save_async_keep_snapshot", False))
+        # (pinned staging, checkpoint/pinned.py: kept, pinned ahead or at the save)
+        self._pinned_staging = PinnedStaging(
+            getattr(self.args, "save_async_keep_snapshot", None), local_ranks=local_ranks_from_env()
         )
+        self._snapshot_buffers = self._pinned_staging.buffers
         self.preempted = False
         self._position = _DataPosition()
         self._data_iter: Iterator[Any] | None = None
@@ -1515,6 +1517,13 @@ class Trainer(
             self.save_checkpoint()
         self.control.should_log = False
         self.control.should_save = False
+        if str(getattr(self.args.save_strategy, "value", self.args.save_strategy)) == "steps":
+            self._pinned_staging.maybe_pin_ahead(
+                self.state.global_step,
+                self.state.save_steps,
+                self.step_timer.to_model().ema,
+                writing=self._async_save is not None,
+            )
         self._publish_metrics()
 
     def _log_training(self) -> None:
@@ -1674,6 +1683,8 @@ class Trainer(
         and the time that takes counts as part of the JIT save's measured time."""
         started = time.perf_counter()
         waited = self._settle_async_save(jit=jit)
+        if jit:
+            self._pinned_staging.on_stop()  # kept snapshot memory, given back when short
         step = self.state.global_step
         if self.last_checkpoint is not None and self.last_checkpoint.step == step:
             return self.last_checkpoint
@@ -1839,12 +1850,13 @@ class Trainer(
         alone = writer.world_size == 1
         if not alone:
             writer.begin()
+        self._pinned_staging.before_snapshot()
         entries = self._checkpoint_entries(writer.is_coordinator, False, snapshot=True)
         self._async_save = BackgroundSave(writer, entries, begin=alone)
+        stall = time.perf_counter() - started
+        self._pinned_staging.after_snapshot(stall)
         logger.info(
-            "checkpoint %s: state copied in %.3f s, written in the background",
-            writer.path,
-            time.perf_counter() - started,
+            "checkpoint %s: state copied in %.3f s, written in the background", writer.path, stall
         )
         return CheckpointInfo(
             path=writer.path,
@@ -1893,6 +1905,7 @@ class Trainer(
         assert save is not None
         save.wait()
         self._async_save = None
+        self._pinned_staging.after_write(save.seconds)
         failed = collectives.agree_to_stop(save.error is not None)
         if failed:
             # every rank's writer thread has ended (each waited, then they agreed)
@@ -1959,7 +1972,7 @@ class Trainer(
         if save is not None:
             save.cancel()
             save.writer.discard()  # this rank's thread has ended; one rank: the directory
-        self._snapshot_buffers.clear()
+        self._pinned_staging.clear()
 
     def _processing_class_to_save(self) -> Any:
         """The processing class, else the data collator's tokenizer (as transformers saves)."""
@@ -2357,6 +2370,8 @@ class Trainer(
             else None,
             stop_requested=bool(self.sigterm_latch and self.sigterm_latch.triggered),
         )
+        for key, value in self._pinned_staging.metrics().items():
+            self.metrics.set(key, value)
 
     def _write_termination(
         self,

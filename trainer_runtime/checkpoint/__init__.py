@@ -34,5 +34,6 @@ __all__, __getattr__, __dir__ = lazy_exports(
         "TensorFile": "safetensors_stream",
         "write_safetensors": "safetensors_stream",
         "BackgroundSave": "background",
+        "PinnedStaging": "pinned",
     },
 )

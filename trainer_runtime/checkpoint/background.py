@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 import traceback
@@ -65,23 +66,40 @@ class SnapshotBuffers:
     side stream at full speed, then one wait; CPU tensors into ordinary memory from torch's
     CPU allocator, one block per tensor. Memory is bounded by the entries this rank snapshots.
 
-    ``keep`` (``TrainingArguments.save_async_keep_snapshot``):
+    ``keep`` (decided by :class:`~trainer_runtime.checkpoint.pinned.PinnedStaging` from
+    ``TrainingArguments.save_async_keep_snapshot`` and the host memory left):
 
-    * ``False`` (the default): nothing is kept here; a buffer lives as long as the snapshot's
-      tensors, which :class:`BackgroundSave` drops once this rank's files are written: pinned
-      buffers are unpinned and unmapped, CPU buffers freed to the allocator (where training
-      reuses them; under the Trainer's CPU allocator settings the heap keeps them, so the next
-      snapshot finds them resident) before the next save;
+    * ``False``: nothing is kept here; a buffer lives as long as the snapshot's tensors, which
+      :class:`BackgroundSave` drops once this rank's files are written: pinned buffers are
+      unpinned and unmapped, CPU buffers freed to the allocator (where training reuses them;
+      under the Trainer's CPU allocator settings the heap keeps them, so the next snapshot
+      finds them resident) before the next save. :meth:`prepare` pins the next snapshot's
+      memory ahead of it (the pin-ahead mode; used once);
     * ``True``: each file's buffer is kept and reused by the next snapshot of the same file
       when the tensors' names, dtypes and shapes are the same (at most one write is in flight,
       so it is free by then): later snapshots are a plain copy into warm memory, for a copy of
       the state held (pinned, for GPU tensors) for the whole run.
+
+    ``reused`` / ``allocated`` count the groups copied into memory allocated before / by their
+    snapshot.
     """
 
     def __init__(self, keep: bool = False) -> None:
         self.keep = keep
         self._kept: dict[tuple[str, bool], tuple[tuple[Any, ...], list[torch.Tensor]]] = {}
+        # pinned ahead of the next snapshot (pin-ahead, checkpoint/pinned.py): used once
+        self._prepared: dict[tuple[str, bool], tuple[tuple[Any, ...], list[torch.Tensor]]] = {}
+        # each pinned group's last layout and device: what :meth:`prepare` pins
+        self._layouts: dict[tuple[str, bool], tuple[tuple[Any, ...], torch.device]] = {}
+        self._lock = threading.Lock()  # prepare() runs on a side thread
+        self._stop_preparing = threading.Event()
         self._held = HeldBytes()
+        # groups (a file's CUDA tensors, or its CPU tensors) copied into memory allocated
+        # before the snapshot (kept or pinned ahead), and into memory allocated by it
+        self.reused = 0
+        self.allocated = 0
+        # seconds the last snapshot spent allocating (and pinning) its memory
+        self.allocate_seconds = 0.0
 
     def snapshot(self, name: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copies of ``tensors`` (the file ``name``) in host memory: views of one pinned mapping
@@ -101,14 +119,27 @@ class SnapshotBuffers:
     def _copy_group(
         self, name: str, pinned: bool, items: list[tuple[str, torch.Tensor]]
     ) -> dict[str, torch.Tensor]:
+        group = (name, pinned)
         layout = tuple((key, t.dtype, tuple(t.shape)) for key, t in items)
-        kept = self._kept.get((name, pinned))
-        if kept is not None and kept[0] == layout:
-            dests = kept[1]
+        device = items[0][1].device
+        with self._lock:
+            ready = self._kept.get(group)
+            prepared = self._prepared.pop(group, None)
+            if ready is None or ready[0] != layout:
+                ready = prepared
+            if pinned:
+                self._layouts[group] = (layout, device)
+        if ready is not None and ready[0] == layout:
+            dests = ready[1]
+            self.reused += 1
         else:
-            dests = self._pinned_views(items) if pinned else self._pageable(items)
-            if self.keep:
-                self._kept[(name, pinned)] = (layout, dests)
+            started = time.perf_counter()
+            dests = self._pinned_views(layout, device) if pinned else self._pageable(items)
+            self.allocate_seconds += time.perf_counter() - started
+            self.allocated += 1
+        if self.keep:
+            with self._lock:
+                self._kept[group] = (layout, dests)
         engines: dict[torch.device, CopyEngine] = {}
         for (_key, t), dest in zip(items, dests, strict=True):
             engine = engines.get(t.device)
@@ -121,19 +152,61 @@ class SnapshotBuffers:
             wait()  # training may change the tensors once this returns
         return {key: dest for (key, _t), dest in zip(items, dests, strict=True)}
 
-    def _pinned_views(self, items: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def _pinned_views(self, layout: tuple[Any, ...], device: torch.device) -> list[torch.Tensor]:
         """Views of one pinned mapping of the group's exact size (each tensor page-aligned):
-        one registration per file, not one pinned block per tensor."""
+        one registration per file, not one pinned block per tensor; registered on ``device``
+        (the group's first tensor's), whichever thread asks."""
         offsets: list[int] = []
+        sizes: list[int] = []
         total = 0
-        for _key, t in items:
+        for _key, dtype, shape in layout:
+            nbytes = math.prod(shape) * dtype.itemsize
             offsets.append(total)
-            total += -(-(t.numel() * t.element_size()) // _ALIGN) * _ALIGN
-        buf = host_buffer(total, pin=True, account=self._held)
+            sizes.append(nbytes)
+            total += -(-nbytes // _ALIGN) * _ALIGN
+        buf = host_buffer(total, pin=True, account=self._held, device=device)
         return [
-            buf[offset : offset + t.numel() * t.element_size()].view(t.dtype).reshape(t.shape)
-            for (_key, t), offset in zip(items, offsets, strict=True)
+            buf[offset : offset + nbytes].view(dtype).reshape(shape)
+            for (_key, dtype, shape), offset, nbytes in zip(layout, offsets, sizes, strict=True)
         ]
+
+    def prepare(self) -> int:
+        """Pin, now, the memory of the next snapshot of every file of CUDA tensors snapshotted
+        before (same layout), unless it is kept or prepared already: the pin-ahead mode runs
+        this on a side thread in the steps before a save. Returns the bytes pinned."""
+        with self._lock:
+            todo = [
+                (group, layout, device)
+                for group, (layout, device) in self._layouts.items()
+                if group not in self._prepared
+                and (group not in self._kept or self._kept[group][0] != layout)
+            ]
+        self._stop_preparing.clear()
+        before = self._held.value
+        for group, layout, device in todo:
+            if self._stop_preparing.is_set():
+                break
+            dests = self._pinned_views(layout, device)
+            with self._lock:
+                if self._stop_preparing.is_set():
+                    break  # given back (a JIT stop) while this group was being pinned
+                self._prepared[group] = (layout, dests)
+        return self._held.value - before
+
+    def stop_preparing(self) -> None:
+        """Make a :meth:`prepare` in progress stop after its current group and keep nothing
+        (it does not wait for it)."""
+        self._stop_preparing.set()
+
+    @property
+    def pinned_layout_bytes(self) -> int:
+        """Bytes of the last snapshot's CUDA tensors (what keeping or pinning ahead holds)."""
+        with self._lock:
+            return sum(
+                math.prod(shape) * dtype.itemsize
+                for layout, _device in self._layouts.values()
+                for _key, dtype, shape in layout
+            )
 
     def _pageable(self, items: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
         """One allocation per tensor from torch's CPU allocator (exact sizes): blocks of the
@@ -160,8 +233,10 @@ class SnapshotBuffers:
         return self._held.value
 
     def clear(self) -> None:
-        """Drop the kept buffers (their memory goes once no write uses them)."""
-        self._kept.clear()
+        """Drop the kept and prepared buffers (their memory goes once no write uses them)."""
+        with self._lock:
+            self._kept.clear()
+            self._prepared.clear()
 
 
 def snapshot_entry(name: str, data: Any, buffers: SnapshotBuffers | None = None) -> Any:

@@ -178,7 +178,10 @@ def write_safetensors(
                     stream = RingStream(ring, write, between=between_blocks)
                 elif stream is None:
                     stream = RingStream(
-                        staging_pool.take(), write, between=between_blocks, pool=staging_pool
+                        staging_pool.take(t.device),
+                        write,
+                        between=between_blocks,
+                        pool=staging_pool,
                     )
                 stream.add(t)
             else:

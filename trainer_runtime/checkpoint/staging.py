@@ -30,6 +30,13 @@ pool: the memory goes when the writer lets go of it.
 
 Devices other than CUDA are copied synchronously into unpinned blocks; the copies, the ring and
 the contract are the same, so everything also runs (and is tested) on the CPU.
+
+**On the tensor's device** (:func:`on_device`). Writer, hashing and pin-ahead threads have no
+current device of their own: CUDA would take device 0, and the first call there (a
+``cudaHostRegister``, an event, an unregister when the last view of a buffer goes) would create a
+context on GPU 0 (0.3-0.5 GiB per process: 7 of them on an 8-GPU node's GPU 0 at the JIT
+moment). So every CUDA call made here runs under ``on_device(<the tensor's device>)``: pinning
+and unpinning (each buffer remembers the device it was pinned for), copies, streams, events.
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ __all__ = [
     "flat_bytes",
     "held_bytes",
     "host_buffer",
+    "on_device",
     "staging_pool",
     "stream_tensors",
 ]
@@ -78,6 +86,26 @@ DEPTH = 4
 KEPT_RINGS = 2
 
 _PAGE = mmap.PAGESIZE
+
+
+# -- the CUDA device of helper threads ----------------------------------------------------------
+def _cuda_device(index: int) -> contextlib.AbstractContextManager[Any]:
+    """The one place a thread's current CUDA device is set (a seam for the CPU tests)."""
+    return torch.cuda.device(index)
+
+
+def _cudart() -> Any:
+    """The CUDA runtime calls made here directly (a seam for the CPU tests)."""
+    return torch.cuda.cudart()
+
+
+def on_device(device: torch.device | None) -> contextlib.AbstractContextManager[Any]:
+    """Run the block with ``device`` as this thread's current CUDA device; a no-op for
+    ``None`` and devices other than CUDA (a device without an index: the current one)."""
+    if device is None or device.type != "cuda" or device.index is None:
+        return contextlib.nullcontext()
+    return _cuda_device(device.index)
+
 
 # -- exact-size host memory ------------------------------------------------------------------------
 _held_lock = threading.Lock()
@@ -111,12 +139,15 @@ class _Mapping(mmap.mmap):
     pinned_ptr: int = 0
     counted: int = 0
     account: HeldBytes | None = None
+    # the device it was pinned for: the last view may go on any thread (a writer's)
+    device: torch.device | None = None
 
     def __del__(self) -> None:
         ptr, self.pinned_ptr = self.pinned_ptr, 0
         if ptr:
-            with contextlib.suppress(Exception):  # interpreter shutdown: CUDA may be gone
-                torch.cuda.cudart().cudaHostUnregister(ptr)
+            with contextlib.suppress(Exception), on_device(self.device):
+                # (interpreter shutdown: CUDA may be gone)
+                _cudart().cudaHostUnregister(ptr)
             _count("pinned", -self.counted)
         if self.counted:
             _count("mapped", -self.counted)
@@ -141,13 +172,21 @@ def _can_pin() -> bool:
     return torch.cuda.is_available()
 
 
-def host_buffer(nbytes: int, *, pin: bool, account: HeldBytes | None = None) -> torch.Tensor:
+def host_buffer(
+    nbytes: int,
+    *,
+    pin: bool,
+    account: HeldBytes | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
     """A uint8 tensor over ``nbytes`` of fresh host memory: an anonymous mapping rounded up to
     whole pages only, registered with CUDA (``cudaHostRegister``) when ``pin`` and CUDA is
     available. The memory goes back to the OS when the tensor and every view of it are gone.
 
-    If registering fails, the buffer stays unpinned (copies into it are then synchronous) and
-    a warning is logged once. ``account`` counts the buffer's bytes while it is alive."""
+    ``device``: the CUDA device the buffer serves; registering and unregistering run on it
+    (:func:`on_device`; None: the calling thread's current device). If registering fails, the
+    buffer stays unpinned (copies into it are then synchronous) and a warning is logged once.
+    ``account`` counts the buffer's bytes while it is alive."""
     global _pin_warned
     if nbytes <= 0:
         return torch.empty(0, dtype=torch.uint8)
@@ -161,9 +200,11 @@ def host_buffer(nbytes: int, *, pin: bool, account: HeldBytes | None = None) -> 
     buf = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
     if pin and _can_pin():
         ptr = buf.data_ptr()
-        # 1 = cudaHostRegisterPortable: pinned for every CUDA context of the process
-        err = int(torch.cuda.cudart().cudaHostRegister(ptr, size, 1))
+        with on_device(device):
+            # 1 = cudaHostRegisterPortable: pinned for every CUDA context of the process
+            err = int(_cudart().cudaHostRegister(ptr, size, 1))
         if err == 0:
+            mapping.device = device
             mapping.pinned_ptr = ptr
             _count("pinned", size)
         elif not _pin_warned:
@@ -249,21 +290,29 @@ class CudaCopies:
         # The tensors may have been written on another thread's stream (a writer thread's
         # current stream is the default one, training may use its own): wait for the device.
         # A save starts at a step boundary, where there is little left to wait for.
-        torch.cuda.synchronize(device)
+        with on_device(device):
+            torch.cuda.synchronize(device)
 
     def order_after_queued_work(self, device: torch.device) -> None:
-        self.stream(device).wait_stream(torch.cuda.current_stream(device))
+        with on_device(device):
+            self.stream(device).wait_stream(torch.cuda.current_stream(device))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.cuda.stream(self.stream(src.device)):
+        with on_device(src.device), torch.cuda.stream(self.stream(src.device)):
             dst.copy_(src, non_blocking=True)
 
     def mark(self, device: torch.device) -> Callable[[], None]:
         # blocking: the waiting thread sleeps instead of spinning on a core that the hashing
         # and I/O threads of the same save need
-        event = torch.cuda.Event(blocking=True)
-        event.record(self.stream(device))
-        return event.synchronize
+        with on_device(device):
+            event = torch.cuda.Event(blocking=True)
+            event.record(self.stream(device))
+
+        def wait() -> None:
+            with on_device(device):
+                event.synchronize()
+
+        return wait
 
 
 _sync_copies = SyncCopies()
@@ -289,6 +338,8 @@ class StagingRing:
 
     ``copies``: the copy engine for every tensor (default: :func:`copies_for` its device).
     ``stage_host_tensors``: CPU tensors go through the ring as well (tests; benchmarks).
+    ``device``: the CUDA device whose tensors it stages (its memory is pinned there; pinned
+    portable, so it serves every device of the process afterwards).
     """
 
     def __init__(
@@ -299,6 +350,7 @@ class StagingRing:
         pin: bool | None = None,
         copies: CopyEngine | None = None,
         stage_host_tensors: bool = False,
+        device: torch.device | None = None,
     ) -> None:
         if block_bytes <= 0 or depth < 2:
             raise ValueError(f"a staging ring needs block_bytes > 0 and depth >= 2, not {depth}")
@@ -307,7 +359,8 @@ class StagingRing:
         self.copies = copies
         self.stage_host_tensors = stage_host_tensors
         self.pin = _can_pin() if pin is None else pin
-        self.memory = host_buffer(block_bytes * depth, pin=self.pin)
+        self.device = device
+        self.memory = host_buffer(block_bytes * depth, pin=self.pin, device=device)
         self.blocks = [self.memory[i * block_bytes : (i + 1) * block_bytes] for i in range(depth)]
         # one memoryview per block, sliced for each hand-over (no numpy call per block)
         self.views = [memoryview(b.numpy()) for b in self.blocks]
@@ -318,7 +371,10 @@ class StagingRing:
 
     @property
     def pinned(self) -> bool:
-        return self.memory.is_pinned() if _can_pin() else False
+        if not _can_pin():
+            return False
+        with on_device(self.device):
+            return self.memory.is_pinned()
 
     def stages(self, t: torch.Tensor) -> bool:
         """Whether ``t`` goes through the ring (every tensor off the CPU)."""
@@ -341,12 +397,13 @@ class StagingPool:
         self._idle: list[StagingRing] = []
         self._lock = threading.Lock()
 
-    def take(self) -> StagingRing:
+    def take(self, device: torch.device | None = None) -> StagingRing:
+        """An idle ring, else a new one pinned on ``device`` (the first tensor's it stages)."""
         pin = _can_pin()
         with self._lock:
             if self._idle:
                 return self._idle.pop()
-        return StagingRing(self.block_bytes, self.depth, pin=pin)
+        return StagingRing(self.block_bytes, self.depth, pin=pin, device=device)
 
     def give(self, ring: StagingRing) -> None:
         with self._lock:
