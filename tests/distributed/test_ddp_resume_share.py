@@ -103,6 +103,55 @@ def _worker(rank: int, port: int, out: str, results: Any) -> None:
     results[rank] = (read, same_model, same_optimizer, set(a["state"]) == set(b["state"]))
 
 
+def _load_worker(rank: int, port: int, world: int, ckpt: str, results: Any) -> None:
+    """``world`` ranks load the shares of a checkpoint saved by another number of ranks."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from trainer_runtime.checkpoint import read_stats
+    from trainer_runtime.checkpoint.hf_format import load_model_files
+    from trainer_runtime.checkpoint.io import CheckpointReader
+    from trainer_runtime.checkpoint.share_resume import load_shared
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        reader = CheckpointReader(ckpt)
+        torch.manual_seed(rank + 7)
+        model = _Wide()
+        read_stats.reset()
+        shared = load_shared(reader, model, (reader.info.manifest or {}).get("world_size"))
+        read = read_stats.bytes_read()
+        assert shared is not None and shared.model_loaded and shared.optimizer is not None
+        # the reference: every file read whole by this rank alone (the pre-issue-38 way)
+        reference = _Wide()
+        load_model_files(
+            reference, reader.load_bytes, reader.has, ckpt, load=reader.load_tensors_and_metadata
+        )
+        expected = reader.load_optimizer()
+        reader.wait_verified()
+        assert expected is not None
+        same_model = all(
+            torch.equal(a, b)
+            for a, b in zip(
+                reference.state_dict().values(), model.state_dict().values(), strict=True
+            )
+        )
+        got = shared.optimizer
+        same_optimizer = (
+            got["param_groups"] == expected["param_groups"]
+            and set(got["state"]) == set(expected["state"])
+            and all(
+                torch.equal(got["state"][i][k], v)
+                for i, state in expected["state"].items()
+                for k, v in state.items()
+            )
+        )
+        results[rank] = (read, same_model, same_optimizer)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_each_rank_reads_its_share_and_resumes_bit_identical(tmp_path: Path) -> None:
     out = tmp_path / "out"
     with mp.Manager() as manager:
@@ -120,3 +169,26 @@ def test_each_rank_reads_its_share_and_resumes_bit_identical(tmp_path: Path) -> 
             f"rank {rank} read {read} bytes to resume, more than 1.1 x {total} / {WORLD} + "
             f"{SMALL_FILES} = {limit:.0f}"
         )
+
+
+def test_another_world_size_reads_whole_files_split_by_bytes(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_worker, args=(_port(), str(out), results), nprocs=WORLD)
+    ckpt = out / "checkpoint-2"
+    shards = [p for p in ckpt.iterdir() if p.name.startswith(("model-", "optimizer-"))]
+    total = sum(p.stat().st_size for p in shards)
+    largest = max(p.stat().st_size for p in shards)
+    world = 3
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_load_worker, args=(_port(), world, str(ckpt), results), nprocs=world)
+        got = dict(results)
+    assert sorted(got) == list(range(world)), got
+    reads = [got[r][0] for r in range(world)]
+    # every shard is read by one rank; the index JSONs by all
+    assert total <= sum(reads) <= total + world * SMALL_FILES, reads
+    for rank, (read, same_model, same_optimizer) in sorted(got.items()):
+        assert same_model and same_optimizer, f"rank {rank}: not bit-identical"
+        assert read <= total / world + largest + SMALL_FILES, (rank, reads, total)
