@@ -199,6 +199,8 @@ def _kept_host_bytes(optimizer: Any) -> int:
     seen: dict[int, int] = {}
     for state in optimizer.state.values():
         for value in state.values():
+            if hasattr(value, "to_local"):
+                value = value.to_local()  # FSDP: a DTensor, this rank's shard
             if isinstance(value, torch.Tensor) and value.device.type == "cpu":
                 storage = value.untyped_storage()
                 seen[storage.data_ptr()] = storage.nbytes()
@@ -402,15 +404,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for ranks in rank_counts:
                     if mode == "fsdp" and ranks < 2:
                         continue
-                    results = _run(
-                        mode,
-                        ranks,
-                        params,
-                        a.device,
-                        workdir,
-                        resume=a.resume,
-                        s3=s3 if storage == "s3" else None,
-                    )
+                    try:
+                        results = _run(
+                            mode,
+                            ranks,
+                            params,
+                            a.device,
+                            workdir,
+                            resume=a.resume,
+                            s3=s3 if storage == "s3" else None,
+                        )
+                    except SystemExit as exc:  # one configuration failed: report, go on
+                        print(exc, file=sys.stderr, flush=True)
+                        failures.append(f"{storage} {mode} x {ranks}: failed")
+                        continue
                     rows.append(_save_row(storage, mode, ranks, results, failures))
                     if a.resume:
                         resume_rows.append(_resume_row(storage, mode, ranks, results, failures))
