@@ -106,6 +106,13 @@ def _read_file(reader: Any, name: str) -> tuple[dict[str, torch.Tensor], dict[st
     return tensors, dict(header.get("__metadata__") or {})
 
 
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a uint8 view of the same storage (0-d and empty too)."""
+    if tensor.numel() == 0:
+        return tensor
+    return tensor.reshape(-1).view(torch.uint8)
+
+
 def _device() -> torch.device:
     # NCCL broadcasts CUDA tensors only; gloo CPU tensors.
     if dist.get_backend() == "nccl":
@@ -191,7 +198,9 @@ def exchange_shares(
                         target = target.to(device)
                 else:
                     target = torch.empty(shape, dtype=dtype, device=device)
-                dist.broadcast(target, src=src)
+                # as bytes: bit-exact whatever the dtype, also ones a backend does not reduce
+                # (gloo and bfloat16 or float8)
+                dist.broadcast(_as_bytes(target), src=src)
                 if dest is not None and not direct and tuple(dest.shape) == shape:
                     dest.copy_(target)  # another dtype or device: cast into the parameter
                     target = dest
