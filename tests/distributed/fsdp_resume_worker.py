@@ -27,7 +27,12 @@ from torch import nn
 
 from trainer_runtime.checkpoint import fallback, read_stats
 from trainer_runtime.checkpoint.digest import file_record, hash_stream
-from trainer_runtime.checkpoint.safetensors_stream import read_header, write_safetensors
+from trainer_runtime.checkpoint.safetensors_stream import (
+    read_header,
+    read_header_range,
+    write_safetensors,
+)
+from trainer_runtime.checkpoint.storage import Storage
 from trainer_runtime.distributed.collectives import run_and_exit
 from trainer_runtime.distributed.fsdp import FsdpConfig, load_sharded, save_sharded, shard_model
 from trainer_runtime.toy import CLASSES, FEATURES, ToyDataset, ToyModel
@@ -173,10 +178,10 @@ def main() -> int:
     files = {e["path"]: e["size"] for e in (info.manifest or {}).get("files", [])}
     result["state_bytes"] = sum(v for k, v in files.items() if k.startswith("fsdp-state-"))
     headers = 0
+    store = Storage(info.path)  # local or s3:// (AWS_* from the environment)
     for name in files:
         if name.startswith("fsdp-state-"):
-            with open(os.path.join(info.path, name), "rb") as fh:
-                headers += read_header(fh)[1]
+            headers += read_header_range(lambda o, d, n=name: store.read_range(n, o, d))[1]
     result["header_bytes"] = headers
     result["world"] = world
     print("RESULT " + json.dumps(result), flush=True)
