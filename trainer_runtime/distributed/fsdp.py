@@ -13,9 +13,14 @@ Save protocol (every rank calls :func:`save_sharded`, or the Trainer's save, at 
 Nothing is gathered: no rank ever holds more than its own shards, and each writes about
 ``total / N`` bytes. A file's safetensors metadata records where each of its pieces sits in its
 global tensor (offsets and global shape, from the DTensor's chunk), so :func:`load_sharded`
-rebuilds any other sharding: each rank reads, from every file, the slices that overlap its new
-piece (memory-mapped on local storage), and checks a share of the files' checksums, the ranks
-agreeing before the state is used. A rank killed in the middle leaves a checkpoint without
+rebuilds any other sharding: each rank reads every file's header alone (ranged reads), then only
+the byte ranges of the pieces that overlap its new piece, straight into it where it can (no
+whole-file buffer; local disk and object stores alike, counted by ``read_stats``); each file's
+checksum is computed by one rank from the same pass (:func:`verifier_of`), the ranks agreeing
+before the state is used. Pieces that do not cover a tensor make the checkpoint corrupt
+(CheckpointCorruptError: the resume falls back). The optimizer state is rebuilt from what the
+checkpoint holds (parameters without state get none), and a save before the first step
+fabricates none. A rank killed in the middle leaves a checkpoint without
 manifest, which every reader treats as incomplete, exactly like a DDP checkpoint.
 
 Checkpoints of earlier versions (``fsdp-dcp/1``, written by torch.distributed.checkpoint) still
