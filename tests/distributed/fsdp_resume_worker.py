@@ -98,10 +98,10 @@ def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Te
     return out
 
 
-def shift_a_piece(path: str) -> str:
-    """Rewrite rank 1's file so its piece of the first weight claims to start one row later
-    (rows missing), and the manifest's size and checksum to match (only the layout is wrong)."""
-    name = "fsdp-state-00002-of-00002.safetensors"
+def shift_a_piece(path: str, name: str = "fsdp-state-00002-of-00002.safetensors") -> str:
+    """Rewrite file ``name`` of checkpoint ``path`` so its piece of the first weight claims to
+    start one row later (rows missing), and the manifest's size and checksum to match (only the
+    layout is wrong: no checksum can tell)."""
     file = os.path.join(path, name)
     from safetensors.torch import load_file
 

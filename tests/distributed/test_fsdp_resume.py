@@ -8,8 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.conftest import WORLD_SIZE
+from tests.distributed.conftest import MAX_STEPS, RUN_TIMEOUT, SAVE_STEPS, WORLD_SIZE
+from tests.distributed.fsdp_resume_worker import shift_a_piece
+from tests.distributed.ranks import RankedRun
 from tests.distributed.test_fsdp_checkpoint import _run_ranks
+from tests.distributed.test_fsdp_trainer import fsdp_args, fsdp_reference  # noqa: F401
+from trainer_runtime.testing import weights_identical
 
 WORKER = "tests.distributed.fsdp_resume_worker"
 
@@ -58,3 +62,38 @@ def test_pieces_that_miss_rows_make_the_checkpoint_corrupt(tmp_path: Path) -> No
     named = [r["error"] for r in results if "net.0.weight" in (r["error"] or "")]
     assert named, results
     assert "do not cover rows" in named[0], named
+
+
+@pytest.mark.runtime
+@pytest.mark.timeout(600)
+def test_the_trainer_falls_back_from_pieces_that_miss_rows(
+    tmp_path: Path,
+    fsdp_reference: Path,  # noqa: F811
+) -> None:
+    """The newest checkpoint's pieces miss rows of a weight (its checksums match: only the
+    layout is wrong): the Trainer marks it corrupt, resumes from the one before, and ends
+    bit-identical to the uninterrupted run."""
+    out = tmp_path / "out"
+    newest = 2 * SAVE_STEPS
+    for step in (SAVE_STEPS, newest):
+        source, target = fsdp_reference / f"checkpoint-{step}", out / f"checkpoint-{step}"
+        target.mkdir(parents=True)
+        for item in source.iterdir():
+            (target / item.name).write_bytes(item.read_bytes())
+    shift_a_piece(str(out / f"checkpoint-{newest}"))
+    with RankedRun(
+        out, tmp_path, world_size=WORLD_SIZE, args=fsdp_args(), attempt=2, resume_from="latest"
+    ) as run:
+        codes = run.wait(RUN_TIMEOUT)
+    assert codes == [0] * WORLD_SIZE, f"resumed run exited {codes}\n{run.tails()}"
+    # marked corrupt (the marker went when step 8 was saved again), named with the rows
+    logs = run.tails()
+    assert f"checkpoint-{newest} is corrupt: its pieces of 'model.net.0.weight'" in logs, logs
+    assert "do not cover rows 16:17" in logs and "marked corrupt" in logs, logs
+    for rank in range(WORLD_SIZE):
+        begun = run.steps_begun(rank)
+        assert begun and begun[0] == SAVE_STEPS + 1, f"rank {rank} resumed at {begun[:1]}"
+    same, detail = weights_identical(
+        out / f"checkpoint-{MAX_STEPS}", fsdp_reference / f"checkpoint-{MAX_STEPS}"
+    )
+    assert same, detail
