@@ -100,7 +100,15 @@ def _worker(rank: int, port: int, out: str, results: Any) -> None:
     same_optimizer = a["param_groups"] == b["param_groups"] and all(
         torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i]
     )
-    results[rank] = (read, same_model, same_optimizer, set(a["state"]) == set(b["state"]))
+    files = (resumed.last_checkpoint.manifest or {}).get("files", [])
+    shards = [f["size"] for f in files if f["path"].startswith(("model-", "optimizer-"))]
+    results[rank] = (
+        read,
+        same_model,
+        same_optimizer and set(a["state"]) == set(b["state"]),
+        len(shards),
+        sum(shards),
+    )
 
 
 def _load_worker(rank: int, port: int, world: int, ckpt: str, results: Any) -> None:
@@ -152,23 +160,26 @@ def _load_worker(rank: int, port: int, world: int, ckpt: str, results: Any) -> N
         dist.destroy_process_group()
 
 
-def test_each_rank_reads_its_share_and_resumes_bit_identical(tmp_path: Path) -> None:
-    out = tmp_path / "out"
+def run_and_check_shares(out: str) -> None:
+    """Two ranks save to ``out`` (a directory or an s3:// URL) and resume from it: each reads
+    at most its share (1.1 x total / N) plus the small files, and resumes bit-identical."""
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(_port(), str(out), results), nprocs=WORLD)
+        mp.spawn(_worker, args=(_port(), out, results), nprocs=WORLD)
         got = dict(results)
-    ckpt = out / "checkpoint-2"
-    shards = [p for p in ckpt.iterdir() if p.name.startswith(("model-", "optimizer-"))]
-    assert len(shards) == 2 * WORLD, sorted(p.name for p in shards)
-    total = sum(p.stat().st_size for p in shards)
-    limit = 1.1 * total / WORLD + SMALL_FILES
-    for rank, (read, same_model, same_optimizer, same_keys) in sorted(got.items()):
-        assert same_model and same_optimizer and same_keys, f"rank {rank}: not bit-identical"
+    assert sorted(got) == list(range(WORLD)), got
+    for rank, (read, same_model, same_optimizer, shards, total) in sorted(got.items()):
+        assert shards == 2 * WORLD, f"rank {rank}: {shards} shard files"
+        assert same_model and same_optimizer, f"rank {rank}: not bit-identical"
+        limit = 1.1 * total / WORLD + SMALL_FILES
         assert read <= limit, (
             f"rank {rank} read {read} bytes to resume, more than 1.1 x {total} / {WORLD} + "
             f"{SMALL_FILES} = {limit:.0f}"
         )
+
+
+def test_each_rank_reads_its_share_and_resumes_bit_identical(tmp_path: Path) -> None:
+    run_and_check_shares(str(tmp_path / "out"))
 
 
 def test_another_world_size_reads_whole_files_split_by_bytes(tmp_path: Path) -> None:
