@@ -15,8 +15,25 @@ SIGTERM triggers) at the same moment. Each rank measures, around that call only:
 Targets (issue 28): bytes per rank <= 1.1 x total / N; extra host memory per rank <= its share
 (total / N) + 256 MB; no gathered full-model file in an FSDP JIT checkpoint.
 
+With ``--resume`` (issue 38) every rank then drops that Trainer and resumes a new one (another
+initialisation, ``train(resume_from_checkpoint=...)`` with nothing left to train) from the
+checkpoint just written, and measures around the load only (the Trainer's
+``_load_resume_checkpoint``, fallback agreement included):
+
+* bytes read from storage: the growth of the storage seam's counter (:mod:`read_stats`: whole
+  files, ranged reads, local or object store, memory-mapped files counted once);
+* extra host memory: the peak resident set minus the value just before, and the same less the
+  optimizer state the rank keeps afterwards in host memory (on CPU the state itself lives there;
+  on a GPU it would be device memory): the second is held to the target;
+* seconds: the load's wall time, printed beside the save's.
+
+Same targets: bytes read per rank <= 1.1 x total / N, extra host memory <= total / N + 256 MB.
+``--storage local,s3`` also saves to and resumes from the tier's S3 server (versitygw on
+loopback, built by ``tests/cluster/build.sh``).
+
     python -P benchmarks/jit_scaling.py [--ranks 1,2,4] [--modes ddp,fsdp] [--params 200M]
                                          [--device cpu|cuda] [--workdir DIR]
+                                         [--resume] [--storage local,s3]
 
 FSDP needs at least 2 ranks (``--ranks 1`` runs DDP only). On this 2-core VM 4 ranks share two
 cores and the save times are not what 4 GPUs' hosts give; bytes and memory per rank are.
@@ -25,6 +42,7 @@ cores and the save times are not what 4 GPUs' hosts give; bytes and memory per r
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -167,7 +185,63 @@ def _worker(spec: dict[str, Any]) -> None:
         "files": sorted(f["path"] for f in (info.manifest or {}).get("files", [])),
         "total": sum(f["size"] for f in (info.manifest or {}).get("files", [])),
     }
+    if spec.get("resume"):
+        del trainer, model
+        gc.collect()
+        result.update(_resume(spec, info.path, args))
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def _kept_host_bytes(optimizer: Any) -> int:
+    """Bytes of the optimizer state held in host memory (each storage once)."""
+    import torch
+
+    seen: dict[int, int] = {}
+    for state in optimizer.state.values():
+        for value in state.values():
+            if hasattr(value, "to_local"):
+                value = value.to_local()  # FSDP: a DTensor, this rank's shard
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                storage = value.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _resume(spec: dict[str, Any], path: str, args: Any) -> dict[str, Any]:
+    """A new Trainer (another initialisation) resumes from ``path``; the load is measured."""
+    import torch
+
+    from trainer_runtime import Trainer
+    from trainer_runtime.checkpoint import read_stats
+    from trainer_runtime.distributed import collectives
+
+    measured: dict[str, Any] = {}
+
+    class Measured(Trainer):
+        def _load_resume_checkpoint(self, info: Any) -> Any:
+            collectives.barrier()
+            read_stats.reset()
+            before = _rss()
+            started = time.perf_counter()
+            with _PeakRss() as peak:
+                loaded = super()._load_resume_checkpoint(info)
+            measured["resume_seconds"] = time.perf_counter() - started
+            measured["read"] = read_stats.bytes_read()
+            measured["resume_rss"] = peak.peak - before
+            return loaded
+
+    torch.manual_seed(1)
+    model = _model(spec["params"])
+    if spec["device"] == "cuda":
+        model = model.to("cuda")
+    trainer = Measured(model=model, args=args, train_dataset=_Data())
+    trainer.train(resume_from_checkpoint=path)
+    if not measured:
+        raise RuntimeError(f"nothing was resumed from {path}")
+    kept = _kept_host_bytes(trainer.optimizer)
+    measured["kept"] = kept
+    measured["resume_extra"] = measured["resume_rss"] - kept
+    return measured
 
 
 def _free_port() -> int:
@@ -176,10 +250,26 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(mode: str, ranks: int, params: int, device: str, workdir: Path) -> list[dict[str, Any]]:
+def _run(
+    mode: str,
+    ranks: int,
+    params: int,
+    device: str,
+    workdir: Path,
+    *,
+    resume: bool = False,
+    s3: _S3 | None = None,
+) -> list[dict[str, Any]]:
     out = workdir / f"{mode}-{ranks}"
     shutil.rmtree(out, ignore_errors=True)
-    spec = {"mode": mode, "params": params, "device": device, "output_dir": str(out)}
+    output_dir = str(out) if s3 is None else f"s3://{s3.bucket}/{mode}-{ranks}"
+    spec = {
+        "mode": mode,
+        "params": params,
+        "device": device,
+        "output_dir": output_dir,
+        "resume": resume,
+    }
     port = _free_port()
     procs = []
     for rank in range(ranks):
@@ -214,11 +304,72 @@ def _run(mode: str, ranks: int, params: int, device: str, workdir: Path) -> list
             if line.startswith("RESULT ")
         ]
     shutil.rmtree(out, ignore_errors=True)
+    if s3 is not None:
+        shutil.rmtree(s3.server.data_dir / s3.bucket / f"{mode}-{ranks}", ignore_errors=True)
     return sorted(results, key=lambda r: r["rank"])
+
+
+class _S3:
+    """The tier's S3 server (tests/cluster/s3.py), its endpoint and credentials in this
+    process's environment (the ranks inherit them)."""
+
+    def __init__(self, workdir: Path) -> None:
+        # the repository root after the standard library: its operator/ must not shadow it
+        sys.path.append(str(Path(__file__).resolve().parents[1]))
+        from tests.cluster.binaries import find_versitygw
+        from tests.cluster.s3 import S3Server
+
+        binary, version = find_versitygw()
+        if binary is None:
+            raise SystemExit(f"--storage s3: versitygw {version} is not built")
+        self.server = S3Server(binary, workdir / "s3")
+        self.server.start()
+        self.bucket = self.server.create_bucket("bench")
+        os.environ.update(self.server.client_env())
+        print(f"S3 server: versitygw {version} at {self.server.endpoint}", flush=True)
+
+    def stop(self) -> None:
+        self.server.stop()
 
 
 def _mb(n: float) -> str:
     return f"{n / 1e6:,.0f}"
+
+
+def _resume_row(
+    storage: str, mode: str, ranks: int, results: list[dict[str, Any]], failures: list[str]
+) -> tuple[Any, ...]:
+    total = results[0]["total"]
+    share = total / ranks
+    read = [r["read"] for r in results]
+    extra = [r["resume_extra"] for r in results]
+    peak = [r["resume_rss"] for r in results]
+    ok_bytes = max(read) <= 1.1 * share
+    ok_mem = max(extra) <= share + EXTRA_MB * 1e6
+    for name, ok in (("resume bytes", ok_bytes), ("resume memory", ok_mem)):
+        if not ok:
+            failures.append(f"{storage} {mode} x {ranks}: {name}")
+    return (
+        storage,
+        mode,
+        ranks,
+        _mb(total),
+        " / ".join(_mb(b) for b in read),
+        f"{max(read) / share:.2f}",
+        " / ".join(_mb(x) for x in peak),
+        " / ".join(_mb(r["kept"]) for r in results),
+        " / ".join(_mb(x) for x in extra),
+        _mb(share + EXTRA_MB * 1e6),
+        f"{max(r['resume_seconds'] for r in results):.2f}",
+        f"{max(r['seconds'] for r in results):.2f}",
+    )
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for row in rows:
+        print("| " + " | ".join(str(c) for c in row) + " |")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -228,6 +379,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--params", default="200M", help="model size, e.g. 200M")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    p.add_argument("--resume", action="store_true", help="also measure the resume (issue 38)")
+    p.add_argument("--storage", default="local", help="local, s3 or both (s3: the tier's server)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
@@ -239,61 +392,112 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank_counts = [int(x) for x in a.ranks.split(",")]
     if a.device == "cuda" and rank_counts != [1]:
         raise SystemExit("--device cuda runs one rank (one GPU): use --ranks 1")
+    storages = [x.strip() for x in a.storage.split(",") if x.strip()]
+    if set(storages) - {"local", "s3"}:
+        raise SystemExit(f"--storage {a.storage!r}: use local, s3 or both")
     workdir = Path(a.workdir or tempfile.mkdtemp(prefix="jit-scaling-"))
-    rows, failures = [], []
-    for mode in [m.strip() for m in a.modes.split(",")]:
-        for ranks in rank_counts:
-            if mode == "fsdp" and ranks < 2:
-                continue
-            results = _run(mode, ranks, params, a.device, workdir)
-            total = results[0]["total"]
-            share = total / ranks
-            per_rank = [r["bytes"] for r in results]
-            extra = [r["extra_rss"] for r in results]
-            seconds = [r["seconds"] for r in results]
-            full_file = "model.safetensors" in results[0]["files"]
-            ok_bytes = max(per_rank) <= 1.1 * share
-            ok_mem = max(extra) <= share + EXTRA_MB * 1e6
-            ok_file = not (mode == "fsdp" and full_file)
-            for name, ok in (("bytes", ok_bytes), ("memory", ok_mem), ("no full file", ok_file)):
-                if not ok:
-                    failures.append(f"{mode} x {ranks}: {name}")
-            rows.append(
-                (
-                    mode,
-                    ranks,
-                    _mb(total),
-                    " / ".join(_mb(b) for b in per_rank),
-                    f"{max(per_rank) / share:.2f}",
-                    " / ".join(_mb(x) for x in extra),
-                    _mb(share + EXTRA_MB * 1e6),
-                    " / ".join(f"{s:.2f}" for s in seconds),
-                    f"{max(seconds):.2f}",
-                    f"{statistics.mean(seconds):.2f}",
-                    "yes" if full_file else "no",
-                )
-            )
-    head = (
-        "mode",
-        "ranks",
-        "total MB",
-        "written MB per rank",
-        "max/(total/N)",
-        "extra host MB per rank",
-        "limit MB",
-        "save s per rank",
-        "slowest s",
-        "mean s",
-        "full model file",
-    )
+    s3 = _S3(workdir) if "s3" in storages else None
+    rows, resume_rows, failures = [], [], []
+    try:
+        for storage in storages:
+            for mode in [m.strip() for m in a.modes.split(",")]:
+                for ranks in rank_counts:
+                    if mode == "fsdp" and ranks < 2:
+                        continue
+                    try:
+                        results = _run(
+                            mode,
+                            ranks,
+                            params,
+                            a.device,
+                            workdir,
+                            resume=a.resume,
+                            s3=s3 if storage == "s3" else None,
+                        )
+                    except SystemExit as exc:  # one configuration failed: report, go on
+                        print(exc, file=sys.stderr, flush=True)
+                        failures.append(f"{storage} {mode} x {ranks}: failed")
+                        continue
+                    rows.append(_save_row(storage, mode, ranks, results, failures))
+                    if a.resume:
+                        resume_rows.append(_resume_row(storage, mode, ranks, results, failures))
+                    print(f"done: {storage} {mode} x {ranks}", file=sys.stderr, flush=True)
+    finally:
+        if s3 is not None:
+            s3.stop()
     print(f"params {params:,} ({a.device}); targets: bytes <= 1.1 x total/N, extra host memory")
     print(f"<= total/N + {EXTRA_MB} MB, no full-model file in an FSDP JIT checkpoint")
-    print("| " + " | ".join(head) + " |")
-    print("|" + "---|" * len(head))
-    for row in rows:
-        print("| " + " | ".join(str(c) for c in row) + " |")
+    print("\nsave (JIT):")
+    _table(
+        (
+            "storage",
+            "mode",
+            "ranks",
+            "total MB",
+            "written MB per rank",
+            "max/(total/N)",
+            "extra host MB per rank",
+            "limit MB",
+            "save s per rank",
+            "slowest s",
+            "mean s",
+            "full model file",
+        ),
+        rows,
+    )
+    if a.resume:
+        print("\nresume (the load; extra = peak RSS above the baseline less the optimizer")
+        print("state kept in host memory, which a GPU run keeps on the device):")
+        _table(
+            (
+                "storage",
+                "mode",
+                "ranks",
+                "total MB",
+                "read MB per rank",
+                "max/(total/N)",
+                "peak RSS MB per rank",
+                "kept state MB",
+                "extra host MB per rank",
+                "limit MB",
+                "resume s (slowest)",
+                "save s (slowest)",
+            ),
+            resume_rows,
+        )
     print("all targets met" if not failures else "NOT MET: " + "; ".join(failures))
     return 0 if not failures else 1
+
+
+def _save_row(
+    storage: str, mode: str, ranks: int, results: list[dict[str, Any]], failures: list[str]
+) -> tuple[Any, ...]:
+    total = results[0]["total"]
+    share = total / ranks
+    per_rank = [r["bytes"] for r in results]
+    extra = [r["extra_rss"] for r in results]
+    seconds = [r["seconds"] for r in results]
+    full_file = "model.safetensors" in results[0]["files"]
+    ok_bytes = max(per_rank) <= 1.1 * share
+    ok_mem = max(extra) <= share + EXTRA_MB * 1e6
+    ok_file = not (mode == "fsdp" and full_file)
+    for name, ok in (("bytes", ok_bytes), ("memory", ok_mem), ("no full file", ok_file)):
+        if not ok:
+            failures.append(f"{storage} {mode} x {ranks}: {name}")
+    return (
+        storage,
+        mode,
+        ranks,
+        _mb(total),
+        " / ".join(_mb(b) for b in per_rank),
+        f"{max(per_rank) / share:.2f}",
+        " / ".join(_mb(x) for x in extra),
+        _mb(share + EXTRA_MB * 1e6),
+        " / ".join(f"{s:.2f}" for s in seconds),
+        f"{max(seconds):.2f}",
+        f"{statistics.mean(seconds):.2f}",
+        "yes" if full_file else "no",
+    )
 
 
 if __name__ == "__main__":

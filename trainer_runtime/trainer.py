@@ -83,6 +83,7 @@ from trainer_runtime.checkpoint.resharding import DataShape, reshard_position
 from trainer_runtime.checkpoint.resume_choice import parent_of, requested_resume, resolve_in_store
 from trainer_runtime.checkpoint.rng import restore_rng_state
 from trainer_runtime.checkpoint.safetensors_stream import TensorFile
+from trainer_runtime.checkpoint.share_resume import load_shared
 from trainer_runtime.checkpoint.shares import ShareGroup, agree_on_plan, share_entries
 from trainer_runtime.checkpoint.storage import Storage, configure_direct_io
 from trainer_runtime.data.arguments import (
@@ -2141,7 +2142,12 @@ class Trainer(
                 f"cannot resume from {info.path}: it holds no weights this model can load "
                 "(model.safetensors, its shards, or a PEFT adapter; pickled weights are not read)"
             )
-        if sharded_optimizer is None:
+        # DDP: a rank-shared save is read once over the ranks, each its share (share_resume.py)
+        shared = None
+        if sharded_optimizer is None and collectives.is_distributed():
+            saved_world = (info.manifest or {}).get("world_size")
+            shared = load_shared(reader, self.model, saved_world)
+        if sharded_optimizer is None and (shared is None or not shared.model_loaded):
             # memory-mapped: copied from the file's pages into the parameters (checksums are
             # computed on helper threads meanwhile; reader.wait_verified below)
             load_model_files(
@@ -2192,7 +2198,11 @@ class Trainer(
         )
         if optimizer_saved and has(SCHEDULER_NAME):
             if sharded_optimizer is None:
-                optimizer_state = reader.load_optimizer()
+                optimizer_state = (
+                    shared.optimizer
+                    if shared is not None and shared.optimizer is not None
+                    else reader.load_optimizer()
+                )
                 assert optimizer_state is not None
                 self.optimizer.load_state_dict(optimizer_state)
             self.lr_scheduler.load_state_dict(reader.load_json(SCHEDULER_NAME))

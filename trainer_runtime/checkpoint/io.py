@@ -44,6 +44,7 @@ import torch
 from safetensors.torch import load as _st_load
 from safetensors.torch import load_file as _st_load_file
 
+from trainer_runtime.checkpoint import read_stats
 from trainer_runtime.checkpoint.digest import (
     ALGORITHMS,
     file_record,
@@ -977,6 +978,9 @@ class CheckpointReader:
         try:
             if not owned:
                 tensors = dict(_st_load_file(path))
+                # mapped, not read through the seam: counted once (the copies into the
+                # parameters and the checksum touch the same pages)
+                read_stats.add(os.path.getsize(path))
                 with open(path, "rb") as fh:
                     header, _ = read_header(fh)
                 if expected:
@@ -994,6 +998,7 @@ class CheckpointReader:
                 size = os.path.getsize(path)
                 with open(path, "rb", buffering=0) as fh:
                     buf = read_into_buffer(fh, size, hasher.update if hasher else None)
+                read_stats.add(size)
                 header, base = header_of(memoryview(buf.numpy()))
                 tensors = tensors_from_buffer(buf, header, base)
                 if hasher is not None:

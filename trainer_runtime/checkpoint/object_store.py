@@ -411,10 +411,12 @@ def read_into(
     *,
     chunk: int | None = None,
     concurrency: int | None = None,
+    offset: int = 0,
 ) -> None:
-    """Fill ``dest`` with the first ``len(dest)`` bytes of ``path``: ranged reads, ``concurrency``
-    at a time on an async filesystem (s3, gcs, ...), one after another otherwise. ``on_block``
-    gets the bytes in file order, each block as soon as every byte before it has arrived."""
+    """Fill ``dest`` with ``len(dest)`` bytes of ``path`` from byte ``offset`` on: ranged reads,
+    ``concurrency`` at a time on an async filesystem (s3, gcs, ...), one after another otherwise.
+    ``on_block`` gets the bytes in file order, each block as soon as every byte before it has
+    arrived."""
     dest = dest.cast("B") if dest.format != "B" else dest
     chunk = chunk or READ_CHUNK
     concurrency = concurrency or READ_CONCURRENCY
@@ -423,7 +425,7 @@ def read_into(
         return
     if not isinstance(fs, AsyncFileSystem) or concurrency < 2 or len(ranges) == 1:
         for start, end in ranges:
-            data = fs.cat_file(path, start=start, end=end)
+            data = fs.cat_file(path, start=offset + start, end=offset + end)
             _place(dest, start, end, data, path)
             if on_block is not None:
                 on_block(dest[start:end])
@@ -436,7 +438,7 @@ def read_into(
     def submit() -> None:
         start, end = next(following, (-1, -1))
         if start >= 0:
-            coro = fs._cat_file(path, start=start, end=end)
+            coro = fs._cat_file(path, start=offset + start, end=offset + end)
             pending.append((start, end, asyncio.run_coroutine_threadsafe(coro, fs.loop)))
 
     try:

@@ -38,11 +38,14 @@ from trainer_runtime.errors import CheckpointError
 __all__ = [
     "CHUNK_BYTES",
     "Cancelled",
+    "TensorEntry",
     "TensorFile",
     "header_of",
     "plan",
     "read_header",
+    "read_header_range",
     "read_into_buffer",
+    "tensor_entries",
     "tensors_from_buffer",
     "write_safetensors",
 ]
@@ -216,6 +219,70 @@ def read_header(fh: BinaryIO) -> tuple[dict[str, Any], int]:
     if length > 100 << 20:
         raise CheckpointError(f"not a safetensors file: header length {length}")
     return json.loads(fh.read(length)), 8 + length
+
+
+def read_header_range(
+    read: Callable[[int, memoryview], None], *, limit: int = 100 << 20
+) -> tuple[dict[str, Any], int]:
+    """The parsed header of a file read through ``read(offset, dest)`` (ranged reads: the 8-byte
+    length, then the JSON, nothing more), and where the tensor bytes start. CheckpointError
+    when the bytes are not a safetensors header."""
+    raw = bytearray(8)
+    read(0, memoryview(raw))
+    (length,) = struct.unpack("<Q", bytes(raw))
+    if not 2 <= length <= limit:
+        raise CheckpointError(f"not a safetensors file: header length {length}")
+    text = bytearray(length)
+    read(8, memoryview(text))
+    try:
+        header = json.loads(bytes(text))
+    except ValueError as exc:
+        raise CheckpointError(f"not a safetensors file: its header is not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError("not a safetensors file: its header is not a JSON object")
+    return header, 8 + length
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor of a safetensors file lies: dtype, shape and its bytes ``[begin, end)``
+    counted from the start of the file."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def tensor_entries(header: Mapping[str, Any], base: int) -> dict[str, TensorEntry]:
+    """Every tensor of a parsed header (:func:`read_header_range`), checked for consistency:
+    a known dtype, and a byte range exactly as long as its shape needs. CheckpointError
+    otherwise."""
+    out: dict[str, TensorEntry] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _BY_CODE[entry["dtype"]]
+            shape = tuple(int(n) for n in entry["shape"])
+            start, end = (int(n) for n in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"tensor {name!r} has a malformed header entry: {exc}") from exc
+        numel = 1
+        for n in shape:
+            numel *= n
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if min(shape, default=0) < 0 or start < 0 or end - start != numel * itemsize:
+            raise CheckpointError(
+                f"tensor {name!r}: bytes {start}-{end} do not hold shape {list(shape)} of "
+                f"{entry['dtype']}"
+            )
+        out[name] = TensorEntry(dtype, shape, base + start, base + end)
+    return out
 
 
 def read_into_buffer(

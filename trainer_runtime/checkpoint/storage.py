@@ -29,7 +29,7 @@ import fsspec
 from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
-from trainer_runtime.checkpoint import object_store
+from trainer_runtime.checkpoint import object_store, read_stats
 from trainer_runtime.checkpoint.digest import hash_stream, new_hasher
 from trainer_runtime.checkpoint.direct_io import DirectFile, direct_io_supported, usable_at
 from trainer_runtime.errors import StorageError
@@ -286,13 +286,16 @@ class Storage:
             # s3fs answers a read from a cached listing that lacks the file (a listing taken
             # before another writer, or our own try whose response was lost, created it)
             self._fresh(path)
-            return bytes(self.fs.cat_file(path))
+            data = bytes(self.fs.cat_file(path))
+        read_stats.add(len(data))
+        return data
 
     @contextmanager
     def open_read(self, rel: str) -> Iterator[BinaryIO]:
-        """A binary read handle (for streaming large files instead of reading them whole)."""
+        """A binary read handle (for streaming large files instead of reading them whole); its
+        reads are counted (:mod:`read_stats`)."""
         with self._op("open for reading", rel):
-            handle = self.fs.open(self._path(rel), "rb")
+            handle: Any = read_stats.CountingHandle(self.fs.open(self._path(rel), "rb"))
         try:
             yield handle
         finally:
@@ -310,20 +313,35 @@ class Storage:
         """Fill ``dest`` with the first ``len(dest)`` bytes of a file; ``on_block`` gets them in
         file order as they arrive (e.g. a checksum, computed beside the reading). Object
         stores: parallel ranged reads (:func:`object_store.read_into`)."""
+        self.read_range(rel, 0, dest, on_block)
+
+    def read_range(
+        self,
+        rel: str,
+        offset: int,
+        dest: memoryview,
+        on_block: Callable[[memoryview], Any] | None = None,
+    ) -> None:
+        """Fill ``dest`` with the ``len(dest)`` bytes of a file from byte ``offset`` on, straight
+        into ``dest`` (local: positional reads; object stores: ranged GETs, in parallel);
+        ``on_block`` as for :meth:`read_into`. Counted (:mod:`read_stats`)."""
+        view = dest.cast("B") if dest.format != "B" else dest
         if self.is_local:
-            view = dest.cast("B") if dest.format != "B" else dest
             with self._op("read", rel), open(self._path(rel), "rb", buffering=0) as fh:
+                fd = fh.fileno()
                 done = 0
                 while done < len(view):
-                    n = fh.readinto(view[done : done + (16 << 20)])
+                    n = os.preadv(fd, [view[done : done + (16 << 20)]], offset + done)
                     if not n:
-                        raise OSError(f"short read: {done} of {len(view)} bytes")
+                        raise OSError(f"short read: {done} of {len(view)} bytes at {offset}")
+                    read_stats.add(n)
                     if on_block is not None:
                         on_block(view[done : done + n])
                     done += n
             return
         with self._op("read", rel):
-            object_store.read_into(self.fs, self._path(rel), dest, on_block)
+            object_store.read_into(self.fs, self._path(rel), view, on_block, offset=offset)
+        read_stats.add(len(view))
 
     def check_access(self, *, write: bool) -> None:
         """Before training: the output dir's store answers with these credentials and its
@@ -496,7 +514,7 @@ class Storage:
     def hash_file(self, rel: str, chunk: int = 1 << 22) -> tuple[int, str]:
         """(size, digest) of an existing file, read in chunks (weights can be large)."""
         with self._op("read for checksum", rel), self.fs.open(self._path(rel), "rb") as fh:
-            return hash_stream(fh, chunk=chunk)
+            return hash_stream(read_stats.CountingHandle(fh), chunk=chunk)
 
     def fsync_dir(self, rel: str = "") -> None:
         """Make directory entries (new, renamed, removed files) durable; no-op off local disks."""

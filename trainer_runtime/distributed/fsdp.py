@@ -13,9 +13,14 @@ Save protocol (every rank calls :func:`save_sharded`, or the Trainer's save, at 
 Nothing is gathered: no rank ever holds more than its own shards, and each writes about
 ``total / N`` bytes. A file's safetensors metadata records where each of its pieces sits in its
 global tensor (offsets and global shape, from the DTensor's chunk), so :func:`load_sharded`
-rebuilds any other sharding: each rank reads, from every file, the slices that overlap its new
-piece (memory-mapped on local storage), and checks a share of the files' checksums, the ranks
-agreeing before the state is used. A rank killed in the middle leaves a checkpoint without
+rebuilds any other sharding: each rank reads every file's header alone (ranged reads), then only
+the byte ranges of the pieces that overlap its new piece, straight into it where it can (no
+whole-file buffer; local disk and object stores alike, counted by ``read_stats``); each file's
+checksum is computed by one rank from the same pass (:func:`verifier_of`), the ranks agreeing
+before the state is used. Pieces that do not cover a tensor make the checkpoint corrupt
+(CheckpointCorruptError: the resume falls back). The optimizer state is rebuilt from what the
+checkpoint holds (parameters without state get none), and a save before the first step
+fabricates none. A rank killed in the middle leaves a checkpoint without
 manifest, which every reader treats as incomplete, exactly like a DDP checkpoint.
 
 Checkpoints of earlier versions (``fsdp-dcp/1``, written by torch.distributed.checkpoint) still
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -38,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer_runtime.checkpoint import shares
+from trainer_runtime.checkpoint.digest import new_hasher
 from trainer_runtime.checkpoint.io import (
     OPTIMIZER_META_KEY,
     CheckpointReader,
@@ -46,9 +53,21 @@ from trainer_runtime.checkpoint.io import (
     optimizer_state_to_tensors,
 )
 from trainer_runtime.checkpoint.layout import CheckpointInfo
-from trainer_runtime.checkpoint.safetensors_stream import TensorFile
+from trainer_runtime.checkpoint.safetensors_stream import (
+    CHUNK_BYTES,
+    TensorEntry,
+    TensorFile,
+    read_header_range,
+    tensor_entries,
+)
 from trainer_runtime.distributed import collectives
-from trainer_runtime.errors import CheckpointError, ConfigurationError, ResumeError
+from trainer_runtime.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    ConfigurationError,
+    ResumeError,
+    StorageError,
+)
 
 __all__ = [
     "SHARDED_FORMAT",
@@ -63,6 +82,8 @@ __all__ = [
     "shard_model",
     "sharded_manifest",
     "sharded_manifest_entry",
+    "uncovered",
+    "verifier_of",
     "wrap_targets",
 ]
 
@@ -74,6 +95,9 @@ SHARD_STEM = "fsdp-state"
 # safetensors metadata: where each piece of a file sits in its global tensor
 _LAYOUT_KEY = "preemptible.fsdp"
 _MODEL_PREFIX = "model."
+# prefixes activation checkpointing and torch.compile add to parameter names
+_CKPT_WRAPPED = "_checkpoint_wrapped_module."
+_COMPILED = "_orig_mod."
 
 
 @dataclass(frozen=True)
@@ -254,15 +278,52 @@ def _owns_replica(t: torch.Tensor) -> bool:
     )
 
 
+def _param_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its name in the model's state dict (wrappers' prefixes removed, as
+    torch.distributed.checkpoint.state_dict names them)."""
+    return {
+        id(p): name.replace(_CKPT_WRAPPED, "").replace(_COMPILED, "")
+        for name, p in model.named_parameters()
+    }
+
+
+def _optimizer_ids(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """The optimizer's parameters in the order its ``state_dict()`` numbers them."""
+    seen: dict[int, torch.nn.Parameter] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _unstepped_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """The state dict of an optimizer that has not stepped yet (no state), keyed by parameter
+    names like get_state_dict's, built without the fake step get_state_dict takes to create
+    state (which would make Adam's ``step`` 1 on the live optimizer and allocate moments)."""
+    names = _param_names(model)
+    order = {id(p): i for i, p in enumerate(_optimizer_ids(optimizer))}
+    by_index = {i: names[pid] for pid, i in order.items() if pid in names}
+    sd = optimizer.state_dict()
+    groups = []
+    for group in sd["param_groups"]:
+        groups.append({**group, "params": [by_index[i] for i in group["params"]]})
+    return {"state": {}, "param_groups": groups}
+
+
 def _state_dicts(
     model: nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The model's and the optimizer's state dicts keyed by parameter names, with sharded
-    parameters and moments as DTensors (nothing gathered). Creates an empty optimizer's state."""
+    parameters and moments as DTensors (nothing gathered). An optimizer without state (before
+    its first step) gives an empty state: nothing is fabricated, the live optimizer untouched."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optimizer is None:
         return dict(get_model_state_dict(model)), None
+    if not optimizer.state:
+        return dict(get_model_state_dict(model)), _unstepped_optimizer_state(model, optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return dict(model_sd), dict(optim_sd)
 
@@ -366,118 +427,299 @@ def sharded_manifest(info: CheckpointInfo) -> dict[str, Any] | None:
     return dict(entry) if isinstance(entry, dict) else None
 
 
+def uncovered(lo: int, hi: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``[lo, hi)`` that no ``[start, end)`` of ``spans`` covers, in order (pure)."""
+    gaps: list[tuple[int, int]] = []
+    at = lo
+    for start, end in sorted(spans):
+        if end <= at:
+            continue
+        if start >= hi:
+            break
+        if start > at:
+            gaps.append((at, start))
+        at = max(at, end)
+    if at < hi:
+        gaps.append((at, hi))
+    return gaps
+
+
+def verifier_of(index: int, files: int, world: int) -> int:
+    """The rank that checks file ``index`` of ``files`` against its checksum (reading it whole):
+    the one whose piece starts where the file's does, so at the saving world size every rank
+    checks the one file it reads anyway, and no file is read twice for its checksum (pure)."""
+    return index * world // files
+
+
+@dataclass
+class _Read:
+    """One ranged read of a file: straight into ``dest`` (a contiguous destination's bytes), or
+    into scratch memory that ``finish`` copies from (None: read only for the checksum)."""
+
+    begin: int
+    end: int
+    dest: memoryview | None = None
+    finish: Callable[[memoryview], None] | None = None
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's memory as bytes (no copy)."""
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
 class _Pieces:
-    """The pieces every rank saved, found through the files' headers; read slice by slice."""
+    """The pieces every rank saved, found through the files' headers alone (ranged reads of the
+    length and the JSON), then read range by range: only the bytes of the pieces that overlap
+    this rank's destination, each straight into the destination's memory where it is a
+    contiguous CPU tensor, else through a scratch block of at most :data:`CHUNK_BYTES`. Every
+    read goes through the storage seam (counted: :mod:`read_stats`)."""
 
     def __init__(self, reader: CheckpointReader, files: list[str]) -> None:
         self.reader = reader
+        self.storage = reader.storage
+        self.entries: dict[str, dict[str, TensorEntry]] = {}
         self.where: dict[str, list[tuple[str, list[int], list[int]]]] = {}
         self.replicated: dict[str, str] = {}
         self.optimizer_meta: str | None = None
-        self._open: dict[str, Any] = {}
-        self._loaded: dict[str, dict[str, torch.Tensor]] = {}
+        self._reads: dict[str, list[_Read]] = {}
+        self._scratch: torch.Tensor | None = None
+        # each file's header bytes as read (the checksum pass hashes them, not reads them again)
+        self._heads: dict[str, bytes] = {}
         for name in files:
-            metadata = reader.load_metadata(name)
-            layout = json.loads(metadata.get(_LAYOUT_KEY) or "{}")
+            head: list[bytes] = []
+
+            def read(offset: int, dest: memoryview, name: str = name, head: list = head) -> None:
+                self.storage.read_range(name, offset, dest)
+                head.append(bytes(dest))
+
+            try:
+                header, base = read_header_range(read)
+                self._heads[name] = b"".join(head)
+                entries = tensor_entries(header, base)
+            except StorageError as exc:
+                raise ResumeError(f"cannot read {name} of {reader.path}: {exc}") from exc
+            except CheckpointError as exc:
+                raise CheckpointCorruptError(f"{name} of {reader.path}: {exc}") from exc
+            self.entries[name] = entries
+            metadata = header.get("__metadata__") or {}
+            try:
+                layout = json.loads(metadata.get(_LAYOUT_KEY) or "{}")
+            except ValueError as exc:
+                raise CheckpointCorruptError(
+                    f"{name} of {reader.path}: its {_LAYOUT_KEY} metadata is not JSON: {exc}"
+                ) from exc
             if layout.get("format") != SHARDED_FORMAT:
                 raise ResumeError(f"{name} of {reader.path} is not a file of {SHARDED_FORMAT}")
             pieces = layout.get("pieces") or {}
             for key, entry in pieces.items():
+                if key not in entries or len(entry["offsets"]) != len(entries[key].shape):
+                    raise CheckpointCorruptError(
+                        f"{name} of {reader.path}: its layout lists a piece of {key!r} that "
+                        "the file does not hold as described"
+                    )
                 self.where.setdefault(key, []).append(
                     (name, list(entry["offsets"]), list(entry["shape"]))
                 )
-            for key in self._keys(name):
+            for key in entries:
                 if key not in pieces:
                     self.replicated.setdefault(key, name)
             if OPTIMIZER_META_KEY in metadata:
                 self.optimizer_meta = metadata[OPTIMIZER_META_KEY]
 
-    def _keys(self, name: str) -> list[str]:
-        path = self.reader._local_path(name)
-        if path is not None:
-            from safetensors import safe_open
+    def entry(self, key: str) -> TensorEntry:
+        """The header entry of ``key``: its replicated copy, or its first saved piece."""
+        name = self.replicated.get(key) or self.where[key][0][0]
+        return self.entries[name][key]
 
-            handle = self._open.get(name)
-            if handle is None:
-                handle = self._open[name] = safe_open(path, framework="pt")
-            return list(handle.keys())
-        return list(self._whole(name))
-
-    def _whole(self, name: str) -> dict[str, torch.Tensor]:
-        """A remote file, downloaded once (object stores: no slicing without ranged reads)."""
-        if name not in self._loaded:
-            self._loaded[name] = self.reader.load_tensors_and_metadata(name)[0]
-        return self._loaded[name]
-
-    def _slice(self, name: str, key: str, lo: list[int], hi: list[int]) -> torch.Tensor:
-        index = tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))
-        if name in self._open:
-            return self._open[name].get_slice(key)[index]
-        return self._whole(name)[key][index]
-
-    def fill(self, key: str, target: torch.Tensor) -> None:
-        """Copy the saved values of ``key`` into ``target`` (a DTensor: its local piece)."""
+    # -- planning --------------------------------------------------------------------------
+    def plan(self, key: str, target: torch.Tensor) -> None:
+        """Plan the reads that fill ``target`` (a DTensor: its local piece) with the saved
+        values of ``key``. CheckpointCorruptError, naming the tensor and the missing rows,
+        when the saved pieces do not cover the piece exactly."""
         from torch.distributed.tensor import DTensor
 
         if not isinstance(target, DTensor):
             name = self.replicated.get(key)
             if name is None:
                 raise ResumeError(f"{self.reader.path} holds no {key!r}")
-            with torch.no_grad():
-                target.copy_(self._slice(name, key, [0] * target.dim(), list(target.shape)))
+            entry = self.entries[name][key]
+            if tuple(target.shape) != entry.shape:
+                raise ResumeError(
+                    f"{key!r} in {self.reader.path} has shape {list(entry.shape)}, this model "
+                    f"{list(target.shape)}: resume with the model it was saved from"
+                )
+            self._plan_box(name, entry, [0] * target.dim(), list(entry.shape), target.detach())
             return
         saved = self.where.get(key)
         if not saved:
             raise ResumeError(f"{self.reader.path} holds no sharded {key!r}")
-        offsets, sizes = _chunk(target)
         if list(saved[0][2]) != list(target.shape):
             raise ResumeError(
                 f"{key!r} in {self.reader.path} has shape {saved[0][2]}, this model "
                 f"{list(target.shape)}: resume with the model it was saved from"
             )
-        local = target.to_local()
+        offsets, sizes = _chunk(target)
+        local = target.to_local().detach()
         covered = 0
-        with torch.no_grad():
-            for name, start, _ in saved:
-                piece_shape = self._piece_shape(name, key)
-                lo = [max(a, b) for a, b in zip(start, offsets, strict=True)]
-                hi = [
-                    min(a + n, b + m)
-                    for a, n, b, m in zip(start, piece_shape, offsets, sizes, strict=True)
-                ]
-                if any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)):
-                    continue
-                src = self._slice(
-                    name,
-                    key,
-                    [a - s for a, s in zip(lo, start, strict=True)],
-                    [h - s for h, s in zip(hi, start, strict=True)],
-                )
-                dst = local[
-                    tuple(slice(a - o, h - o) for a, h, o in zip(lo, hi, offsets, strict=True))
-                ]
-                dst.copy_(src)
-                covered += src.numel()
+        spans: list[tuple[int, int]] = []
+        for name, start, _ in saved:
+            entry = self.entries[name][key]
+            if entry.shape and entry.shape[1:] == tuple(target.shape[1:]):
+                spans.append((start[0], start[0] + entry.shape[0]))
+            lo = [max(a, b) for a, b in zip(start, offsets, strict=True)]
+            hi = [
+                min(a + n, b + m)
+                for a, n, b, m in zip(start, entry.shape, offsets, sizes, strict=True)
+            ]
+            if any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)):
+                continue
+            dst = local[tuple(slice(a - o, h - o) for a, h, o in zip(lo, hi, offsets, strict=True))]
+            self._plan_box(
+                name,
+                entry,
+                [a - s for a, s in zip(lo, start, strict=True)],
+                [h - s for h, s in zip(hi, start, strict=True)],
+                dst,
+            )
+            covered += dst.numel()
         if covered != local.numel():
-            raise ResumeError(
-                f"{key!r}: the pieces in {self.reader.path} cover {covered} of this rank's "
-                f"{local.numel()} values of its piece (global shape {list(target.shape)})"
+            what = f"values {covered} of {local.numel()}"
+            if local.dim() and sizes[0]:
+                gaps = uncovered(offsets[0], offsets[0] + sizes[0], spans)
+                if gaps:
+                    what = "rows " + ", ".join(f"{a}:{b}" for a, b in gaps)
+            raise CheckpointCorruptError(
+                f"{self.reader.path} is corrupt: its pieces of {key!r} (global shape "
+                f"{list(target.shape)}) do not cover {what} of this rank's piece (rows "
+                f"{offsets[0] if offsets else 0}:{(offsets[0] + sizes[0]) if offsets else 0})"
             )
 
-    def whole(self, name: str, key: str) -> torch.Tensor:
-        """The piece of ``key`` in file ``name``, whole."""
-        if name in self._open:
-            return self._open[name].get_tensor(key)
-        return self._whole(name)[key]
+    def _plan_box(
+        self, name: str, entry: TensorEntry, lo: list[int], hi: list[int], dst: torch.Tensor
+    ) -> None:
+        """Reads of the box ``[lo, hi)`` of the saved piece ``entry`` into ``dst``: whole rows
+        (dim 0) at a time, at most CHUNK_BYTES each."""
+        reads = self._reads.setdefault(name, [])
+        if not entry.shape:  # a scalar (an optimizer's step)
+            reads.append(self._read(entry.begin, entry.end, entry, dst, []))
+            return
+        row_bytes = entry.itemsize
+        for n in entry.shape[1:]:
+            row_bytes *= n
+        if row_bytes == 0 or dst.numel() == 0:
+            return
+        trailing = [slice(a, b) for a, b in zip(lo[1:], hi[1:], strict=True)]
+        rows = max(1, CHUNK_BYTES // row_bytes)
+        for r0 in range(lo[0], hi[0], rows):
+            r1 = min(r0 + rows, hi[0])
+            part = dst[r0 - lo[0] : r1 - lo[0]]
+            reads.append(
+                self._read(
+                    entry.begin + r0 * row_bytes,
+                    entry.begin + r1 * row_bytes,
+                    entry,
+                    part,
+                    trailing,
+                    rows=r1 - r0,
+                )
+            )
 
-    def _piece_shape(self, name: str, key: str) -> list[int]:
-        if name in self._open:
-            return list(self._open[name].get_slice(key).get_shape())
-        return list(self._whole(name)[key].shape)
+    @staticmethod
+    def _read(
+        begin: int,
+        end: int,
+        entry: TensorEntry,
+        part: torch.Tensor,
+        trailing: list[slice],
+        rows: int | None = None,
+    ) -> _Read:
+        whole_rows = all(
+            s.start == 0 and s.stop == n for s, n in zip(trailing, entry.shape[1:], strict=True)
+        )
+        if (
+            whole_rows
+            and part.device.type == "cpu"
+            and part.dtype == entry.dtype
+            and part.is_contiguous()
+        ):
+            return _Read(begin, end, dest=_bytes_of(part))
+        shape = (rows, *entry.shape[1:]) if rows is not None else entry.shape
+
+        def finish(raw: memoryview) -> None:
+            src = torch.frombuffer(raw, dtype=torch.uint8).view(entry.dtype).reshape(shape)
+            with torch.no_grad():
+                part.copy_(src[(slice(None), *trailing)] if trailing else src)
+
+        return _Read(begin, end, finish=finish)
+
+    # -- reading ---------------------------------------------------------------------------
+    def read(self, name: str, *, verify: bool) -> None:
+        """Do the planned reads of file ``name`` in file order. ``verify``: read the bytes in
+        between too (into scratch) and check the whole file against the manifest's checksum,
+        computed from the bytes as they arrive (:meth:`CheckpointReader.wait_verified`
+        reports it): the file is read once, for the state and its checksum together."""
+        reads = sorted(self._reads.pop(name, []), key=lambda r: r.begin)
+        expected = self.reader._expected(name) if verify else None
+        hasher = new_hasher(expected[0]) if expected else None
+        if hasher is not None:
+            size = self.reader._sizes.get(name)
+            if size is None:
+                size = self.storage.size(name)
+            head = self._heads[name]
+            hasher.update(head)
+            reads = self._with_gaps(reads, size, len(head))
+        try:
+            for r in reads:
+                on_block = hasher.update if hasher is not None else None
+                if r.dest is not None:
+                    self.storage.read_range(name, r.begin, r.dest, on_block)
+                    continue
+                raw = self._scratch_of(r.end - r.begin)
+                self.storage.read_range(name, r.begin, raw, on_block)
+                if r.finish is not None:
+                    r.finish(raw)
+        except StorageError as exc:
+            raise ResumeError(f"cannot read {name} of {self.reader.path}: {exc}") from exc
+        if hasher is not None:
+            assert expected is not None
+            done: Future[str] = Future()
+            done.set_result(hasher.hexdigest())
+            self.reader._checks.append((name, done, expected))
+
+    @staticmethod
+    def _with_gaps(reads: list[_Read], size: int, start: int) -> list[_Read]:
+        """``reads`` and reads of every byte from ``start`` on between them (for the checksum),
+        in file order."""
+        out: list[_Read] = []
+        at = start
+
+        def gap(lo: int, hi: int) -> None:
+            for start in range(lo, hi, CHUNK_BYTES):
+                out.append(_Read(start, min(start + CHUNK_BYTES, hi)))
+
+        for r in reads:
+            gap(at, r.begin)
+            out.append(r)
+            at = r.end
+        gap(at, size)
+        return out
+
+    def _scratch_of(self, nbytes: int) -> memoryview:
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return memoryview(self._scratch.numpy()).cast("B")[:nbytes]
+
+    def whole(self, name: str, key: str) -> torch.Tensor:
+        """The piece of ``key`` in file ``name``, whole (a new CPU tensor)."""
+        entry = self.entries[name][key]
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+        if out.numel():
+            self.storage.read_range(name, entry.begin, _bytes_of(out))
+        return out
 
     def close(self) -> None:
-        self._open.clear()
-        self._loaded.clear()
+        self._reads.clear()
+        self._scratch = None
 
 
 def consolidated_model(
@@ -502,8 +744,7 @@ def consolidated_model(
         for key, saved in pieces.where.items():
             if not key.startswith(_MODEL_PREFIX):
                 continue
-            first = saved[0][0]
-            full = torch.empty(saved[0][2], dtype=pieces.whole(first, key).dtype)
+            full = torch.empty(saved[0][2], dtype=pieces.entry(key).dtype)
             for name, start, _ in saved:
                 part = pieces.whole(name, key)
                 index = tuple(slice(a, a + n) for a, n in zip(start, part.shape, strict=True))
@@ -552,44 +793,126 @@ def _check_optimizer(reader: CheckpointReader, sharding: dict[str, Any], optimiz
         )
 
 
+def _optimizer_targets(
+    model: nn.Module, optimizer: torch.optim.Optimizer, pieces: _Pieces, path: str
+) -> dict[str, torch.Tensor]:
+    """Empty tensors for exactly the optimizer state the checkpoint holds (its structure, in
+    the file's metadata, names them): for a sharded moment a DTensor sharded as its parameter
+    is, for a replicated value (a step) a CPU tensor. Parameters without saved state (never
+    used, or a save before the first step) get none, as they had none; nothing is created on
+    the live optimizer (no fake step)."""
+    from torch.distributed.tensor import DTensor
+
+    if pieces.optimizer_meta is None:
+        raise ResumeError(f"{path} holds no optimizer structure")
+    try:
+        doc = json.loads(pieces.optimizer_meta)
+        state = doc["state_dict"]["state"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ResumeError(f"{path}: the optimizer structure is unreadable: {exc}") from exc
+    names = _param_names(model)
+    params = {names[id(p)]: p for p in _optimizer_ids(optimizer) if id(p) in names}
+    targets: dict[str, torch.Tensor] = {}
+    for fqn, values in (state or {}).items():
+        param = params.get(fqn)
+        if param is None or not isinstance(values, dict):
+            raise ResumeError(
+                f"{path} holds optimizer state of {fqn!r}, which this optimizer does not "
+                "train: resume with the model and optimizer it was saved from"
+            )
+        for value in values.values():
+            key = value.get("__tensor__") if isinstance(value, dict) else None
+            if not isinstance(key, str):
+                continue
+            if key in pieces.where:
+                shape, dtype = pieces.where[key][0][2], pieces.entry(key).dtype
+                if not isinstance(param, DTensor) or list(param.shape) != list(shape):
+                    raise ResumeError(
+                        f"{key!r} in {path} has shape {shape}, its parameter "
+                        f"{list(param.shape)}: resume with the model it was saved from"
+                    )
+                targets[key] = torch.empty_like(param, dtype=dtype, requires_grad=False)
+            elif key in pieces.replicated:
+                entry = pieces.entry(key)
+                targets[key] = torch.empty(entry.shape, dtype=entry.dtype)
+            else:
+                raise ResumeError(f"{path} holds no {key!r} (named by its optimizer structure)")
+    return targets
+
+
+def _load_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, optim_sd: dict[str, Any], path: str
+) -> None:
+    """Load a state dict keyed by parameter names into ``optimizer`` with its own
+    ``load_state_dict`` (parameters without saved state keep none)."""
+    names = _param_names(model)
+    index = {names[id(p)]: i for i, p in enumerate(_optimizer_ids(optimizer))}
+    saved_groups = optim_sd.get("param_groups") or []
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ResumeError(
+            f"{path} holds {len(saved_groups)} optimizer parameter group(s), this optimizer "
+            f"{len(optimizer.param_groups)}: resume with the optimizer it was saved from"
+        )
+    groups = []
+    for saved, live in zip(saved_groups, optimizer.param_groups, strict=True):
+        live_names = [names[id(p)] for p in live["params"]]
+        if sorted(saved["params"]) != sorted(live_names):
+            raise ResumeError(
+                f"{path}: an optimizer parameter group holds {sorted(saved['params'])}, this "
+                f"optimizer's {sorted(live_names)}"
+            )
+        groups.append({**saved, "params": [index[n] for n in live_names]})
+    state = {index[fqn]: values for fqn, values in optim_sd.get("state", {}).items()}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
 def _load_pieces(
     reader: CheckpointReader,
     sharding: dict[str, Any],
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
 ) -> None:
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_state_dict
 
     _check_optimizer(reader, sharding, optimizer)
     files = [str(f) for f in sharding.get("files") or []]
     rank, world = collectives.rank(), collectives.world_size()
-    for i, name in enumerate(files):
-        if i % world == rank:  # every file checked once, by one rank
-            reader.verify_in_background(name)
-    pieces = _Pieces(reader, files)
+    error: Exception | None = None
+    optim_sd: dict[str, Any] | None = None
+    model_sd: dict[str, Any] = {}
+    pieces: _Pieces | None = None
     try:
-        model_sd, optim_sd = _state_dicts(model, optimizer)
-        targets, _ = _flatten(model_sd, optim_sd)
-        for key, target in targets.items():
-            pieces.fill(key, target)
-        if optim_sd is not None:
-            if pieces.optimizer_meta is None:
-                raise ResumeError(f"{reader.path} holds no optimizer structure")
-            optim_sd = optimizer_state_from_tensors(targets, pieces.optimizer_meta)
-    finally:
-        pieces.close()
-    error: ResumeError | None = None
-    try:
+        pieces = _Pieces(reader, files)
+        model_sd = dict(get_model_state_dict(model))
+        targets = {
+            f"{_MODEL_PREFIX}{k}": t for k, t in model_sd.items() if isinstance(t, torch.Tensor)
+        }
+        optim_targets = (
+            _optimizer_targets(model, optimizer, pieces, reader.path)
+            if optimizer is not None
+            else {}
+        )
+        for key, target in {**targets, **optim_targets}.items():
+            pieces.plan(key, target)
+        # Each file once, in file order: the planned ranges only, or (the one rank checking
+        # it) every byte, the checksum computed as they arrive.
+        for i, name in enumerate(files):
+            pieces.read(name, verify=verifier_of(i, len(files), world) == rank)
+        if optimizer is not None:
+            assert pieces.optimizer_meta is not None
+            optim_sd = optimizer_state_from_tensors(optim_targets, pieces.optimizer_meta)
         reader.wait_verified()
-    except ResumeError as exc:
+    except Exception as exc:  # every rank stops together (a collective follows)
         error = exc
+    finally:
+        if pieces is not None:
+            pieces.close()
     if collectives.agree_to_stop(error is not None):
-        raise error or ResumeError(f"{reader.path}: a file failed its checksum on another rank")
-    if optim_sd is not None:
-        assert optimizer is not None
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    else:
-        set_state_dict(model, [], model_state_dict=model_sd, optim_state_dict={})
+        raise error or ResumeError(f"{reader.path}: the load failed on another rank")
+    if optimizer is not None:
+        assert optim_sd is not None
+        _load_optimizer_state(model, optimizer, optim_sd, reader.path)
+    set_state_dict(model, [], model_state_dict=model_sd, optim_state_dict={})
 
 
 def _load_dcp(

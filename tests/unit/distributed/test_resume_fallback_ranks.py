@@ -1,6 +1,6 @@
 """Two gloo ranks resume from a corrupt checkpoint and fall back to the previous complete one
-together: when only one of them finds the damage (its own RNG file), and when both fail to parse a
-file without a checksum verdict, which rank 0 then reads back (issue 31, item 3)."""
+together: when only one of them finds the damage (its own RNG file, or a shard of the shared model
+that only it reads back: issue 38) (issue 31, item 3)."""
 
 from __future__ import annotations
 
@@ -55,9 +55,11 @@ def _worker(rank: int, port: int, out: str, damage: tuple, results: dict) -> Non
     [
         # only rank 1 reads its RNG file: rank 0's own load succeeds, rank 1's checksum fails
         pytest.param(("rng_state_1.safetensors", -3), "rank 1: ", id="one-rank-checksum"),
-        # both ranks read every model shard; a broken header fails to parse before any checksum
+        # a model shard's broken header: only its reading rank (rank 1, which wrote it) reads it
+        # and checks it whole before parsing (issue 38): its checksum finds the damage, and rank
+        # 0, whose share is fine, falls back with it
         pytest.param(
-            ("model-00002-of-00002.safetensors", 9), "loading it failed", id="both-unparseable"
+            ("model-00002-of-00002.safetensors", 9), "rank 1: ", id="share-reader-checksum"
         ),
     ],
 )
