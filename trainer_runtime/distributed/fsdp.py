@@ -448,6 +448,17 @@ def uncovered(lo: int, hi: int, spans: list[tuple[int, int]]) -> list[tuple[int,
     return gaps
 
 
+def _hand_out(batch: list[_Read], raw: memoryview) -> None:
+    """Give each read of ``batch`` its bytes of ``raw`` (read from ``batch[0].begin`` on)."""
+    base = batch[0].begin
+    for r in batch:
+        part = raw[r.begin - base : r.end - base]
+        if r.dest is not None:
+            r.dest[:] = part
+        elif r.finish is not None:
+            r.finish(part)
+
+
 def _batches(reads: list[_Read]) -> list[list[_Read]]:
     """Reads (in file order) grouped into one ranged read each: adjacent ones together up to
     CHUNK_BYTES, except that a read straight into a destination of _SMALL_READ or more stays
@@ -699,10 +710,16 @@ class _Pieces:
             if hasher is None:
                 # small ranges (a step counter, a bias) in parallel: on an object store each
                 # is a round trip; the large ones one after the other, through one scratch block
+                # (the threads only read; copies into destinations, maybe on a GPU, stay on
+                # this thread, whose device is the rank's)
                 small = [b for b in batches if b[-1].end - b[0].begin < _SMALL_READ]
-                with ThreadPoolExecutor(_PARALLEL_READS, thread_name_prefix="fsdp-read") as pool:
-                    for future in [pool.submit(self._read_batch, name, b, None) for b in small]:
-                        future.result()
+                if small:
+                    with ThreadPoolExecutor(
+                        _PARALLEL_READS, thread_name_prefix="fsdp-read"
+                    ) as pool:
+                        futures = [pool.submit(self._fetch, name, b) for b in small]
+                        for batch, future in zip(small, futures, strict=True):
+                            _hand_out(batch, future.result())
                 batches = [b for b in batches if b[-1].end - b[0].begin >= _SMALL_READ]
             for batch in batches:
                 self._read_batch(name, batch, on_block, self._scratch_of)
@@ -730,12 +747,13 @@ class _Pieces:
         span = batch[-1].end - first.begin
         raw = scratch(span) if scratch is not None else memoryview(bytearray(span))
         self.storage.read_range(name, first.begin, raw, on_block)
-        for r in batch:
-            part = raw[r.begin - first.begin : r.end - first.begin]
-            if r.dest is not None:
-                r.dest[:] = part
-            elif r.finish is not None:
-                r.finish(part)
+        _hand_out(batch, raw)
+
+    def _fetch(self, name: str, batch: list[_Read]) -> memoryview:
+        """The bytes of ``batch`` (adjacent reads) in fresh memory."""
+        raw = memoryview(bytearray(batch[-1].end - batch[0].begin))
+        self.storage.read_range(name, batch[0].begin, raw)
+        return raw
 
     @staticmethod
     def _with_gaps(reads: list[_Read], size: int, start: int) -> list[_Read]:
