@@ -128,6 +128,24 @@ def shift_a_piece(path: str, name: str = "fsdp-state-00002-of-00002.safetensors"
     return key
 
 
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return -1
+
+
+def _reset_peak_rss() -> int:
+    """Reset the peak resident set (VmHWM) to the current one; the current one, -1 if unable."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        return -1
+    return _status_bytes("VmRSS")
+
+
 def main() -> int:
     case, out = sys.argv[1:3]
     torch.set_num_threads(1)
@@ -156,6 +174,7 @@ def main() -> int:
             result["shifted"] = shift_a_piece(info.path)
         dist.barrier()
     model2, opt2 = build(case)
+    rss_before = _reset_peak_rss()
     read_stats.reset()
     error: BaseException | None = None
     try:
@@ -163,6 +182,8 @@ def main() -> int:
     except Exception as exc:
         error = exc
     result["bytes_read"] = read_stats.bytes_read()
+    # peak resident memory during the load above what was resident before it (Linux)
+    result["extra_rss"] = _status_bytes("VmHWM") - rss_before if rss_before >= 0 else None
     kind, message = fallback.outcome_of(error)
     result["error"] = message
     if case == "gap":

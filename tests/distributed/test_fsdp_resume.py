@@ -13,6 +13,7 @@ from tests.distributed.fsdp_resume_worker import shift_a_piece
 from tests.distributed.ranks import RankedRun
 from tests.distributed.test_fsdp_checkpoint import _run_ranks
 from tests.distributed.test_fsdp_trainer import fsdp_args, fsdp_reference  # noqa: F401
+from trainer_runtime.checkpoint import fallback
 from trainer_runtime.testing import weights_identical
 
 WORKER = "tests.distributed.fsdp_resume_worker"
@@ -58,7 +59,7 @@ def test_state_gaps_save_and_resume_bit_identical(
 @pytest.mark.timeout(300)
 def test_pieces_that_miss_rows_make_the_checkpoint_corrupt(tmp_path: Path) -> None:
     results = _run_ranks(WORLD_SIZE, WORKER, "gap", str(tmp_path / "out"))
-    assert all(r["verdict"] == "CORRUPT" for r in results), results
+    assert all(r["verdict"] == fallback.CORRUPT for r in results), results
     named = [r["error"] for r in results if "net.0.weight" in (r["error"] or "")]
     assert named, results
     assert "do not cover rows" in named[0], named

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -98,6 +98,10 @@ _MODEL_PREFIX = "model."
 # prefixes activation checkpointing and torch.compile add to parameter names
 _CKPT_WRAPPED = "_checkpoint_wrapped_module."
 _COMPILED = "_orig_mod."
+# resume: ranges below this are read several at once (object stores: a round trip each), and
+# merged with their neighbours instead of read straight into their destination
+_SMALL_READ = 1 << 20
+_PARALLEL_READS = 8
 
 
 @dataclass(frozen=True)
@@ -444,6 +448,38 @@ def uncovered(lo: int, hi: int, spans: list[tuple[int, int]]) -> list[tuple[int,
     return gaps
 
 
+def _hand_out(batch: list[_Read], raw: memoryview) -> None:
+    """Give each read of ``batch`` its bytes of ``raw`` (read from ``batch[0].begin`` on)."""
+    base = batch[0].begin
+    for r in batch:
+        part = raw[r.begin - base : r.end - base]
+        if r.dest is not None:
+            r.dest[:] = part
+        elif r.finish is not None:
+            r.finish(part)
+
+
+def _batches(reads: list[_Read]) -> list[list[_Read]]:
+    """Reads (in file order) grouped into one ranged read each: adjacent ones together up to
+    CHUNK_BYTES, except that a read straight into a destination of _SMALL_READ or more stays
+    alone (no copy through scratch)."""
+    out: list[list[_Read]] = []
+    for r in reads:
+        alone = r.dest is not None and r.end - r.begin >= _SMALL_READ
+        last = out[-1] if out else None
+        if (
+            last is not None
+            and not alone
+            and not (last[-1].dest is not None and last[-1].end - last[-1].begin >= _SMALL_READ)
+            and last[-1].end == r.begin
+            and r.end - last[0].begin <= CHUNK_BYTES
+        ):
+            last.append(r)
+        else:
+            out.append([r])
+    return out
+
+
 def verifier_of(index: int, files: int, world: int) -> int:
     """The rank that checks file ``index`` of ``files`` against its checksum (reading it whole):
     the one whose piece starts where the file's does, so at the saving world size every rank
@@ -668,16 +704,25 @@ class _Pieces:
             head = self._heads[name]
             hasher.update(head)
             reads = self._with_gaps(reads, size, len(head))
+        on_block = hasher.update if hasher is not None else None
+        batches = _batches(reads)
         try:
-            for r in reads:
-                on_block = hasher.update if hasher is not None else None
-                if r.dest is not None:
-                    self.storage.read_range(name, r.begin, r.dest, on_block)
-                    continue
-                raw = self._scratch_of(r.end - r.begin)
-                self.storage.read_range(name, r.begin, raw, on_block)
-                if r.finish is not None:
-                    r.finish(raw)
+            if hasher is None:
+                # small ranges (a step counter, a bias) in parallel: on an object store each
+                # is a round trip; the large ones one after the other, through one scratch block
+                # (the threads only read; copies into destinations, maybe on a GPU, stay on
+                # this thread, whose device is the rank's)
+                small = [b for b in batches if b[-1].end - b[0].begin < _SMALL_READ]
+                if small:
+                    with ThreadPoolExecutor(
+                        _PARALLEL_READS, thread_name_prefix="fsdp-read"
+                    ) as pool:
+                        futures = [pool.submit(self._fetch, name, b) for b in small]
+                        for batch, future in zip(small, futures, strict=True):
+                            _hand_out(batch, future.result())
+                batches = [b for b in batches if b[-1].end - b[0].begin >= _SMALL_READ]
+            for batch in batches:
+                self._read_batch(name, batch, on_block, self._scratch_of)
         except StorageError as exc:
             raise ResumeError(f"cannot read {name} of {self.reader.path}: {exc}") from exc
         if hasher is not None:
@@ -685,6 +730,30 @@ class _Pieces:
             done: Future[str] = Future()
             done.set_result(hasher.hexdigest())
             self.reader._checks.append((name, done, expected))
+
+    def _read_batch(
+        self,
+        name: str,
+        batch: list[_Read],
+        on_block: Callable[[memoryview], Any] | None,
+        scratch: Callable[[int], memoryview] | None = None,
+    ) -> None:
+        """One ranged read for ``batch`` (adjacent reads): straight into a lone read's
+        destination, else into scratch (``scratch``, or fresh memory) handed out read by read."""
+        first = batch[0]
+        if len(batch) == 1 and first.dest is not None:
+            self.storage.read_range(name, first.begin, first.dest, on_block)
+            return
+        span = batch[-1].end - first.begin
+        raw = scratch(span) if scratch is not None else memoryview(bytearray(span))
+        self.storage.read_range(name, first.begin, raw, on_block)
+        _hand_out(batch, raw)
+
+    def _fetch(self, name: str, batch: list[_Read]) -> memoryview:
+        """The bytes of ``batch`` (adjacent reads) in fresh memory."""
+        raw = memoryview(bytearray(batch[-1].end - batch[0].begin))
+        self.storage.read_range(name, batch[0].begin, raw)
+        return raw
 
     @staticmethod
     def _with_gaps(reads: list[_Read], size: int, start: int) -> list[_Read]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainer_runtime.checkpoint.safetensors_stream import TensorEntry, plan, tensor_entries
-from trainer_runtime.distributed.fsdp import uncovered, verifier_of
+from trainer_runtime.distributed.fsdp import _batches, _Read, uncovered, verifier_of
 from trainer_runtime.errors import CheckpointError
 
 
@@ -62,3 +62,32 @@ def test_header_entries_give_absolute_byte_ranges() -> None:
 def test_inconsistent_header_entries_are_refused(entry: dict, needle: str) -> None:
     with pytest.raises(CheckpointError, match=needle):
         tensor_entries({"t": entry}, 16)
+
+
+MiB = 1 << 20
+
+
+def _r(begin: int, end: int, *, direct: bool = False) -> _Read:
+    return _Read(begin, end, dest=memoryview(bytearray(end - begin)) if direct else None)
+
+
+@pytest.mark.parametrize(
+    ("reads", "groups"),
+    [
+        # adjacent small ranges: one read
+        ([_r(0, 4), _r(4, 8), _r(8, 100, direct=True)], [[0, 4, 8]]),
+        # a large direct read stays alone (no copy through scratch), its neighbours too
+        (
+            [_r(0, 4), _r(4, 4 + 2 * MiB, direct=True), _r(4 + 2 * MiB, 5 + 2 * MiB)],
+            [[0], [4], [4 + 2 * MiB]],
+        ),
+        # not adjacent: separate reads
+        ([_r(0, 4), _r(8, 12)], [[0], [8]]),
+        # at most CHUNK_BYTES per read
+        ([_r(0, 40 * MiB), _r(40 * MiB, 80 * MiB)], [[0], [40 * MiB]]),
+        ([], []),
+    ],
+    ids=["adjacent", "large-direct", "apart", "chunk", "none"],
+)
+def test_reads_are_batched(reads: list, groups: list) -> None:
+    assert [[r.begin for r in batch] for batch in _batches(reads)] == groups
