@@ -113,6 +113,7 @@ from trainer_runtime.data.worker_signals import shield_dataloader, shield_prepar
 from trainer_runtime.distributed import collectives
 from trainer_runtime.distributed.ddp_args import (
     accelerator_kwargs,
+    check_accelerator_world,
     dispatch_batches,
     even_batches,
     per_rank_batch_size,
@@ -380,6 +381,10 @@ class Trainer(
         cuda = not self.args.use_cpu and torch.cuda.is_available()
         self.accelerator = Accelerator(
             cpu=self.args.use_cpu, **accelerator_kwargs(self.args, cuda=cuda)
+        )
+        check_accelerator_world(
+            process_group_size=collectives.world_size(),
+            accelerator_processes=self.accelerator.num_processes,
         )
         collectives.destroy_at_exit()
         if self.accelerator.device.type == "cpu":

@@ -24,6 +24,7 @@ __all__ = [
     "AcceleratorConfig",
     "DdpArguments",
     "accelerator_kwargs",
+    "check_accelerator_world",
     "check_backend",
     "dispatch_batches",
     "even_batches",
@@ -223,6 +224,23 @@ def check_backend(backend: str | None, *, cuda: bool) -> str:
             "ddp_backend='gloo' (or leave it unset)"
         )
     return backend
+
+
+def check_accelerator_world(*, process_group_size: int, accelerator_processes: int) -> None:
+    """Refuse a run whose ranks would each train their own copy of the model.
+
+    On a machine without a usable GPU, torchrun or ``accelerate launch`` start N processes and
+    the process group has N ranks, yet accelerate (asked for neither ``cpu`` nor a GPU) runs
+    each process as a single one: no gradient is all-reduced, the ranks diverge from the first
+    step, and every checkpoint holds rank 0's copy alone. transformers only warns; nothing is
+    lost by stopping before the first step instead."""
+    if process_group_size > 1 and accelerator_processes <= 1:
+        raise ConfigurationError(
+            f"the process group has {process_group_size} ranks but accelerate runs this process "
+            "as a single one (without a GPU accelerate sees the ranks only with use_cpu=True): "
+            "each rank would train its own copy of the model. Set use_cpu=True (--use_cpu) to "
+            "train on CPU across the ranks, or run on GPUs"
+        )
 
 
 def per_rank_batch_size(args: Any, world_size: int) -> int:
