@@ -209,6 +209,7 @@ def shield_prepared_dataloaders(accelerator: Any) -> Any:
 
     accelerate rebuilds the loader from the original's attributes, ``worker_init_fn`` included:
     the original is shielded first, the result again in case a version drops the attribute.
+    ``None`` (a trainer that has no accelerator yet) is returned as it is.
     """
     original = getattr(accelerator, "prepare_data_loader", None)
     if original is None or getattr(original, "__sigterm_shield__", False):

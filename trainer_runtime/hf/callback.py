@@ -1157,12 +1157,11 @@ def attach(trainer: Any, *, exit_on_preemption: bool = True) -> PreemptibleCallb
     trainer.train = _train
     trainer.add_callback(callback)
     setattr(trainer, _ATTR, callback)
-    # DataLoader workers vs a SIGTERM to the process group (as hook.shield_dataloaders does;
-    # imported from data, not hook: hook imports this module)
+    # DataLoader workers vs a SIGTERM to the process group (imported from data, not through
+    # hook.shield_dataloaders: hook imports this module)
     from trainer_runtime.data.worker_signals import shield_prepared_dataloaders
 
-    if getattr(trainer, "accelerator", None) is not None:
-        shield_prepared_dataloaders(trainer.accelerator)
+    shield_prepared_dataloaders(getattr(trainer, "accelerator", None))
     return callback
 
 

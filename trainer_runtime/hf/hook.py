@@ -30,9 +30,7 @@ def shield_dataloaders(trainer: Any) -> None:
     our Trainer's do. Idempotent; a trainer without an accelerator is left as it is."""
     from trainer_runtime.data.worker_signals import shield_prepared_dataloaders
 
-    accelerator = getattr(trainer, "accelerator", None)
-    if accelerator is not None:
-        shield_prepared_dataloaders(accelerator)
+    shield_prepared_dataloaders(getattr(trainer, "accelerator", None))
 
 
 def installed() -> bool:
