@@ -11,10 +11,14 @@ docs/elastic.md (the operator side is not built yet).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from trainer_runtime.errors import ConfigurationError
+from trainer_runtime.protocol import ENV_ELASTIC_ACCUMULATION, ENV_ELASTIC_REFERENCE_NODES
 
 __all__ = [
     "accumulation_at",
+    "elastic_accumulation",
     "restart_pays",
     "sizes_keeping_global_batch",
 ]
@@ -77,3 +81,50 @@ def restart_pays(
     if target_nodes <= current_nodes or pause_seconds >= cooldown_seconds:
         return False
     return target_nodes * (cooldown_seconds - pause_seconds) >= current_nodes * cooldown_seconds
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int:
+    raw = env.get(name, "")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigurationError(f"${name}={raw!r} must be an integer >= 1") from None
+    if value < 1:
+        raise ConfigurationError(f"${name}={raw!r} must be an integer >= 1")
+    return value
+
+
+def elastic_accumulation(requested: int, env: Mapping[str, str]) -> tuple[int, str] | None:
+    """The gradient accumulation this process trains with in an elastic attempt, and the line
+    to log; None outside one (``$PREEMPTIBLE_ELASTIC_REFERENCE_NODES`` unset).
+
+    Nodes are ``WORLD_SIZE / LOCAL_WORLD_SIZE`` (the launcher's). ``requested`` (the script's
+    ``gradient_accumulation_steps``) must be the accumulation at the reference size, or already
+    the one at this size (arguments rebuilt from a resolved copy); anything else means the job's
+    spec and the script disagree, and training would silently change its global batch.
+    """
+    if not env.get(ENV_ELASTIC_REFERENCE_NODES):
+        return None
+    reference = _env_int(env, ENV_ELASTIC_REFERENCE_NODES)
+    accumulation = _env_int(env, ENV_ELASTIC_ACCUMULATION)
+    world = _env_int({"WORLD_SIZE": env.get("WORLD_SIZE", "1")}, "WORLD_SIZE")
+    local = _env_int({"LOCAL_WORLD_SIZE": env.get("LOCAL_WORLD_SIZE", "1")}, "LOCAL_WORLD_SIZE")
+    if world % local:
+        raise ConfigurationError(
+            f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}: every node of an "
+            "elastic attempt runs the same number of processes"
+        )
+    nodes = world // local
+    target = accumulation_at(nodes, reference, accumulation)
+    if requested not in (accumulation, target):
+        raise ConfigurationError(
+            f"gradient_accumulation_steps={requested} but the job says the script accumulates "
+            f"{accumulation} at {reference} node(s) (${ENV_ELASTIC_ACCUMULATION}, "
+            "spec.elastic.gradientAccumulationSteps): make them agree"
+        )
+    message = (
+        f"elastic attempt on {nodes} of {reference} reference node(s): "
+        f"gradient_accumulation_steps {requested} -> {target} keeps the global batch "
+        f"({reference} x {accumulation} node micro-batches per optimizer step)"
+    )
+    return target, message

@@ -18,6 +18,8 @@ __all__ = [
     "DEFAULT_PEER_TIMEOUT_SECONDS",
     "DEFAULT_TERMINATION_LOG",
     "ENV_ATTEMPT",
+    "ENV_ELASTIC_ACCUMULATION",
+    "ENV_ELASTIC_REFERENCE_NODES",
     "ENV_GRACE_SECONDS",
     "ENV_KILL_WAIT_SECONDS",
     "ENV_METRICS_HOST",
@@ -74,6 +76,12 @@ ENV_TERMINATION_LOG = "PREEMPTIBLE_TERMINATION_LOG"
 # <dir>/local-rank-<LOCAL_RANK>.json, and the launcher merges them into the pod's one message
 # (with the pod's exit code), so a pod of several processes ends as one unit.
 ENV_TERMINATION_DIR = "PREEMPTIBLE_TERMINATION_DIR"
+
+# An elastic attempt (docs/elastic.md): the reference size (spec.numNodes) and the gradient
+# accumulation the script uses at that size; the runtime keeps the global batch at the size it
+# got by changing the accumulation (trainer_runtime.elastic).
+ENV_ELASTIC_REFERENCE_NODES = "PREEMPTIBLE_ELASTIC_REFERENCE_NODES"
+ENV_ELASTIC_ACCUMULATION = "PREEMPTIBLE_ELASTIC_ACCUMULATION"
 
 DEFAULT_KILL_WAIT_SECONDS = 3.0
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"

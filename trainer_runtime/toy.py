@@ -110,6 +110,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=42, help="seed of the data, the model and training")
     p.add_argument("--batch-size", type=int, default=8, help="per-device train batch size")
     p.add_argument("--num-samples", type=int, default=512, help="size of the synthetic dataset")
+    p.add_argument(
+        "--dropout",
+        type=float,
+        default=0.1,
+        help="dropout probability (0: training depends on no RNG, e.g. to compare across sizes)",
+    )
     p.add_argument("--learning-rate", type=float, default=1e-2)
     p.add_argument("--gradient-accumulation-steps", type=int, default=1)
     p.add_argument("--logging-steps", type=int, default=5)
@@ -325,7 +331,7 @@ def build_trainer(args: argparse.Namespace) -> Any:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)  # model init
-    model = ToyModel()
+    model = ToyModel(dropout=args.dropout)
     if args.ballast_mb > 0:
         # Bytes that every checkpoint carries and training never touches (a buffer outside the
         # forward pass, made without the RNG): saves take as long as a real model's would.

@@ -120,6 +120,7 @@ from trainer_runtime.distributed.ddp_args import (
 )
 from trainer_runtime.distributed.peers import PeerLoss, PeerWatch, peer_failure_in
 from trainer_runtime.distributed.trainer_fsdp import FsdpTrainerMixin
+from trainer_runtime.elastic import elastic_accumulation
 from trainer_runtime.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -244,6 +245,10 @@ class Trainer(
     ) -> None:
         self.args = args if args is not None else TrainingArguments()
         check_runtime_support(self.args)  # transformers fields this runtime cannot honour
+        # An elastic attempt keeps the global batch at the size it got (docs/elastic.md).
+        if elastic := elastic_accumulation(self.args.gradient_accumulation_steps, os.environ):
+            self.args.gradient_accumulation_steps, message = elastic
+            logger.warning(message)
         # opt-in only ($PREEMPTIBLE_DIRECT_IO overrides it): docs/checkpoints.md
         configure_direct_io(self.args.checkpoint_direct_io)
         # Seeded before model_init builds the model (features/model_init.py).

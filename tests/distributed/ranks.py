@@ -38,6 +38,7 @@ class RankedRun:
         resume_from: str | None = None,
         kill_wait: float | None = 0.2,
         grace_seconds: float | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         port = free_port()
         self.world_size = world_size
@@ -59,6 +60,7 @@ class RankedRun:
                     "NODE_RANK": str(rank),
                     "LOCAL_RANK": "0",
                     "LOCAL_WORLD_SIZE": "1",
+                    **(env or {}),
                 },
             )
             for rank in range(world_size)

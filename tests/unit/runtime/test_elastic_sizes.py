@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from trainer_runtime.elastic import accumulation_at, restart_pays, sizes_keeping_global_batch
+from trainer_runtime.elastic import (
+    accumulation_at,
+    elastic_accumulation,
+    restart_pays,
+    sizes_keeping_global_batch,
+)
 from trainer_runtime.errors import ConfigurationError
 
 
@@ -73,3 +78,53 @@ def test_a_grow_happens_only_when_it_repays_its_pause(
     current: int, target: int, cooldown: float, pause: float, pays: bool
 ) -> None:
     assert restart_pays(current, target, cooldown, pause) is pays
+
+
+def _env(
+    reference: str = "2", accumulation: str = "3", world: str = "3", local: str = "1"
+) -> dict[str, str]:
+    return {
+        "PREEMPTIBLE_ELASTIC_REFERENCE_NODES": reference,
+        "PREEMPTIBLE_ELASTIC_ACCUMULATION": accumulation,
+        "WORLD_SIZE": world,
+        "LOCAL_WORLD_SIZE": local,
+    }
+
+
+def test_outside_an_elastic_attempt_nothing_changes() -> None:
+    assert elastic_accumulation(3, {"WORLD_SIZE": "4"}) is None
+
+
+@pytest.mark.parametrize(
+    ("requested", "env", "expected"),
+    [
+        (3, _env(world="3"), 2),  # 2 reference nodes x 3 -> 3 nodes x 2
+        (3, _env(world="1"), 6),
+        (3, _env(world="2"), 3),  # the reference size: unchanged
+        (2, _env(world="3"), 2),  # arguments rebuilt from an already resolved copy
+        (3, _env(world="6", local="2"), 2),  # 3 nodes of 2 processes
+    ],
+)
+def test_the_accumulation_at_the_size_the_attempt_got(
+    requested: int, env: dict[str, str], expected: int
+) -> None:
+    got = elastic_accumulation(requested, env)
+    assert got is not None and got[0] == expected
+    assert f"gradient_accumulation_steps {requested} -> {expected}" in got[1]
+
+
+@pytest.mark.parametrize(
+    ("requested", "env", "message"),
+    [
+        (4, _env(world="3"), "gradient_accumulation_steps=4 but the job says"),
+        (3, _env(world="4"), "4 nodes cannot keep the global batch.*sizes that can: 1, 2, 3, 6"),
+        (3, _env(world="3", local="2"), "not a multiple of LOCAL_WORLD_SIZE=2"),
+        (3, _env(accumulation="x"), "PREEMPTIBLE_ELASTIC_ACCUMULATION='x' must be an integer"),
+        (3, _env(reference="0"), "PREEMPTIBLE_ELASTIC_REFERENCE_NODES='0'"),
+    ],
+)
+def test_an_attempt_that_cannot_keep_the_global_batch_is_refused(
+    requested: int, env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        elastic_accumulation(requested, env)
