@@ -27,6 +27,7 @@ __all__ = [
     "POLICY_VALIDATIONS",
     "admission_policy",
     "admission_policy_binding",
+    "boost_max_variable",
     "chart_access",
     "children_policy",
     "children_policy_binding",

@@ -261,7 +261,7 @@ def _workload_checks(
     job = batch.create_namespaced_job(
         namespace,
         {
-            "metadata": {"name": "kueue-job"},
+            "metadata": {"name": "kueue-job-a1"},
             "spec": {
                 "suspend": True,
                 "template": {
@@ -276,7 +276,7 @@ def _workload_checks(
     owner = {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "name": "kueue-job",
+        "name": "kueue-job-a1",
         "uid": job.metadata.uid,
         "controller": True,
     }
