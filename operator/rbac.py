@@ -629,8 +629,17 @@ def children_policy(name: str, namespace: str, service_account: str) -> dict[str
     }
 
 
+# The apiserver looks the params up before it evaluates the match conditions: without this
+# selector a namespace with no TrainingJob would refuse everyone's Jobs and Services. Objects
+# without the label are not the operator's anyway (the operator policy refuses it those).
+CHILDREN_OBJECT_SELECTOR: dict[str, Any] = {
+    "matchExpressions": [{"key": _LABEL, "operator": "Exists"}]
+}
+
+
 def children_policy_binding(name: str, policy_name: str | None = None) -> dict[str, Any]:
-    """Params: every TrainingJob of the request's namespace; none there: denied."""
+    """Params: every TrainingJob of the request's namespace; none there: denied. Only objects
+    labelled as a TrainingJob's are matched."""
     return {
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "ValidatingAdmissionPolicyBinding",
@@ -639,6 +648,7 @@ def children_policy_binding(name: str, policy_name: str | None = None) -> dict[s
             "policyName": policy_name or name,
             "validationActions": ["Deny"],
             "paramRef": {"selector": {}, "parameterNotFoundAction": "Deny"},
+            "matchResources": {"objectSelector": CHILDREN_OBJECT_SELECTOR},
         },
     }
 
@@ -704,6 +714,7 @@ def chart_access() -> dict[str, Any]:
             "matchConstraints": CHILDREN_MATCH_CONSTRAINTS,
             "variables": CHILDREN_VARIABLES,
             "validations": CHILDREN_VALIDATIONS,
+            "objectSelector": CHILDREN_OBJECT_SELECTOR,
         },
     }
 

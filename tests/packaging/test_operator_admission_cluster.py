@@ -271,6 +271,17 @@ def test_the_operators_own_writes_pass(setup: Setup, control_plane: ControlPlane
             *TJ_ARGS, ns, models.PLURAL, "done", done
         )
         custom.delete_namespaced_custom_object(*TJ_ARGS, ns, models.PLURAL, "done")
+        # Anyone else's Jobs, in a namespace without TrainingJobs too, are none of its business.
+        job = {
+            "metadata": {"name": "someone-elses"},
+            "spec": {
+                "template": {
+                    "spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "x"}]}
+                }
+            },
+        }
+        for where in (setup.empty, ns):
+            kubernetes.client.BatchV1Api(admin).create_namespaced_job(where, job, dry_run="All")
 
 
 def _workload(
