@@ -152,7 +152,9 @@ def test_admission_policy_holds_the_operator_to_its_own_writes(
             timeout=30,
         )
         # Jobs: only labelled and owned by a TrainingJob, created or deleted (dry run).
-        template = {"spec": {"restartPolicy": "Never", "containers": [container]}}
+        # (the TrainingJob's image: the children policy refuses any other)
+        image = {**container, "image": tj["spec"]["image"]}
+        template = {"spec": {"restartPolicy": "Never", "containers": [image]}}
         owned = {
             "metadata": {
                 "name": "owner-a9",
