@@ -1,9 +1,10 @@
 """Exactly the API access the operator uses (the Helm chart's RBAC is built from this list; the
-cluster tests run the operator with a ClusterRole made of these rules), the admission policy that
-narrows the operator's cluster-wide writes to its own objects, and the roles that aggregate
-TrainingJob access into the built-in edit/admin/view ClusterRoles.
+cluster tests run the operator with a ClusterRole made of these rules), the admission policies
+that narrow the operator's writes to its own objects and its Jobs to what their TrainingJob asks
+for, and the roles that aggregate TrainingJob access into the built-in edit/admin/view
+ClusterRoles.
 
-``python -m preemptible_operator.rbac --write`` regenerates the chart's copy of the policy and
+``python -m preemptible_operator.rbac --write`` regenerates the chart's copy of the policies and
 the user roles (charts/preemptible/files/generated-access.json); ``--check`` exits 1 when it
 drifts (tests/unit/operator/test_rbac_rules.py runs the same check).
 """
