@@ -517,7 +517,8 @@ CHILDREN_VARIABLES: list[dict[str, str]] = [
     },
 ]
 
-_SA = f"{_PT}.?serviceAccountName.orValue('default')"
+# The deprecated spec.serviceAccount still names the account where serviceAccountName is unset.
+_SA = f"{_PT}.?serviceAccountName.orValue({_PT}.?serviceAccount.orValue('default'))"
 
 CHILDREN_VALIDATIONS: list[dict[str, str]] = [
     {
