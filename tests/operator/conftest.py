@@ -74,7 +74,7 @@ def operator(
 @pytest.fixture
 def operator_identity(control_plane: ControlPlane, tj_crd: None, namespace: str) -> Iterator[Path]:
     """A kubeconfig of ServiceAccount ``<namespace>/operator`` bound to exactly
-    preemptible_operator.rbac's rules and held to its admission policy (the chart's defaults);
+    preemptible_operator.rbac's rules and held to its admission policies (the chart's defaults);
     the policy is in force when this yields."""
     role_name = f"preemptible-operator-{uuid.uuid4().hex[:6]}"
     with control_plane.api_client() as client:
@@ -102,6 +102,12 @@ def operator_identity(control_plane: ControlPlane, tj_crd: None, namespace: str)
         admission.create_validating_admission_policy_binding(
             rbac.admission_policy_binding(role_name)
         )
+        admission.create_validating_admission_policy(
+            rbac.children_policy(f"{role_name}-children", namespace, "operator")
+        )
+        admission.create_validating_admission_policy_binding(
+            rbac.children_policy_binding(f"{role_name}-children")
+        )
     kubeconfig = control_plane.service_account_kubeconfig(namespace, "operator")
     try:
         with api_client_from(kubeconfig) as client:
@@ -111,8 +117,9 @@ def operator_identity(control_plane: ControlPlane, tj_crd: None, namespace: str)
         with control_plane.api_client() as client:
             authz = kubernetes.client.RbacAuthorizationV1Api(client)
             admission = kubernetes.client.AdmissionregistrationV1Api(client)
-            admission.delete_validating_admission_policy_binding(role_name)
-            admission.delete_validating_admission_policy(role_name)
+            for name in (role_name, f"{role_name}-children"):
+                admission.delete_validating_admission_policy_binding(name)
+                admission.delete_validating_admission_policy(name)
             authz.delete_cluster_role_binding(role_name)
             authz.delete_cluster_role(role_name)
 

@@ -152,7 +152,9 @@ def test_admission_policy_holds_the_operator_to_its_own_writes(
             timeout=30,
         )
         # Jobs: only labelled and owned by a TrainingJob, created or deleted (dry run).
-        template = {"spec": {"restartPolicy": "Never", "containers": [container]}}
+        # (the TrainingJob's image: the children policy refuses any other)
+        image = {**container, "image": tj["spec"]["image"]}
+        template = {"spec": {"restartPolicy": "Never", "containers": [image]}}
         owned = {
             "metadata": {
                 "name": "owner-a9",
@@ -261,7 +263,7 @@ def _workload_checks(
     job = batch.create_namespaced_job(
         namespace,
         {
-            "metadata": {"name": "kueue-job"},
+            "metadata": {"name": "kueue-job-a1"},
             "spec": {
                 "suspend": True,
                 "template": {
@@ -276,7 +278,7 @@ def _workload_checks(
     owner = {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "name": "kueue-job",
+        "name": "kueue-job-a1",
         "uid": job.metadata.uid,
         "controller": True,
     }

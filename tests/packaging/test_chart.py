@@ -80,6 +80,9 @@ def test_cluster_wide_mode(helm: str) -> None:
             # preemptible-edit and preemptible-view, aggregated into edit/admin and view
             "ClusterRole",
             "ClusterRole",
+            # the operator's own writes, and the Jobs/Services it creates (docs/install.md)
+            "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding",
             "ValidatingAdmissionPolicy",
             "ValidatingAdmissionPolicyBinding",
         ]
@@ -175,14 +178,40 @@ def test_admission_policy_is_the_generated_one(helm: str, mode: str, tmp_path: P
     values = {"watchNamespaces": ["team-a"]} if mode == "namespaced" else None
     objects = render(helm, values, tmp_path=tmp_path)
     (sa,) = find_objects(objects, "ServiceAccount")
-    (policy,) = find_objects(objects, "ValidatingAdmissionPolicy")
-    (binding,) = find_objects(objects, "ValidatingAdmissionPolicyBinding")
-    expected = rbac.admission_policy(
-        "preemptible-operator", "preemptible-system", sa["metadata"]["name"]
+    policies = {
+        p["metadata"]["name"]: p for p in find_objects(objects, "ValidatingAdmissionPolicy")
+    }
+    bindings = {
+        b["metadata"]["name"]: b for b in find_objects(objects, "ValidatingAdmissionPolicyBinding")
+    }
+    account = sa["metadata"]["name"]
+    expected = [
+        (
+            rbac.admission_policy("preemptible-operator", "preemptible-system", account),
+            rbac.admission_policy_binding("preemptible-operator"),
+        ),
+        (
+            rbac.children_policy("preemptible-operator-children", "preemptible-system", account),
+            rbac.children_policy_binding("preemptible-operator-children"),
+        ),
+    ]
+    assert policies.keys() == bindings.keys() == {p["metadata"]["name"] for p, _ in expected}
+    for policy, binding in expected:
+        assert policies[policy["metadata"]["name"]]["spec"] == policy["spec"]
+        assert bindings[binding["metadata"]["name"]]["spec"] == binding["spec"]
+
+
+def test_admission_policy_carries_the_boost_band(helm: str, tmp_path: Path) -> None:
+    """operator.priorityBoost.max is the top of the boost the policy lets through."""
+    from preemptible_operator import rbac
+
+    objects = render(helm, {"operator": {"priorityBoost": {"max": 40}}}, tmp_path=tmp_path)
+    policy = next(
+        p
+        for p in find_objects(objects, "ValidatingAdmissionPolicy")
+        if p["metadata"]["name"] == "preemptible-operator"
     )
-    assert policy["metadata"]["name"] == expected["metadata"]["name"]
-    assert policy["spec"] == expected["spec"]
-    assert binding["spec"] == rbac.admission_policy_binding("preemptible-operator")["spec"]
+    assert policy["spec"]["variables"][0] == rbac.boost_max_variable(40)
 
 
 def test_user_roles_are_the_generated_ones(helm: str) -> None:

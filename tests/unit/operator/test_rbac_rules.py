@@ -63,6 +63,36 @@ def test_every_write_outside_training_jobs_is_under_the_policy(
     ), (group, resource, verb)
 
 
+@pytest.mark.parametrize("verb", ["patch", "delete"])
+def test_training_job_writes_are_under_the_policy(verb: str) -> None:
+    """A patch of a TrainingJob's spec makes the operator launch what it says: the policy sees
+    every write of the main resource (issue 39)."""
+    assert (models.GROUP, models.PLURAL, verb) in _grants()
+    assert any(
+        models.GROUP in r["apiGroups"]
+        and models.PLURAL in r["resources"]
+        and _WRITE_OPERATIONS[verb] in r["operations"]
+        for r in rbac.POLICY_MATCH_CONSTRAINTS["resourceRules"]
+    )
+
+
+def test_the_children_policy_checks_every_create_against_the_training_jobs() -> None:
+    """Params: every TrainingJob of the namespace, none: refused; only labelled objects (params
+    are looked up before the match condition)."""
+    binding = rbac.children_policy_binding("c")["spec"]
+    assert binding["paramRef"] == {"selector": {}, "parameterNotFoundAction": "Deny"}
+    assert binding["matchResources"]["objectSelector"] == {
+        "matchExpressions": [{"key": render.LABEL_TRAINING_JOB, "operator": "Exists"}]
+    }
+    policy = rbac.children_policy("c", "ns", "sa")["spec"]
+    assert policy["paramKind"] == {"apiVersion": models.API_VERSION, "kind": models.KIND}
+    creates = {
+        (g, r) for rule in policy["matchConstraints"]["resourceRules"]
+        for g in rule["apiGroups"] for r in rule["resources"] if "CREATE" in rule["operations"]
+    }  # fmt: skip
+    assert creates == {("batch", "jobs"), ("", "services")}
+
+
 def test_the_writes_outside_training_jobs_are_the_guarded_ones() -> None:
     """A new write verb on another kind (say configmaps) must be added to the policy too."""
     writes = {
