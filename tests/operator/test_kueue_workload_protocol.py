@@ -387,6 +387,26 @@ def test_evicted_workload_requeues_in_place_and_keeps_its_queue_position(
         assert user
 
 
+def test_a_new_workload_per_attempt_queues_behind_later_ones(wls: Workloads) -> None:
+    """Today's behaviour, for contrast: each attempt is a new Workload, so a job whose attempt
+    ended while a same-priority Workload was created queues behind that one."""
+    tj = wls.owner("tj")
+    wls.create("high", wls.owner("high"), count=2, priority="high")
+    wls.wait_reserved("high")
+    first = wls.create("tj-attempt-1", tj, count=2, min_count=1)
+    time.sleep(1.1)  # creationTimestamp has 1 s resolution
+    later = wls.create("later", wls.owner("later"), count=2, min_count=1)
+    wls.delete("tj-attempt-1")  # the attempt ends; the next attempt is a new Workload
+    time.sleep(1.1)
+    second = wls.create("tj-attempt-2", tj, count=2, min_count=1)
+    created = [w["metadata"]["creationTimestamp"] for w in (first, later, second)]
+    assert created == sorted(created) and len(set(created)) == 3, created
+
+    wls.delete("high")
+    assert assigned(wls.wait_reserved("later")) == 2
+    wls.stays_unreserved("tj-attempt-2")
+
+
 # ------------------------------------------------------------------------------------ fact 3
 def test_replacement_slice_grows_counting_the_old_slice(
     wls: Workloads, kueue: Kueue, control_plane: ControlPlane
