@@ -164,8 +164,9 @@ def _schema_rules(schema: dict[str, Any], model: type) -> None:
 
 
 class _Model(BaseModel):
-    """camelCase on the wire, snake_case in Python; unknown fields are an error (the CRD prunes
-    them anyway; an operator older than its CRD drops them with a note: reconcile.py).
+    """camelCase on the wire, snake_case in Python; unknown fields are an error in the spec (the
+    CRD prunes them anyway; an operator older than its CRD drops them with a note: decide.py's
+    parse_spec_tolerant); the status models keep them (``_Status``).
     ``rules`` are checked after the fields and emitted as the CRD's CEL validations."""
 
     model_config = ConfigDict(
@@ -610,7 +611,42 @@ class TrainingJobSpec(_Model):
 # -------------------------------------------------------------------------------------- status
 
 
-class Condition(_Model):
+def _status_schema(schema: dict[str, Any], model: type) -> None:
+    # Status models keep unknown fields (below), but the CRD's schema stays as the known fields
+    # describe it: the apiserver prunes what the installed (possibly newer) CRD does not declare.
+    _schema_rules(schema, model)
+    schema.pop("additionalProperties", None)
+
+
+class _Status(_Model):
+    """A status model: fields it does not know are kept and written back unchanged.
+
+    A newer operator may add status fields (``attempts[].failureAction`` did); after a rollback of
+    the operator (helm never downgrades the CRD, so the apiserver still stores them) this version
+    must neither refuse such an object (every pass would raise and the job would wedge) nor drop
+    the fields on its next write (the status is written whole: the newer version, rolled forward
+    again, would lose what it recorded). Unknown wire fields are therefore round-tripped
+    (``extra="allow"``). In Python the models stay strict: a constructor keyword or attribute
+    that is not a field is an error, so a typo never reaches the status silently."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra=_status_schema)
+
+    @model_validator(mode="after")
+    def _wire_names_only(self) -> Any:
+        # Fields a newer version wrote are camelCase on the wire; a snake_case extra is a
+        # Python caller's misspelt keyword.
+        misspelt = [k for k in self.model_extra or {} if "_" in k]
+        if misspelt:
+            raise ValueError(f"{type(self).__name__} has no field(s) {', '.join(misspelt)}")
+        return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in type(self).model_fields and not name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__} has no field {name!r}")
+        super().__setattr__(name, value)
+
+
+class Condition(_Status):
     """A Kubernetes-style condition."""
 
     type: str
@@ -627,7 +663,7 @@ class Condition(_Model):
     """metadata.generation this condition was computed for."""
 
 
-class AttemptRecord(_Model):
+class AttemptRecord(_Status):
     """One attempt (one Job) of the TrainingJob."""
 
     attempt: int
@@ -677,7 +713,7 @@ class AttemptRecord(_Model):
     """What the failure policy decided for a failed attempt: FailJob, Restart or Ignore."""
 
 
-class Progress(_Model):
+class Progress(_Status):
     """Training progress as reported by the runtime."""
 
     step: int | None = None
@@ -699,7 +735,7 @@ class Progress(_Model):
     once Failed."""
 
 
-class Timings(_Model):
+class Timings(_Status):
     """Measured timings (seconds), maxima over all attempts."""
 
     step_seconds_max: float | None = None
@@ -719,7 +755,7 @@ class Timings(_Model):
     policy's grace term."""
 
 
-class GraceStatus(_Model):
+class GraceStatus(_Status):
     """Grace period bookkeeping."""
 
     current: int | None = None
@@ -735,7 +771,7 @@ class GraceStatus(_Model):
     """Inputs of the rule (stepMax, saveMax, observedExitMax...)."""
 
 
-class CheckpointIntervalStatus(_Model):
+class CheckpointIntervalStatus(_Status):
     """The checkpoint interval that minimises the expected lost time for this job."""
 
     recommended_seconds: int | None = None
@@ -755,7 +791,7 @@ class CheckpointIntervalStatus(_Model):
     """How the recommendation was obtained (or why there is none yet)."""
 
 
-class CheckpointRef(_Model):
+class CheckpointRef(_Status):
     """A complete checkpoint."""
 
     step: int
@@ -768,7 +804,7 @@ class CheckpointRef(_Model):
     """How long the save took."""
 
 
-class IncompleteCheckpoint(_Model):
+class IncompleteCheckpoint(_Status):
     """A checkpoint directory that must not be resumed from."""
 
     step: int
@@ -779,10 +815,10 @@ class IncompleteCheckpoint(_Model):
     """Why it is incomplete (sentinel present, manifest missing, file size mismatch...)."""
 
 
-class TrainingJobStatus(_Model):
+class TrainingJobStatus(_Status):
     """Observed state of a TrainingJob (written by the operator only)."""
 
-    model_config = ConfigDict(extra="ignore")
+    # Fields a newer operator wrote are kept (``_Status``); the docstring above is the CRD's.
 
     phase: Phase | None = None
     """Pending, Queued, Running, Checkpointing, Requeueing, Suspended, Succeeded or Failed."""
