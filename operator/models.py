@@ -707,6 +707,16 @@ class AttemptRecord(_Status):
     lost_steps: int | None = None
     """Steps done in this attempt that no complete checkpoint holds (endStep minus the newer of
     the newest complete checkpoint and startStep)."""
+    lost_steps_estimated: bool | None = None
+    """True when no pod of the attempt left a termination message (a kill at the grace
+    deadline, an OOM kill, a lost node): endStep and lostSteps are then estimated from
+    lastScrapedStep, its time and stepsPerSecond up to when training stopped."""
+    last_scraped_step: int | None = None
+    """The last step scraped from the attempt's rank 0 (/metrics) and written to status."""
+    last_scraped_time: str | None = None
+    """When lastScrapedStep was scraped (RFC3339, milliseconds)."""
+    steps_per_second: float | None = None
+    """The attempt's training rate measured between its scrapes (saves included)."""
     failure_rule: str | None = None
     """The spec.failurePolicy rule a failed attempt matched (its name, else rules[<index>])."""
     failure_action: FailurePolicyAction | None = None
@@ -725,6 +735,10 @@ class Progress(_Status):
     attempt: int | None = None
     """Attempt whose runtime reported `step` (an attempt's endStep and lostSteps count only its
     own reports, never a step an earlier attempt reached)."""
+    scraped_at: str | None = None
+    """When `step` was scraped (RFC3339, milliseconds)."""
+    steps_per_second: float | None = None
+    """Training rate of attempt `attempt`, measured between its scrapes (saves included)."""
     progress_percentage: int | None = None
     """Percent of maxSteps done (floor(100 x step / maxSteps); 100 once Succeeded). Kubeflow's
     convention (KEP-2779); a printer column of `kubectl get tj`."""
@@ -855,6 +869,9 @@ class TrainingJobStatus(_Status):
     records because only the newest 20 of those are kept."""
     lost_steps: int | None = None
     """Steps computed but lost (not in any complete checkpoint) over all attempts."""
+    lost_steps_estimated: bool | None = None
+    """True when lostSteps includes an estimate: an attempt that left no termination message
+    (attempts[].lostStepsEstimated)."""
     checkpoint_interval: CheckpointIntervalStatus | None = None
     """Recommended checkpoint interval from the observed preemption rate and save cost."""
     next_attempt_after: str | None = None
