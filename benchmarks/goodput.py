@@ -28,7 +28,9 @@ CPU slot) seconds held after SIGTERM, the preemptor's wait until its pod runs, p
 job, and the grace the preempted attempts had. Steps come from the toy's events file (one
 ``train_begin`` and one ``step_end`` line per step, per process), which is exact even where a
 process dies without a termination message (policy b); the operator's own ``status.lostSteps``
-is printed next to it as a cross-check. The pure parts (the trace, the step accounting, the
+(an estimate where an attempt left no message, ``lostStepsEstimated``) is checked against it:
+within 10 % (at least one step) per policy, printed, and the exit status is 1 when a policy is
+outside. The pure parts (the trace, the step accounting, the
 summary) are table-tested in tests/unit/benchmarks/test_goodput.py.
 
     python -P benchmarks/goodput.py [--k 2] [--m 3] [--arrivals 6] [--duration 240] [--seed 1]
@@ -180,6 +182,29 @@ def loss_by_cause(
         entry["attempts"] += 1
         entry["lost"] += lost
     return out
+
+
+LOST_STEPS_TOLERANCE = 0.10
+"""How far status.lostSteps may be from the events' count (a fraction of it): the operator's
+estimate for attempts without a termination message (issue 39)."""
+
+
+def lost_steps_check(
+    events_lost: int, status_lost: int, estimated: bool, tolerance: float = LOST_STEPS_TOLERANCE
+) -> dict[str, Any]:
+    """status.lostSteps (summed over a policy's jobs; ``estimated``: some attempt left no
+    termination message) against the steps the events say were lost: within ``tolerance`` of
+    the events' count, and never more than one step off when that count is small (an estimate
+    is whole steps)."""
+    error = status_lost - events_lost
+    allowed = max(tolerance * events_lost, 1.0)
+    return {
+        "events": events_lost,
+        "status": status_lost,
+        "estimated": estimated,
+        "relative_error": round(error / events_lost, 4) if events_lost else None,
+        "within_tolerance": abs(error) <= allowed,
+    }
 
 
 def merge_causes(parts: Iterable[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
@@ -501,6 +526,11 @@ def run_policy(
     )
     summary["lost_steps_by_cause"] = merge_causes(causes)
     summary["operator_lost_steps"] = sum(int(s.get("lostSteps") or 0) for s in statuses.values())
+    summary["operator_lost_steps_check"] = lost_steps_check(
+        summary["steps_lost"],
+        summary["operator_lost_steps"],
+        any(bool(s.get("lostStepsEstimated")) for s in statuses.values()),
+    )
     summary["sigterm_to_exit_seconds_records"] = _stats(sigterm)
     summary["per_job"] = {
         n: {"computed": j.computed, "lost": j.lost, "preemptions": p, "phase": statuses[n].get(
@@ -610,9 +640,25 @@ def main(argv: list[str] | None = None) -> int:
     for policy, r in results.items():
         for cause, entry in r["lost_steps_by_cause"].items():
             print(f"({policy}) {cause}: {entry['attempts']} attempts, {entry['lost']} steps lost")
+    outside = []
+    for policy, r in results.items():
+        check = r["operator_lost_steps_check"]
+        print(
+            f"({policy}) status.lostSteps {check['status']}"
+            f"{' (estimated)' if check['estimated'] else ''} against {check['events']} from the "
+            f"events: error {fmt_error(check['relative_error'])}, "
+            f"{'within' if check['within_tolerance'] else 'OUTSIDE'} "
+            f"{LOST_STEPS_TOLERANCE:.0%}"
+        )
+        if not check["within_tolerance"]:
+            outside.append(policy)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
-    return 0
+    return 1 if outside else 0
+
+
+def fmt_error(relative: float | None) -> str:
+    return "-" if relative is None else f"{relative:+.1%}"
 
 
 if __name__ == "__main__":

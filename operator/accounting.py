@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 __all__ = [
     "RATE_WINDOW_SECONDS",
+    "STAMP_MIDDLE",
     "attempt_end_step",
     "attempt_lost_steps",
     "estimated_end_step",
@@ -93,6 +94,10 @@ def step_rate(
     return None
 
 
+STAMP_MIDDLE = 0.5
+"""finishedAt and deletionTimestamp are written with one second's resolution, truncated."""
+
+
 def training_stopped_at(
     finished_at: float | None, sigterm_to_exit: float | None, kill_wait: float
 ) -> float | None:
@@ -100,12 +105,13 @@ def training_stopped_at(
     (a deletion: SIGTERM ``sigterm_to_exit`` seconds before its end), no later than SIGTERM plus
     the runtime's ``kill_wait`` (it trains on that long, then stops or saves: a pod killed at its
     grace deadline spent the rest of it saving, not stepping). None when its end is unknown (a
-    lost node: no terminated state)."""
+    lost node: no terminated state). The pod's stamps are whole seconds, cut short: the middle
+    of that second is the estimate (half a second is a step of a fast job)."""
     if finished_at is None:
         return None
     if sigterm_to_exit is None:
-        return finished_at
-    return min(finished_at, finished_at - sigterm_to_exit + kill_wait)
+        return finished_at + STAMP_MIDDLE
+    return min(finished_at, finished_at - sigterm_to_exit + kill_wait) + STAMP_MIDDLE
 
 
 def estimated_end_step(

@@ -121,13 +121,13 @@ def test_step_rate(
 @pytest.mark.parametrize(
     ("finished_at", "sigterm_to_exit", "kill_wait", "expected"),
     [
-        (1000.0, None, 3.0, 1000.0),  # OOM kill, a crash: it trained until its end
-        (1000.0, 30.0, 3.0, 973.0),  # SIGKILLed at a 30 s grace: saving after SIGTERM + 3 s
-        (1000.0, 1.0, 3.0, 1000.0),  # no SIGTERM handler: died at once
-        (1000.0, 0.0, 0.0, 1000.0),
+        (1000.0, None, 3.0, 1000.5),  # OOM kill, a crash: it trained until its end
+        (1000.0, 30.0, 3.0, 973.5),  # SIGKILLed at a 30 s grace: saving after SIGTERM + 3 s
+        (1000.0, 1.0, 3.0, 1000.5),  # no SIGTERM handler: died at once
+        (1000.0, 0.0, 0.0, 1000.5),
         (None, 30.0, 3.0, None),  # a lost node: no end known
     ],
-)
+)  # the stamps are whole seconds, truncated: + 0.5 s, their middle
 def test_training_stopped_at(
     finished_at: float | None, sigterm_to_exit: float | None, kill_wait: float, expected: float
 ) -> None:

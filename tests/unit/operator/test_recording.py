@@ -248,11 +248,11 @@ SCRAPED_AT = T0 - 100.0  # the last scrape written: step 100, at 2 steps/s
 NO_MESSAGE_CASES = [
     # (id, pod, progress attempt, expected endStep, lost, estimated)
     # SIGKILLed at the 30 s grace deadline while saving: trained until SIGTERM + 3 s (kill wait)
-    ("killed-at-grace", _ended(137, finished=T0 - 10, sigterm=T0 - 40), 1, 226, 126, True),
+    ("killed-at-grace", _ended(137, finished=T0 - 10, sigterm=T0 - 40), 1, 227, 127, True),
     # the OOM killer: trained until its end
-    ("oom", _ended(137, finished=T0 - 20, reason="OOMKilled"), 1, 260, 160, True),
+    ("oom", _ended(137, finished=T0 - 20, reason="OOMKilled"), 1, 261, 161, True),
     # no SIGTERM handler (a periodic-only script): died at SIGTERM
-    ("no-handler", _ended(143, finished=T0 - 50, sigterm=T0 - 50), 1, 200, 100, True),
+    ("no-handler", _ended(143, finished=T0 - 50, sigterm=T0 - 50), 1, 201, 101, True),
     # a lost node: its end is unknown, so the last scrape (an undercount, still an estimate)
     ("node-lost", _ended(None, finished=None), 1, 100, 0, True),
     # ended before any scrape of its own (progress still shows attempt 0's): nothing known
