@@ -24,7 +24,9 @@ __all__ = [
     "STAMP_MIDDLE",
     "attempt_end_step",
     "attempt_lost_steps",
+    "attempt_ran",
     "estimated_end_step",
+    "limited_preemptions",
     "step_rate",
     "training_stopped_at",
 ]
@@ -131,3 +133,28 @@ def estimated_end_step(
     more = round(max(0.0, stopped_at - last_time) * max(0.0, rate))
     end = last_step + more
     return min(end, max_steps) if max_steps else end
+
+
+# ------------------------------------------------------------------------- maxPreemptions
+def attempt_ran(
+    running_time: str | None,
+    containers_started: bool,
+    end_step: int | None,
+    start_step: int | None,
+) -> bool:
+    """Whether an ended attempt ran: the operator saw all its pods run together
+    (``running_time``), a training container started (its terminated state has a start, or it
+    left a termination message), or it got past the step it resumed from. A workload Kueue
+    evicted while its pods were still pending did none of these."""
+    return (
+        running_time is not None
+        or containers_started
+        or (end_step is not None and end_step > (start_step or 0))
+    )
+
+
+def limited_preemptions(preemptions: int | None, before_running: int | None) -> int:
+    """The preemptions spec.maxPreemptions limits: those of attempts that ran (a job preempted
+    in a loop is one whose work keeps being interrupted; an attempt evicted before it started
+    interrupted nothing, status.preemptionsBeforeRunning)."""
+    return max(0, (preemptions or 0) - (before_running or 0))

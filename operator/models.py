@@ -547,9 +547,10 @@ class TrainingJobSpec(_Model):
     preemptions. When it passes the job is Failed with reason DeadlineExceeded and the running
     attempt is stopped (its pods still write their JIT checkpoint). Unset: no limit."""
     max_preemptions: int | None = Field(default=None, ge=0)
-    """Preemptions tolerated (status.preemptions); the one after that ends the job as Failed
-    with reason PreemptionLimitExceeded instead of requeueing it, so a job preempted in a loop
-    ends with a clear reason. 0: the first preemption fails the job. Unset: no limit."""
+    """Preemptions tolerated (status.preemptions, less those of attempts that had not run yet:
+    status.preemptionsBeforeRunning); the one after that ends the job as Failed with reason
+    PreemptionLimitExceeded instead of requeueing it, so a job preempted in a loop ends with a
+    clear reason. 0: the first preemption fails the job. Unset: no limit."""
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
     """Seconds after the job finished (Succeeded or Failed, status.completionTime) when the
     operator deletes the TrainingJob; its Jobs, pods and Service go with it (owner references).
@@ -859,6 +860,9 @@ class TrainingJobStatus(_Status):
     """Checkpoint directories that are incomplete (only when the operator can read storage)."""
     preemptions: int | None = None
     """Number of preemptions (Kueue eviction, pod disruption, node loss, runtime preemption)."""
+    preemptions_before_running: int | None = None
+    """Of those, preemptions of attempts that had not run yet (evicted while their pods were
+    pending): spec.maxPreemptions does not count them."""
     failures: int | None = None
     """Number of real failures counted against maxRestarts (failures a failurePolicy rule
     ignores are not; with failurePolicy.restartWindowSeconds only those in the window count

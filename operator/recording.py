@@ -16,6 +16,7 @@ from preemptible_operator import models
 from preemptible_operator.accounting import (
     attempt_end_step,
     attempt_lost_steps,
+    attempt_ran,
     estimated_end_step,
     step_rate,
     training_stopped_at,
@@ -168,6 +169,15 @@ def apply_metrics(
                 step=ckpt_step,
                 path=f"{spec.checkpoint.uri.rstrip('/')}/checkpoint-{ckpt_step}",
             )
+
+
+def _container_started(pod: dict[str, Any]) -> bool:
+    """The training container's terminated state has a start (it ran, however briefly)."""
+    for c in (pod.get("status") or {}).get("containerStatuses") or []:
+        for state in (c.get("state") or {}, c.get("lastState") or {}):
+            if (state.get("terminated") or {}).get("startedAt"):
+                return True
+    return False
 
 
 @dataclass
@@ -336,6 +346,9 @@ def record_attempt_end(
         )
     if outcome == "Preempted":
         status.preemptions = (status.preemptions or 0) + 1
+        started = bool(messages) or any(_container_started(p) for p in pods)
+        if not attempt_ran(record.running_time, started, end_step, record.start_step):
+            status.preemptions_before_running = (status.preemptions_before_running or 0) + 1
         out.preempted = interruption.reason
         status.conditions = cond.set_condition(
             status.conditions,

@@ -6,13 +6,21 @@ import math
 
 import pytest
 
+from preemptible_operator import models
 from preemptible_operator.accounting import (
     attempt_end_step,
     attempt_lost_steps,
+    attempt_ran,
     estimated_end_step,
+    limited_preemptions,
     step_rate,
     training_stopped_at,
 )
+from preemptible_operator.classify import Interruption
+from preemptible_operator.conditions import Reason
+from preemptible_operator.decide import phase_inputs
+from preemptible_operator.phases import next_phase
+from tests.unit.operator.builders import make_snapshot, make_spec
 
 
 @pytest.mark.parametrize(
@@ -159,3 +167,48 @@ def test_estimated_end_step(
     expected: int | None,
 ) -> None:
     assert estimated_end_step(last_step, last_time, rate, stopped_at, max_steps) == expected
+
+
+# ------------------------------------------------------------------------- maxPreemptions
+@pytest.mark.parametrize(
+    ("running_time", "started", "end_step", "start_step", "ran"),
+    [
+        (None, False, 100, 100, False),  # evicted while its pods were pending
+        (None, False, None, None, False),
+        ("2026-05-28T20:26:40Z", False, 100, 100, True),  # seen running, preempted at once
+        (None, True, 100, 100, True),  # a container started between two passes
+        (None, False, 104, 100, True),  # scraped past its start
+        (None, False, 3, None, True),
+    ],
+)
+def test_attempt_ran(
+    running_time: str | None, started: bool, end_step: int | None, start_step: int | None, ran: bool
+) -> None:
+    assert attempt_ran(running_time, started, end_step, start_step) is ran
+
+
+@pytest.mark.parametrize(
+    ("preemptions", "before_running", "expected"),
+    [(None, None, 0), (3, None, 3), (3, 2, 1), (2, 2, 0), (1, 5, 0)],
+)
+def test_limited_preemptions(
+    preemptions: int | None, before_running: int | None, expected: int
+) -> None:
+    assert limited_preemptions(preemptions, before_running) == expected
+
+
+def test_max_preemptions_does_not_count_attempts_that_never_ran() -> None:
+    """Three preemptions, two of them of attempts evicted before their pods started: with
+    maxPreemptions 1 the job is requeued, not failed (issue 39, finding 7)."""
+    record = models.AttemptRecord(
+        attempt=3, job_name="tj-a3", outcome="Preempted", reason=Reason.KUEUE_PREEMPTED
+    )
+    status = models.TrainingJobStatus(
+        attempt=3, attempts=[record], preemptions=3, preemptions_before_running=2
+    )
+    spec = make_spec(maxPreemptions=1)
+    snap = make_snapshot(spec=spec, status=status, attempt=3)
+    inputs = phase_inputs(snap, status, record, True, Interruption("Active", Reason.STARTED), 0.0)
+    assert inputs.preemptions == 1
+    decision = next_phase(inputs)
+    assert decision.reason != Reason.PREEMPTION_LIMIT_EXCEEDED

@@ -344,3 +344,40 @@ def test_scrapes_record_the_step_its_time_and_the_attempts_rate() -> None:
 def test_rfc3339_ms(ts: float, text: str) -> None:
     assert rfc3339_ms(ts) == text
     assert parse_rfc3339(text) == pytest.approx(ts, abs=1e-3)
+
+
+def _pending_then_deleted() -> dict[str, Any]:
+    """A pod deleted before its container started (Kueue evicted the workload while pending)."""
+    pod = make_pod(phase="Failed", exit_code=137, grace=30)
+    pod["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] = (
+        "ContainerStatusUnknown"
+    )
+    return pod
+
+
+def _started_then_deleted() -> dict[str, Any]:
+    pod = make_pod(phase="Failed", exit_code=137, grace=30)
+    pod["status"]["containerStatuses"][0]["state"]["terminated"]["startedAt"] = T0_RFC
+    return pod
+
+
+@pytest.mark.parametrize(
+    ("pods", "running_time", "before_running"),
+    [
+        ([_pending_then_deleted()], None, 1),
+        ([], None, 1),  # no pod at all: the Job never got to create them
+        ([_started_then_deleted()], None, None),
+        ([_pending_then_deleted()], T0_RFC, None),  # the operator saw it run
+        ([make_pod(phase="Failed", exit_code=75, message=PREEMPTED_AT_12)], None, None),
+    ],
+)
+def test_preemptions_of_attempts_that_never_ran_are_counted_apart(
+    pods: list[dict[str, Any]], running_time: str | None, before_running: int | None
+) -> None:
+    record = models.AttemptRecord(
+        attempt=1, job_name="tj-a1", grace_seconds=30, start_step=0, running_time=running_time
+    )
+    status = models.TrainingJobStatus(attempt=1, attempts=[record])
+    record_attempt_end(status, record, make_spec(), pods, KUEUE, None, T0_RFC, T0, 1)
+    assert status.preemptions == 1  # every preemption is shown
+    assert status.preemptions_before_running == before_running
