@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime as dt
 import itertools
 import json
 import random
@@ -153,6 +154,25 @@ def job_steps(
     return JobSteps(computed=computed, lost=lost)
 
 
+def training_at_end(
+    phase: str | None, attempts: Sequence[dict[str, Any]], segments: Sequence[Segment]
+) -> bool:
+    """Whether the job's last process is its running attempt's, still training: the job is
+    Running, its newest attempt has not ended, and the last process began after that attempt's
+    Job was created. An attempt still loading (no process of it began yet) is not: the previous
+    process then lost what it did beyond the checkpoint the new one resumes from."""
+    if phase != "Running" or not attempts or attempts[-1].get("outcome") or not segments:
+        return False
+    created = _epoch(attempts[-1].get("startTime"))
+    return created is None or segments[-1].first_time >= created
+
+
+def _epoch(rfc3339: str | None) -> float | None:
+    if not rfc3339:
+        return None
+    return dt.datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
+
+
 def attempt_cause(attempt: dict[str, Any], initial_grace: int | None) -> str:
     """How a preempted attempt ended, for the loss breakdown: its reason, whether a container
     was SIGKILLed, and whether it ran on the grace given before anything was measured."""
@@ -205,6 +225,13 @@ def lost_steps_check(
         "relative_error": round(error / events_lost, 4) if events_lost else None,
         "within_tolerance": abs(error) <= allowed,
     }
+
+
+def attempt_accounting(attempt: dict[str, Any]) -> dict[str, Any]:
+    """What an attempt's record says about its steps (for the per-job output)."""
+    keys = ("attempt", "startStep", "endStep", "lastScrapedStep", "stepsPerSecond", "lostSteps",
+            "lostStepsEstimated", "outcome")  # fmt: skip
+    return {k: attempt[k] for k in keys if attempt.get(k) is not None}
 
 
 def merge_causes(parts: Iterable[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
@@ -486,14 +513,14 @@ def run_policy(
     if policy == "a":
         initial = args.a_initial_grace or GracePolicy.initial_seconds
     step_times: list[float] = []
+    segs_by_job: dict[str, list[Segment]] = {}
     for name in names:
         st = statuses[name]
         events = root / f"events-{name}.jsonl"
         segs = segments_from_events(events.read_text().splitlines() if events.exists() else [])
+        segs_by_job[name] = segs
         attempts = st.get("attempts") or []
-        running = (
-            st.get("phase") == "Running" and bool(attempts) and not attempts[-1].get("outcome")
-        )
+        running = training_at_end(st.get("phase"), attempts, segs)
         ckpt = (st.get("lastCompleteCheckpoint") or {}).get("step")
         jobs.append(job_steps(segs, running, ckpt))
         causes.append(loss_by_cause(attempts, ckpt, initial))
@@ -534,7 +561,9 @@ def run_policy(
     summary["sigterm_to_exit_seconds_records"] = _stats(sigterm)
     summary["per_job"] = {
         n: {"computed": j.computed, "lost": j.lost, "preemptions": p, "phase": statuses[n].get(
-            "phase")}
+            "phase"), "status_lost": int(statuses[n].get("lostSteps") or 0),
+            "segments": [(s.start_step, s.end_step) for s in segs_by_job[n]],
+            "attempts": [attempt_accounting(a) for a in statuses[n].get("attempts") or []]}
         for n, j, p in zip(names, jobs, preemptions, strict=True)
     }  # fmt: skip
     return summary
