@@ -28,7 +28,9 @@ CPU slot) seconds held after SIGTERM, the preemptor's wait until its pod runs, p
 job, and the grace the preempted attempts had. Steps come from the toy's events file (one
 ``train_begin`` and one ``step_end`` line per step, per process), which is exact even where a
 process dies without a termination message (policy b); the operator's own ``status.lostSteps``
-is printed next to it as a cross-check. The pure parts (the trace, the step accounting, the
+(an estimate where an attempt left no message, ``lostStepsEstimated``) is checked against it:
+within 10 % (at least one step) per policy, printed, and the exit status is 1 when a policy is
+outside. The pure parts (the trace, the step accounting, the
 summary) are table-tested in tests/unit/benchmarks/test_goodput.py.
 
     python -P benchmarks/goodput.py [--k 2] [--m 3] [--arrivals 6] [--duration 240] [--seed 1]
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime as dt
 import itertools
 import json
 import random
@@ -151,6 +154,25 @@ def job_steps(
     return JobSteps(computed=computed, lost=lost)
 
 
+def training_at_end(
+    phase: str | None, attempts: Sequence[dict[str, Any]], segments: Sequence[Segment]
+) -> bool:
+    """Whether the job's last process is its running attempt's, still training: the job is
+    Running, its newest attempt has not ended, and the last process began after that attempt's
+    Job was created. An attempt still loading (no process of it began yet) is not: the previous
+    process then lost what it did beyond the checkpoint the new one resumes from."""
+    if phase != "Running" or not attempts or attempts[-1].get("outcome") or not segments:
+        return False
+    created = _epoch(attempts[-1].get("startTime"))
+    return created is None or segments[-1].first_time >= created
+
+
+def _epoch(rfc3339: str | None) -> float | None:
+    if not rfc3339:
+        return None
+    return dt.datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
+
+
 def attempt_cause(attempt: dict[str, Any], initial_grace: int | None) -> str:
     """How a preempted attempt ended, for the loss breakdown: its reason, whether a container
     was SIGKILLed, and whether it ran on the grace given before anything was measured."""
@@ -180,6 +202,36 @@ def loss_by_cause(
         entry["attempts"] += 1
         entry["lost"] += lost
     return out
+
+
+LOST_STEPS_TOLERANCE = 0.10
+"""How far status.lostSteps may be from the events' count (a fraction of it): the operator's
+estimate for attempts without a termination message (issue 39)."""
+
+
+def lost_steps_check(
+    events_lost: int, status_lost: int, estimated: bool, tolerance: float = LOST_STEPS_TOLERANCE
+) -> dict[str, Any]:
+    """status.lostSteps (summed over a policy's jobs; ``estimated``: some attempt left no
+    termination message) against the steps the events say were lost: within ``tolerance`` of
+    the events' count, and never more than one step off when that count is small (an estimate
+    is whole steps)."""
+    error = status_lost - events_lost
+    allowed = max(tolerance * events_lost, 1.0)
+    return {
+        "events": events_lost,
+        "status": status_lost,
+        "estimated": estimated,
+        "relative_error": round(error / events_lost, 4) if events_lost else None,
+        "within_tolerance": abs(error) <= allowed,
+    }
+
+
+def attempt_accounting(attempt: dict[str, Any]) -> dict[str, Any]:
+    """What an attempt's record says about its steps (for the per-job output)."""
+    keys = ("attempt", "startStep", "endStep", "lastScrapedStep", "stepsPerSecond", "lostSteps",
+            "lostStepsEstimated", "outcome")  # fmt: skip
+    return {k: attempt[k] for k in keys if attempt.get(k) is not None}
 
 
 def merge_causes(parts: Iterable[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
@@ -461,14 +513,14 @@ def run_policy(
     if policy == "a":
         initial = args.a_initial_grace or GracePolicy.initial_seconds
     step_times: list[float] = []
+    segs_by_job: dict[str, list[Segment]] = {}
     for name in names:
         st = statuses[name]
         events = root / f"events-{name}.jsonl"
         segs = segments_from_events(events.read_text().splitlines() if events.exists() else [])
+        segs_by_job[name] = segs
         attempts = st.get("attempts") or []
-        running = (
-            st.get("phase") == "Running" and bool(attempts) and not attempts[-1].get("outcome")
-        )
+        running = training_at_end(st.get("phase"), attempts, segs)
         ckpt = (st.get("lastCompleteCheckpoint") or {}).get("step")
         jobs.append(job_steps(segs, running, ckpt))
         causes.append(loss_by_cause(attempts, ckpt, initial))
@@ -501,10 +553,17 @@ def run_policy(
     )
     summary["lost_steps_by_cause"] = merge_causes(causes)
     summary["operator_lost_steps"] = sum(int(s.get("lostSteps") or 0) for s in statuses.values())
+    summary["operator_lost_steps_check"] = lost_steps_check(
+        summary["steps_lost"],
+        summary["operator_lost_steps"],
+        any(bool(s.get("lostStepsEstimated")) for s in statuses.values()),
+    )
     summary["sigterm_to_exit_seconds_records"] = _stats(sigterm)
     summary["per_job"] = {
         n: {"computed": j.computed, "lost": j.lost, "preemptions": p, "phase": statuses[n].get(
-            "phase")}
+            "phase"), "status_lost": int(statuses[n].get("lostSteps") or 0),
+            "segments": [(s.start_step, s.end_step) for s in segs_by_job[n]],
+            "attempts": [attempt_accounting(a) for a in statuses[n].get("attempts") or []]}
         for n, j, p in zip(names, jobs, preemptions, strict=True)
     }  # fmt: skip
     return summary
@@ -610,9 +669,25 @@ def main(argv: list[str] | None = None) -> int:
     for policy, r in results.items():
         for cause, entry in r["lost_steps_by_cause"].items():
             print(f"({policy}) {cause}: {entry['attempts']} attempts, {entry['lost']} steps lost")
+    outside = []
+    for policy, r in results.items():
+        check = r["operator_lost_steps_check"]
+        print(
+            f"({policy}) status.lostSteps {check['status']}"
+            f"{' (estimated)' if check['estimated'] else ''} against {check['events']} from the "
+            f"events: error {fmt_error(check['relative_error'])}, "
+            f"{'within' if check['within_tolerance'] else 'OUTSIDE'} "
+            f"{LOST_STEPS_TOLERANCE:.0%}"
+        )
+        if not check["within_tolerance"]:
+            outside.append(policy)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
-    return 0
+    return 1 if outside else 0
+
+
+def fmt_error(relative: float | None) -> str:
+    return "-" if relative is None else f"{relative:+.1%}"
 
 
 if __name__ == "__main__":

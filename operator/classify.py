@@ -121,6 +121,8 @@ class ContainerEnd:
     its container ended at or after that termination's grace deadline (grace_deadline)."""
     kubelet_evicted: str | None = None
     """The kubelet's eviction message when it evicted the pod (kubelet_eviction)."""
+    finished_at: float | None = None
+    """The container's end (finishedAt, seconds since the epoch; one second's resolution)."""
 
     @property
     def oom(self) -> bool:
@@ -293,6 +295,7 @@ def container_end(pod: Mapping[str, Any]) -> ContainerEnd | None:
             and finished is not None
             and finished >= deadline - GRACE_DEADLINE_SLACK_SECONDS,
             kubelet_evicted=kubelet_eviction(pod),
+            finished_at=finished,
         )
     return None
 

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from preemptible_operator import conditions as cond
 from preemptible_operator import models, render
+from preemptible_operator.accounting import limited_preemptions
 from preemptible_operator.checkpoint_store import StorageSnapshot
 from preemptible_operator.children import (
     Refusal,
@@ -280,7 +281,7 @@ def phase_inputs(
         deadline_remaining=deadline_remaining(
             status.start_time, spec.active_deadline_seconds if spec else None, now
         ),
-        preemptions=status.preemptions or 0,
+        preemptions=limited_preemptions(status.preemptions, status.preemptions_before_running),
         max_preemptions=spec.max_preemptions if spec else None,
     )
 

@@ -164,8 +164,9 @@ def _schema_rules(schema: dict[str, Any], model: type) -> None:
 
 
 class _Model(BaseModel):
-    """camelCase on the wire, snake_case in Python; unknown fields are an error (the CRD prunes
-    them anyway; an operator older than its CRD drops them with a note: reconcile.py).
+    """camelCase on the wire, snake_case in Python; unknown fields are an error in the spec (the
+    CRD prunes them anyway; an operator older than its CRD drops them with a note: decide.py's
+    parse_spec_tolerant); the status models keep them (``_Status``).
     ``rules`` are checked after the fields and emitted as the CRD's CEL validations."""
 
     model_config = ConfigDict(
@@ -546,9 +547,10 @@ class TrainingJobSpec(_Model):
     preemptions. When it passes the job is Failed with reason DeadlineExceeded and the running
     attempt is stopped (its pods still write their JIT checkpoint). Unset: no limit."""
     max_preemptions: int | None = Field(default=None, ge=0)
-    """Preemptions tolerated (status.preemptions); the one after that ends the job as Failed
-    with reason PreemptionLimitExceeded instead of requeueing it, so a job preempted in a loop
-    ends with a clear reason. 0: the first preemption fails the job. Unset: no limit."""
+    """Preemptions tolerated (status.preemptions, less those of attempts that had not run yet:
+    status.preemptionsBeforeRunning); the one after that ends the job as Failed with reason
+    PreemptionLimitExceeded instead of requeueing it, so a job preempted in a loop ends with a
+    clear reason. 0: the first preemption fails the job. Unset: no limit."""
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
     """Seconds after the job finished (Succeeded or Failed, status.completionTime) when the
     operator deletes the TrainingJob; its Jobs, pods and Service go with it (owner references).
@@ -610,7 +612,42 @@ class TrainingJobSpec(_Model):
 # -------------------------------------------------------------------------------------- status
 
 
-class Condition(_Model):
+def _status_schema(schema: dict[str, Any], model: type) -> None:
+    # Status models keep unknown fields (below), but the CRD's schema stays as the known fields
+    # describe it: the apiserver prunes what the installed (possibly newer) CRD does not declare.
+    _schema_rules(schema, model)
+    schema.pop("additionalProperties", None)
+
+
+class _Status(_Model):
+    """A status model: fields it does not know are kept and written back unchanged.
+
+    A newer operator may add status fields (``attempts[].failureAction`` did); after a rollback of
+    the operator (helm never downgrades the CRD, so the apiserver still stores them) this version
+    must neither refuse such an object (every pass would raise and the job would wedge) nor drop
+    the fields on its next write (the status is written whole: the newer version, rolled forward
+    again, would lose what it recorded). Unknown wire fields are therefore round-tripped
+    (``extra="allow"``). In Python the models stay strict: a constructor keyword or attribute
+    that is not a field is an error, so a typo never reaches the status silently."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra=_status_schema)
+
+    @model_validator(mode="after")
+    def _wire_names_only(self) -> Any:
+        # Fields a newer version wrote are camelCase on the wire; a snake_case extra is a
+        # Python caller's misspelt keyword.
+        misspelt = [k for k in self.model_extra or {} if "_" in k]
+        if misspelt:
+            raise ValueError(f"{type(self).__name__} has no field(s) {', '.join(misspelt)}")
+        return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in type(self).model_fields and not name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__} has no field {name!r}")
+        super().__setattr__(name, value)
+
+
+class Condition(_Status):
     """A Kubernetes-style condition."""
 
     type: str
@@ -627,7 +664,7 @@ class Condition(_Model):
     """metadata.generation this condition was computed for."""
 
 
-class AttemptRecord(_Model):
+class AttemptRecord(_Status):
     """One attempt (one Job) of the TrainingJob."""
 
     attempt: int
@@ -671,13 +708,23 @@ class AttemptRecord(_Model):
     lost_steps: int | None = None
     """Steps done in this attempt that no complete checkpoint holds (endStep minus the newer of
     the newest complete checkpoint and startStep)."""
+    lost_steps_estimated: bool | None = None
+    """True when no pod of the attempt left a termination message (a kill at the grace
+    deadline, an OOM kill, a lost node): endStep and lostSteps are then estimated from
+    lastScrapedStep, its time and stepsPerSecond up to when training stopped."""
+    last_scraped_step: int | None = None
+    """The last step scraped from the attempt's rank 0 (/metrics) and written to status."""
+    last_scraped_time: str | None = None
+    """When lastScrapedStep was scraped (RFC3339, milliseconds)."""
+    steps_per_second: float | None = None
+    """The attempt's training rate measured between its scrapes (saves included)."""
     failure_rule: str | None = None
     """The spec.failurePolicy rule a failed attempt matched (its name, else rules[<index>])."""
     failure_action: FailurePolicyAction | None = None
     """What the failure policy decided for a failed attempt: FailJob, Restart or Ignore."""
 
 
-class Progress(_Model):
+class Progress(_Status):
     """Training progress as reported by the runtime."""
 
     step: int | None = None
@@ -689,6 +736,10 @@ class Progress(_Model):
     attempt: int | None = None
     """Attempt whose runtime reported `step` (an attempt's endStep and lostSteps count only its
     own reports, never a step an earlier attempt reached)."""
+    scraped_at: str | None = None
+    """When `step` was scraped (RFC3339, milliseconds)."""
+    steps_per_second: float | None = None
+    """Training rate of attempt `attempt`, measured between its scrapes (saves included)."""
     progress_percentage: int | None = None
     """Percent of maxSteps done (floor(100 x step / maxSteps); 100 once Succeeded). Kubeflow's
     convention (KEP-2779); a printer column of `kubectl get tj`."""
@@ -699,7 +750,7 @@ class Progress(_Model):
     once Failed."""
 
 
-class Timings(_Model):
+class Timings(_Status):
     """Measured timings (seconds), maxima over all attempts."""
 
     step_seconds_max: float | None = None
@@ -719,7 +770,7 @@ class Timings(_Model):
     policy's grace term."""
 
 
-class GraceStatus(_Model):
+class GraceStatus(_Status):
     """Grace period bookkeeping."""
 
     current: int | None = None
@@ -735,7 +786,7 @@ class GraceStatus(_Model):
     """Inputs of the rule (stepMax, saveMax, observedExitMax...)."""
 
 
-class CheckpointIntervalStatus(_Model):
+class CheckpointIntervalStatus(_Status):
     """The checkpoint interval that minimises the expected lost time for this job."""
 
     recommended_seconds: int | None = None
@@ -755,7 +806,7 @@ class CheckpointIntervalStatus(_Model):
     """How the recommendation was obtained (or why there is none yet)."""
 
 
-class CheckpointRef(_Model):
+class CheckpointRef(_Status):
     """A complete checkpoint."""
 
     step: int
@@ -768,7 +819,7 @@ class CheckpointRef(_Model):
     """How long the save took."""
 
 
-class IncompleteCheckpoint(_Model):
+class IncompleteCheckpoint(_Status):
     """A checkpoint directory that must not be resumed from."""
 
     step: int
@@ -779,10 +830,10 @@ class IncompleteCheckpoint(_Model):
     """Why it is incomplete (sentinel present, manifest missing, file size mismatch...)."""
 
 
-class TrainingJobStatus(_Model):
+class TrainingJobStatus(_Status):
     """Observed state of a TrainingJob (written by the operator only)."""
 
-    model_config = ConfigDict(extra="ignore")
+    # Fields a newer operator wrote are kept (``_Status``); the docstring above is the CRD's.
 
     phase: Phase | None = None
     """Pending, Queued, Running, Checkpointing, Requeueing, Suspended, Succeeded or Failed."""
@@ -809,6 +860,9 @@ class TrainingJobStatus(_Model):
     """Checkpoint directories that are incomplete (only when the operator can read storage)."""
     preemptions: int | None = None
     """Number of preemptions (Kueue eviction, pod disruption, node loss, runtime preemption)."""
+    preemptions_before_running: int | None = None
+    """Of those, preemptions of attempts that had not run yet (evicted while their pods were
+    pending): spec.maxPreemptions does not count them."""
     failures: int | None = None
     """Number of real failures counted against maxRestarts (failures a failurePolicy rule
     ignores are not; with failurePolicy.restartWindowSeconds only those in the window count
@@ -819,6 +873,9 @@ class TrainingJobStatus(_Model):
     records because only the newest 20 of those are kept."""
     lost_steps: int | None = None
     """Steps computed but lost (not in any complete checkpoint) over all attempts."""
+    lost_steps_estimated: bool | None = None
+    """True when lostSteps includes an estimate: an attempt that left no termination message
+    (attempts[].lostStepsEstimated)."""
     checkpoint_interval: CheckpointIntervalStatus | None = None
     """Recommended checkpoint interval from the observed preemption rate and save cost."""
     next_attempt_after: str | None = None

@@ -27,6 +27,7 @@ from typing import Any
 
 __all__ = [
     "ANNOTATION_NODE_NOTICE",
+    "EC2_DRAIN_LEAD",
     "SPOT_LABELS",
     "NodeNotice",
     "node_notice",
@@ -45,9 +46,23 @@ class SpotLabel:
 
     key: str
     values: frozenset[str]
-    seconds: int
+    notice: int
+    """The cloud's notice, counted from its own warning."""
     why: str
+    lead: int = 0
+    """Seconds assumed between that warning and the pod's SIGTERM (the runtime counts its
+    deadline from SIGTERM): 0 where the kubelet itself is warned (graceful node shutdown)."""
 
+    @property
+    def seconds(self) -> int:
+        """The notice counted from the pod's SIGTERM."""
+        return self.notice - self.lead
+
+
+EC2_DRAIN_LEAD = 30
+"""Seconds of EC2's 120 s Spot notice assumed gone before a pod's SIGTERM (the handler's
+detection and drain; a node annotation preemptible.dev/node-notice-seconds overrides it where a
+cluster measured its own)."""
 
 SPOT_LABELS: tuple[SpotLabel, ...] = (
     # GKE: 30 s from the preemption notice to the VM's end, split by graceful node shutdown into
@@ -55,9 +70,25 @@ SPOT_LABELS: tuple[SpotLabel, ...] = (
     # extend it: annotate such nodes).
     SpotLabel("cloud.google.com/gke-spot", frozenset({"true"}), 15, "GKE Spot VM"),
     SpotLabel("cloud.google.com/gke-preemptible", frozenset({"true"}), 15, "GKE preemptible VM"),
-    # EC2: the Spot interruption notice comes two minutes before the instance is reclaimed.
-    SpotLabel("eks.amazonaws.com/capacityType", frozenset({"SPOT"}), 120, "EKS managed Spot"),
-    SpotLabel("karpenter.sh/capacity-type", frozenset({"spot"}), 120, "Karpenter Spot"),
+    # EC2: the Spot interruption warning comes two minutes before the instance is reclaimed,
+    # but the pods get SIGTERM only once a handler (Karpenter, the node termination handler, an
+    # EKS managed node group) has received the warning (an SQS queue or metadata polling) and
+    # drained the node to them: the 120 s are not counted from SIGTERM. EC2_DRAIN_LEAD of them
+    # are assumed spent before it.
+    SpotLabel(
+        "eks.amazonaws.com/capacityType",
+        frozenset({"SPOT"}),
+        120,
+        "EKS managed Spot",
+        lead=EC2_DRAIN_LEAD,
+    ),
+    SpotLabel(
+        "karpenter.sh/capacity-type",
+        frozenset({"spot"}),
+        120,
+        "Karpenter Spot",
+        lead=EC2_DRAIN_LEAD,
+    ),
     # Azure: a Spot VM's eviction (a Preempt scheduled event) comes at least 30 s ahead.
     SpotLabel("kubernetes.azure.com/scalesetpriority", frozenset({"spot"}), 30, "AKS Spot"),
 )
@@ -99,10 +130,15 @@ def node_notice(node: Mapping[str, Any] | None) -> NodeNotice | None:
         return explicit
     labels = meta.get("labels") or {}
     found = [
-        NodeNotice(spot.seconds, f"label {spot.key}={labels[spot.key]} ({spot.why})")
+        NodeNotice(
+            spot.seconds,
+            f"label {spot.key}={labels[spot.key]} ({spot.why}"
+            + (f": {spot.notice} s from its warning, {spot.lead} s assumed before SIGTERM)"
+               if spot.lead else ")"),
+        )
         for spot in SPOT_LABELS
         if labels.get(spot.key) in spot.values
-    ]
+    ]  # fmt: skip
     return min(found, key=lambda n: n.seconds) if found else None
 
 

@@ -13,7 +13,14 @@ from typing import Any
 
 from preemptible_operator import conditions as cond
 from preemptible_operator import models
-from preemptible_operator.accounting import attempt_end_step, attempt_lost_steps
+from preemptible_operator.accounting import (
+    attempt_end_step,
+    attempt_lost_steps,
+    attempt_ran,
+    estimated_end_step,
+    step_rate,
+    training_stopped_at,
+)
 from preemptible_operator.attempts import (
     fallback_message,
     reported_checkpoint_step,
@@ -29,6 +36,7 @@ from preemptible_operator.failure_policy import (
 )
 from preemptible_operator.phases import backoff_seconds
 from preemptible_operator.scrape import RuntimeMetrics
+from preemptible_operator.timestamps import parse_rfc3339
 
 __all__ = [
     "AttemptEnd",
@@ -38,6 +46,7 @@ __all__ = [
     "pod_checkpoint_path",
     "record_attempt_end",
     "rfc3339",
+    "rfc3339_ms",
     "snapshot_ref",
 ]
 
@@ -47,6 +56,13 @@ Event = tuple[str, str, str]
 def rfc3339(ts: float) -> str:
     """``ts`` (seconds since the epoch) as the apiserver writes times."""
     return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def rfc3339_ms(ts: float) -> str:
+    """``ts`` with milliseconds: a scrape's time, which a lost-steps estimate extrapolates from
+    (a second is several steps of a fast job)."""
+    moment = dt.datetime.fromtimestamp(ts, dt.UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
 
 
 def max_of(*values: float | None) -> float | None:
@@ -105,8 +121,25 @@ def apply_metrics(
     if m is None:
         return
     progress = status.progress or models.Progress()
-    if m.int("step") is not None:
-        progress.step = m.int("step")
+    step = m.int("step")
+    if step is not None:
+        own = progress.attempt == attempt
+        if m.scraped_at is not None:
+            # This attempt's training rate, for the estimate of what it did after its last
+            # scrape should it end without a message (record_attempt_end).
+            before = parse_rfc3339(progress.scraped_at) if own else None
+            rate = step_rate(
+                (progress.step, before) if before is not None and progress.step is not None
+                else None,
+                (step, m.scraped_at),
+                progress.steps_per_second if own else None,
+                m.get("step_seconds_ema") or None,
+            )  # fmt: skip
+            progress.scraped_at = rfc3339_ms(m.scraped_at)
+            progress.steps_per_second = round(rate, 4) if rate is not None else None
+        elif not own:
+            progress.scraped_at = progress.steps_per_second = None
+        progress.step = step
         progress.attempt = attempt  # whose step it is: see accounting.attempt_end_step
     if m.int("max_steps"):
         progress.max_steps = m.int("max_steps")
@@ -136,6 +169,15 @@ def apply_metrics(
                 step=ckpt_step,
                 path=f"{spec.checkpoint.uri.rstrip('/')}/checkpoint-{ckpt_step}",
             )
+
+
+def _container_started(pod: dict[str, Any]) -> bool:
+    """The training container's terminated state has a start (it ran, however briefly)."""
+    for c in (pod.get("status") or {}).get("containerStatuses") or []:
+        for state in (c.get("state") or {}, c.get("lastState") or {}):
+            if (state.get("terminated") or {}).get("startedAt"):
+                return True
+    return False
 
 
 @dataclass
@@ -208,13 +250,41 @@ def record_attempt_end(
         record.start_step = loaded.step
     # Only this attempt's own reports (not the step an earlier attempt left in progress).
     progress = status.progress or models.Progress()
-    end_step = attempt_end_step(
+    reported_end = end_step = attempt_end_step(
         record.attempt,
         record.start_step,
         [m.step for m in messages],
         progress.step,
         progress.attempt,
     )
+    if progress.attempt == record.attempt and progress.step is not None:
+        record.last_scraped_step = progress.step
+        record.last_scraped_time = progress.scraped_at
+        record.steps_per_second = progress.steps_per_second
+    estimated = not messages and interruption.outcome != "Succeeded"
+    if estimated:
+        # No pod said where it stopped: its last scrape is older than its end (up to a
+        # periodic pass or a throttled status write); add the steps at its rate until rank 0
+        # stopped training.
+        first = next((e for e in ends if e.index in (0, None)), ends[0] if ends else None)
+        stopped = (
+            training_stopped_at(
+                first.finished_at,
+                first.observed_sigterm_to_exit,
+                spec.grace_period.kill_wait_seconds,
+            )
+            if first is not None
+            else None
+        )
+        guess = estimated_end_step(
+            record.last_scraped_step,
+            parse_rfc3339(record.last_scraped_time),
+            record.steps_per_second,
+            stopped,
+            progress.max_steps,
+        )
+        if guess is not None:
+            end_step = max(end_step or 0, guess)
     if snapshot is not None:
         apply_snapshot(status, snapshot)
     # The runtime's own report counts even when storage is readable: a listing can miss
@@ -247,15 +317,19 @@ def record_attempt_end(
     record.exit_codes = [e.exit_code for e in ends if e.exit_code is not None] or None
     record.killed = killed
     record.lost_steps = lost
+    record.lost_steps_estimated = True if estimated else None
     sigterm = rank0.sigterm_to_exit if rank0 is not None else None
     if sigterm is None:
         sigterm = max_of(None, *(e.sigterm_to_exit for e in ends))
     record.sigterm_to_exit_seconds = sigterm
     out.sigterm_to_exit = sigterm
-    if end_step is not None:
-        progress.step = max(progress.step or 0, end_step)
+    if reported_end is not None:
+        # What the runtime reported, never an estimate: progress is what it saw.
+        progress.step = max(progress.step or 0, reported_end)
         status.progress = progress
     status.lost_steps = (status.lost_steps or 0) + lost
+    if estimated:
+        status.lost_steps_estimated = True
     out.lost_steps = lost
     if lost:
         out.events.append(
@@ -264,6 +338,7 @@ def record_attempt_end(
                 Reason.LOST_STEPS,
                 f"attempt {record.attempt} reached step {end_step} but the newest complete "
                 f"checkpoint is step {ckpt.step if ckpt else 0}: {lost} steps lost"
+                + (" (estimated: no termination message)" if estimated else "")
                 + (
                     f" (SIGKILLed at the {record.grace_seconds} s grace deadline)" if killed else ""
                 ),
@@ -271,6 +346,9 @@ def record_attempt_end(
         )
     if outcome == "Preempted":
         status.preemptions = (status.preemptions or 0) + 1
+        started = bool(messages) or any(_container_started(p) for p in pods)
+        if not attempt_ran(record.running_time, started, end_step, record.start_step):
+            status.preemptions_before_running = (status.preemptions_before_running or 0) + 1
         out.preempted = interruption.reason
         status.conditions = cond.set_condition(
             status.conditions,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import io
+import math
 import socket
 import time
 from dataclasses import dataclass
@@ -18,9 +20,13 @@ __all__ = ["MAX_BODY_BYTES", "RuntimeMetrics", "parse_metrics", "scrape"]
 
 @dataclass(frozen=True)
 class RuntimeMetrics:
-    """The runtime's gauges by protocol key (``step``, ``step_seconds_max``, ...); NaN dropped."""
+    """The runtime's gauges by protocol key (``step``, ``step_seconds_max``, ...); NaN and
+    infinities dropped."""
 
     values: dict[str, float]
+    scraped_at: float | None = None
+    """When the body was read (seconds since the epoch): the time of ``step`` (the lost-steps
+    estimate extrapolates from it, accounting.estimated_end_step)."""
 
     def get(self, key: str) -> float | None:
         return self.values.get(key)
@@ -37,7 +43,9 @@ def parse_metrics(text: str) -> RuntimeMetrics:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             key = by_series.get(sample.name)
-            if key is not None and sample.value == sample.value:  # NaN != NaN
+            # A NaN or an infinity (a runtime's bug, or not ours) is no measurement: int(inf)
+            # would raise in every periodic pass of the job.
+            if key is not None and math.isfinite(sample.value):
                 values[key] = float(sample.value)
     return RuntimeMetrics(values)
 
@@ -135,11 +143,12 @@ def scrape(
                 return None
             chunks.append(chunk)
         text = b"".join(chunks).decode("utf-8", errors="replace")
+        scraped_at = time.time()
     except (OSError, http.client.HTTPException, ValueError, AttributeError):
         return None
     finally:
         conn.close()
     try:
-        return parse_metrics(text)
+        return dataclasses.replace(parse_metrics(text), scraped_at=scraped_at)
     except ValueError:
         return None

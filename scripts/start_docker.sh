@@ -8,6 +8,8 @@ CACHE="${PREEMPTIBLE_CACHE:-$HOME/.cache/preemptible}"
 root="$CACHE/docker"
 sock="$root/docker.sock"
 log() { printf '==> [docker %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
+# A fresh machine has no cache yet: create it before anything (the install log) is written there.
+mkdir -p "$root" || { log "cannot create $root"; exit 1; }
 
 if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null; then
   [ "$(id -u)" = 0 ] || { log "not root: cannot install docker.io"; exit 1; }

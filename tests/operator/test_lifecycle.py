@@ -175,6 +175,9 @@ def test_sigkill_resumes_from_previous_checkpoint_reports_lost_steps_and_raises_
     assert first["reason"] == "PodEvicted" and first["outcome"] == "Preempted"
     assert first["checkpoint"].endswith("checkpoint-5")
     assert first["endStep"] >= 6 and first["lostSteps"] == first["endStep"] - 5 > 0
+    # SIGKILLed: no termination message, so the steps since its last scrape are estimated.
+    assert first["lostStepsEstimated"] is True and status["lostStepsEstimated"] is True, first
+    assert first["lastScrapedStep"] >= 6 and first["stepsPerSecond"] > 0, first
     assert second["resumeFrom"] == first["checkpoint"] and second["startStep"] == 5
     assert second["graceSeconds"] > first["graceSeconds"] == 2
     assert status["lostSteps"] == first["lostSteps"]

@@ -166,3 +166,61 @@ def test_the_causes_of_several_jobs_add_up() -> None:
     assert gp.loss_by_cause([_attempt(1, 0, 3)], 0, initial_grace=None) == {
         "KueuePreempted": {"attempts": 1, "lost": 3}
     }
+
+
+@pytest.mark.parametrize(
+    ("events", "status", "within", "relative"),
+    [
+        (142, 142, True, 0.0),
+        (142, 130, True, -0.0845),  # an estimate 8 % short
+        (142, 156, True, 0.0986),
+        (142, 33, False, -0.7676),  # the last written step alone (before issue 39)
+        (51, 11, False, -0.7843),
+        (142, 157, False, 0.1056),
+        (0, 0, True, None),
+        (0, 1, True, None),  # a whole step either way when the count is small
+        (5, 4, True, -0.2),
+        (5, 3, False, -0.4),
+    ],
+)
+def test_lost_steps_check(events: int, status: int, within: bool, relative: float | None) -> None:
+    out = gp.lost_steps_check(events, status, estimated=True)
+    assert out["within_tolerance"] is within
+    assert out["relative_error"] == relative
+    assert (out["events"], out["status"], out["estimated"]) == (events, status, True)
+
+
+def _seg(start: int, end: int, first: float) -> Any:
+    return gp.Segment(pid=1, start_step=start, end_step=end, first_time=first, last_time=first + 9)
+
+
+# 2026-05-28T20:26:40Z
+_T0 = 1_780_000_000.0
+
+
+@pytest.mark.parametrize(
+    ("phase", "attempts", "segments", "running"),
+    [
+        # attempt 2 still loading: the last process is attempt 1's, which was preempted
+        (
+            "Running",
+            [{"outcome": "Preempted"}, {"startTime": "2026-05-28T20:26:40Z"}],
+            [_seg(0, 82, _T0 - 100)],
+            False,
+        ),
+        # attempt 2 began training
+        (
+            "Running",
+            [{"outcome": "Preempted"}, {"startTime": "2026-05-28T20:26:40Z"}],
+            [_seg(0, 82, _T0 - 100), _seg(80, 90, _T0 + 5)],
+            True,
+        ),
+        ("Running", [{}], [_seg(0, 5, _T0)], True),  # no start time recorded: as before
+        ("Queued", [{"outcome": "Preempted"}], [_seg(0, 5, _T0)], False),
+        ("Running", [{}], [], False),
+    ],
+)
+def test_training_at_end(
+    phase: str, attempts: list[dict[str, Any]], segments: list[Any], running: bool
+) -> None:
+    assert gp.training_at_end(phase, attempts, segments) is running

@@ -92,19 +92,63 @@ def test_missing_required_fields_are_reported() -> None:
     assert "spec.image" in message and "spec.checkpoint" in message
 
 
-def test_status_ignores_unknown_fields_and_dumps_camel_case() -> None:
-    status = models.TrainingJobStatus.model_validate(
-        {
-            "phase": "Running",
-            "lastCompleteCheckpoint": {"step": 5, "path": "/c/checkpoint-5"},
-            "somethingOld": 1,
-        }
-    )
-    assert status.last_complete_checkpoint is not None
-    assert status.to_k8s() == {
-        "phase": "Running",
-        "lastCompleteCheckpoint": {"step": 5, "path": "/c/checkpoint-5"},
-    }
+# Status objects as a newer operator may have written them: a field this version does not know,
+# at the top and in every nested status model (a rollback of the operator must neither refuse the
+# object nor drop the field on its next write).
+_FUTURE = {"futureField": {"kept": [1, "two"]}}
+_STATUS_WITH_FUTURE_FIELDS: list[tuple[str, dict[str, Any]]] = [
+    ("top level", {"phase": "Running", "somethingNew": 1}),
+    ("attempts[]", {"attempts": [{"attempt": 1, "jobName": "tj-a1", **_FUTURE}]}),
+    ("conditions[]", {"conditions": [{"type": "Running", "status": "True", **_FUTURE}]}),
+    ("progress", {"progress": {"step": 3, **_FUTURE}}),
+    ("timings", {"timings": {"stepSecondsMax": 0.5, **_FUTURE}}),
+    ("gracePeriod", {"gracePeriod": {"current": 30, **_FUTURE}}),
+    ("checkpointInterval", {"checkpointInterval": {"reason": "x", **_FUTURE}}),
+    ("lastCompleteCheckpoint", {"lastCompleteCheckpoint": {"step": 5, "path": "/c/5", **_FUTURE}}),
+    (
+        "incompleteCheckpoints[]",
+        {"incompleteCheckpoints": [{"step": 6, "path": "/c/6", **_FUTURE}]},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [r for _, r in _STATUS_WITH_FUTURE_FIELDS],
+    ids=[i for i, _ in _STATUS_WITH_FUTURE_FIELDS],
+)
+def test_status_keeps_fields_a_newer_operator_wrote(raw: dict[str, Any]) -> None:
+    status = models.TrainingJobStatus.model_validate(raw)
+    assert status.to_k8s() == raw
+    # A pass works on a deep copy and writes it whole: the field survives both.
+    copy = status.model_copy(deep=True)
+    copy.preemptions = 2
+    assert copy.to_k8s() == {**raw, "preemptions": 2}
+
+
+def test_status_stays_strict_for_python_callers() -> None:
+    with pytest.raises(ValidationError, match="no field"):
+        models.AttemptRecord(attempt=1, job_name="tj-a1", lost_step=3)  # type: ignore[call-arg]
+    record = models.AttemptRecord(attempt=1, job_name="tj-a1")
+    with pytest.raises(AttributeError, match="no field 'lost_step'"):
+        record.lost_step = 3  # type: ignore[attr-defined]
+    record.lost_steps = 3
+    assert record.to_k8s() == {"attempt": 1, "jobName": "tj-a1", "lostSteps": 3}
+
+
+def test_spec_still_refuses_unknown_fields() -> None:
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        models.parse_spec({"image": "img", "checkpoint": {"uri": "/c", "futureField": 1}})
+
+
+def test_crd_schema_of_status_is_not_opened_by_the_kept_fields() -> None:
+    from preemptible_operator import crd
+
+    status = crd.openapi_schema()["properties"]["status"]
+    nodes = [status, status["properties"]["attempts"]["items"], status["properties"]["progress"]]
+    for node in nodes:
+        assert "x-kubernetes-preserve-unknown-fields" not in node
+        assert "additionalProperties" not in node
 
 
 _GRACE = models.MAX_GRACE_SECONDS

@@ -29,8 +29,17 @@ def _node(
         # The clouds' spot labels and their documented notices.
         ({"cloud.google.com/gke-spot": "true"}, {}, 15, "cloud.google.com/gke-spot"),
         ({"cloud.google.com/gke-preemptible": "true"}, {}, 15, "gke-preemptible"),
-        ({"eks.amazonaws.com/capacityType": "SPOT"}, {}, 120, "eks.amazonaws.com/capacityType"),
-        ({"karpenter.sh/capacity-type": "spot"}, {}, 120, "karpenter.sh/capacity-type"),
+        # EC2's 120 s start at the interruption warning, not at the pod's SIGTERM: a handler
+        # must see the warning and drain the node first (issue 39).
+        ({"eks.amazonaws.com/capacityType": "SPOT"}, {}, 90, "120 s from its warning, 30 s"),
+        ({"karpenter.sh/capacity-type": "spot"}, {}, 90, "karpenter.sh/capacity-type"),
+        # a cluster that measured its own drain says so on the node
+        (
+            {"karpenter.sh/capacity-type": "spot"},
+            {ANNOTATION_NODE_NOTICE: "110"},
+            110,
+            "annotation",
+        ),
         ({"kubernetes.azure.com/scalesetpriority": "spot"}, {}, 30, "scalesetpriority"),
         # The same labels with on-demand values: no notice.
         ({"cloud.google.com/gke-spot": "false"}, {}, None, None),

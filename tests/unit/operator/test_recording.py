@@ -3,6 +3,7 @@ steps, preemptions, failures and the restart backoff, from the pods' terminated 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -12,7 +13,9 @@ from preemptible_operator import models
 from preemptible_operator.checkpoint_store import StorageSnapshot
 from preemptible_operator.classify import Interruption
 from preemptible_operator.conditions import Reason
-from preemptible_operator.recording import record_attempt_end
+from preemptible_operator.recording import apply_metrics, record_attempt_end, rfc3339, rfc3339_ms
+from preemptible_operator.scrape import RuntimeMetrics
+from preemptible_operator.timestamps import parse_rfc3339
 from tests.unit.operator.builders import make_pod, make_spec
 from trainer_runtime import protocol
 from trainer_runtime.checkpoint.layout import CheckpointInfo
@@ -214,3 +217,167 @@ def test_storage_snapshot_newer_than_the_report_wins() -> None:
     assert record.checkpoint == "/ckpt/run/checkpoint-14"
     assert status.last_complete_checkpoint is not None
     assert status.last_complete_checkpoint.step == 14
+
+
+# --------------------------------------- lost steps of an attempt that left no termination message
+def _ended(
+    exit_code: int | None,
+    *,
+    finished: float | None,
+    sigterm: float | None = None,
+    message: str | None = None,
+    reason: str = "Error",
+) -> dict[str, Any]:
+    """Rank 0's pod, its container ended at ``finished`` (whole seconds, as the kubelet writes
+    it), deleted (SIGTERM) at ``sigterm`` with a 30 s grace."""
+    pod = make_pod(phase="Failed", exit_code=exit_code, message=message, grace=30)
+    if exit_code is None:  # a lost node: the container never reported its end
+        pod["status"]["containerStatuses"] = [{"name": "trainer", "state": {"running": {}}}]
+        return pod
+    terminated = pod["status"]["containerStatuses"][0]["state"]["terminated"]
+    terminated["reason"] = reason
+    if finished is not None:
+        terminated["finishedAt"] = rfc3339(finished)
+    if sigterm is not None:
+        pod["metadata"]["deletionTimestamp"] = rfc3339(sigterm + 30)
+        pod["metadata"]["deletionGracePeriodSeconds"] = 30
+    return pod
+
+
+SCRAPED_AT = T0 - 100.0  # the last scrape written: step 100, at 2 steps/s
+NO_MESSAGE_CASES = [
+    # (id, pod, progress attempt, expected endStep, lost, estimated)
+    # SIGKILLed at the 30 s grace deadline while saving: trained until SIGTERM + 3 s (kill wait)
+    ("killed-at-grace", _ended(137, finished=T0 - 10, sigterm=T0 - 40), 1, 227, 127, True),
+    # the OOM killer: trained until its end
+    ("oom", _ended(137, finished=T0 - 20, reason="OOMKilled"), 1, 261, 161, True),
+    # no SIGTERM handler (a periodic-only script): died at SIGTERM
+    ("no-handler", _ended(143, finished=T0 - 50, sigterm=T0 - 50), 1, 201, 101, True),
+    # a lost node: its end is unknown, so the last scrape (an undercount, still an estimate)
+    ("node-lost", _ended(None, finished=None), 1, 100, 0, True),
+    # ended before any scrape of its own (progress still shows attempt 0's): nothing known
+    ("never-scraped", _ended(137, finished=T0 - 20, reason="OOMKilled"), 0, 100, 0, True),
+    # a termination message: exact, whatever the scrapes say
+    (
+        "with-a-message",
+        _ended(75, finished=T0 - 10, sigterm=T0 - 40, message=_msg("preempted", 130)),
+        1,
+        130,
+        30,
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("pod", "progress_attempt", "end_step", "lost", "estimated"),
+    [c[1:] for c in NO_MESSAGE_CASES],
+    ids=[c[0] for c in NO_MESSAGE_CASES],
+)
+def test_lost_steps_without_a_message_are_estimated(
+    pod: dict[str, Any],
+    progress_attempt: int,
+    end_step: int,
+    lost: int,
+    estimated: bool | None,
+) -> None:
+    """The last scraped step is up to a status write old when the pod ends without a message:
+    the steps at the measured rate from that scrape to when training stopped are added, and the
+    record says it is an estimate (issue 39, finding 5)."""
+    record = models.AttemptRecord(attempt=1, job_name="tj-a1", grace_seconds=30, start_step=100)
+    status = models.TrainingJobStatus(
+        attempt=1,
+        attempts=[record],
+        progress=models.Progress(
+            step=100,
+            attempt=progress_attempt,
+            scraped_at=rfc3339_ms(SCRAPED_AT),
+            steps_per_second=2.0,
+            max_steps=1000,
+        ),
+        last_complete_checkpoint=models.CheckpointRef(step=100, path="/ckpt/run/checkpoint-100"),
+    )
+    end = record_attempt_end(status, record, make_spec(), [pod], KUEUE, None, T0_RFC, T0, 1)
+    assert (record.end_step, record.lost_steps, end.lost_steps) == (end_step, lost, lost)
+    assert record.lost_steps_estimated is estimated
+    assert status.lost_steps_estimated is estimated
+    assert status.lost_steps == lost
+    if progress_attempt == 1:
+        assert (record.last_scraped_step, record.steps_per_second) == (100, 2.0)
+        assert record.last_scraped_time == rfc3339_ms(SCRAPED_AT)
+    # progress shows what the runtime reported, never the estimate
+    assert status.progress is not None
+    assert status.progress.step == (100 if estimated else end_step)
+    if lost and estimated:
+        assert "estimated" in next(e[2] for e in end.events if e[1] == Reason.LOST_STEPS)
+
+
+def _scrape(step: int, at: float, ema: float | None = None) -> RuntimeMetrics:
+    values = {"step": float(step)} | ({"step_seconds_ema": ema} if ema else {})
+    return RuntimeMetrics(values, scraped_at=at)
+
+
+def test_scrapes_record_the_step_its_time_and_the_attempts_rate() -> None:
+    spec = make_spec()
+    status = models.TrainingJobStatus(progress=models.Progress(step=80, attempt=1))
+    # attempt 2's first scrape: its rate is the runtime's step time until a second scrape
+    apply_metrics(status, _scrape(10, T0, ema=0.25), spec, attempt=2)
+    progress = status.progress
+    assert progress is not None
+    assert (progress.step, progress.attempt, progress.steps_per_second) == (10, 2, 4.0)
+    assert progress.scraped_at == rfc3339_ms(T0) and parse_rfc3339(progress.scraped_at) == T0
+    apply_metrics(status, _scrape(30, T0 + 10.0), spec, attempt=2)
+    weight = 1 - math.exp(-10 / 60)
+    assert progress.steps_per_second == pytest.approx(weight * 2.0 + (1 - weight) * 4.0, abs=1e-4)
+    # a scrape without a time (none measured) keeps the attempt's rate and time
+    apply_metrics(status, RuntimeMetrics({"step": 31.0}), spec, attempt=2)
+    assert progress.step == 31 and progress.scraped_at == rfc3339_ms(T0 + 10.0)
+    # the next attempt starts its own rate
+    apply_metrics(status, RuntimeMetrics({"step": 5.0}), spec, attempt=3)
+    assert (progress.scraped_at, progress.steps_per_second) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("ts", "text"),
+    [(T0, "2026-05-28T20:26:40.000Z"), (T0 + 0.1234, "2026-05-28T20:26:40.123Z")],
+)
+def test_rfc3339_ms(ts: float, text: str) -> None:
+    assert rfc3339_ms(ts) == text
+    assert parse_rfc3339(text) == pytest.approx(ts, abs=1e-3)
+
+
+def _pending_then_deleted() -> dict[str, Any]:
+    """A pod deleted before its container started (Kueue evicted the workload while pending)."""
+    pod = make_pod(phase="Failed", exit_code=137, grace=30)
+    pod["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] = (
+        "ContainerStatusUnknown"
+    )
+    return pod
+
+
+def _started_then_deleted() -> dict[str, Any]:
+    pod = make_pod(phase="Failed", exit_code=137, grace=30)
+    pod["status"]["containerStatuses"][0]["state"]["terminated"]["startedAt"] = T0_RFC
+    return pod
+
+
+@pytest.mark.parametrize(
+    ("pods", "running_time", "before_running"),
+    [
+        ([_pending_then_deleted()], None, 1),
+        ([], None, 1),  # no pod at all: the Job never got to create them
+        ([_started_then_deleted()], None, None),
+        ([_pending_then_deleted()], T0_RFC, None),  # the operator saw it run
+        ([make_pod(phase="Failed", exit_code=75, message=PREEMPTED_AT_12)], None, None),
+    ],
+)
+def test_preemptions_of_attempts_that_never_ran_are_counted_apart(
+    pods: list[dict[str, Any]], running_time: str | None, before_running: int | None
+) -> None:
+    record = models.AttemptRecord(
+        attempt=1, job_name="tj-a1", grace_seconds=30, start_step=0, running_time=running_time
+    )
+    status = models.TrainingJobStatus(attempt=1, attempts=[record])
+    record_attempt_end(status, record, make_spec(), pods, KUEUE, None, T0_RFC, T0, 1)
+    assert status.preemptions == 1  # every preemption is shown
+    assert status.preemptions_before_running == before_running

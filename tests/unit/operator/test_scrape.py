@@ -34,6 +34,25 @@ def test_parse_keeps_protocol_series_and_drops_nan() -> None:
     assert "other_metric" not in m.values
 
 
+@pytest.mark.parametrize(
+    ("value", "kept"),
+    [
+        ("+Inf", None),
+        ("-Inf", None),
+        ("Inf", None),
+        ("NaN", None),
+        ("1e400", None),  # overflows to inf when parsed
+        ("17", 17),
+        ("17.0", 17),
+        ("-0", 0),
+    ],
+)
+def test_a_non_finite_step_gauge_is_no_measurement(value: str, kept: int | None) -> None:
+    """int() of an infinite gauge raised in every periodic pass of the job (issue 39)."""
+    m = parse_metrics(f"# TYPE {METRIC_NAMES['step']} gauge\n{METRIC_NAMES['step']} {value}\n")
+    assert m.int("step") == kept
+
+
 def test_scrape_a_live_endpoint_and_a_dead_one() -> None:
     registry = CollectorRegistry()
     Gauge(METRIC_NAMES["step"], "step", registry=registry).set(17)
@@ -41,9 +60,12 @@ def test_scrape_a_live_endpoint_and_a_dead_one() -> None:
     server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
     try:
         port = server.server_port
+        before = time.time()
         m = scrape("127.0.0.1", port)
         assert m is not None
         assert (m.int("step"), m.int("last_complete_checkpoint_step")) == (17, 15)
+        # The step's time: what the lost-steps estimate extrapolates from.
+        assert m.scraped_at is not None and before <= m.scraped_at <= time.time()
     finally:
         server.shutdown()
         thread.join(5)
