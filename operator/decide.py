@@ -206,9 +206,12 @@ def interruption_of(
     spec: models.TrainingJobSpec | None,
     record: models.AttemptRecord | None,
     recorded: bool,
+    deadline_passed: bool = False,
 ) -> InterruptionView:
     """Classify the current attempt (Active while there is none or it is recorded already).
-    ``record`` carries the runningTime this pass may just have set (starts_now)."""
+    ``record`` carries the runningTime this pass may just have set (starts_now).
+    ``deadline_passed``: activeDeadlineSeconds passed; the operator stops the attempt, and
+    whatever its pods show then (unless they finished training) it ends for the deadline."""
     if spec is None or not snap.attempt or recorded:
         return InterruptionView(ACTIVE)
     started = record is not None and record.running_time is not None
@@ -222,6 +225,16 @@ def interruption_of(
         was_started=started,
         user_suspended=spec.suspend,
     )
+    if deadline_passed and interruption.outcome != "Succeeded":
+        # Recorded like a suspension: no preemption, no failure counted (the job is over).
+        return InterruptionView(
+            Interruption(
+                "Suspended",
+                Reason.DEADLINE_EXCEEDED,
+                f"activeDeadlineSeconds ({spec.active_deadline_seconds}) passed: stopped by "
+                "the operator",
+            )
+        )
     if interruption.reason == Reason.WORKLOAD_DEACTIVATED and not spec.suspend:
         return InterruptionView(interruption, deactivated_by_other=True)
     if snap.job is None and snap.pods and not interruption.over:

@@ -198,14 +198,8 @@ def _next_phase(obs: PhaseInputs) -> Decision:
         return Decision(obs.current_phase, "finish", Reason.COMPLETED)  # type: ignore[arg-type]
     if obs.invalid:
         return Decision("Failed", "fail_invalid", Reason.INVALID_SPEC)
-    if obs.deadline_remaining is not None and obs.deadline_remaining <= 0:
-        return Decision(
-            "Failed",
-            "fail",
-            Reason.DEADLINE_EXCEEDED,
-            f"activeDeadlineSeconds ({obs.active_deadline_seconds}) passed since the first "
-            "attempt started; raise it to run longer",
-        )
+    if _deadline_passed(obs):
+        return _deadline_decision(obs)
     if obs.attempt == 0:
         if obs.suspend:
             return Decision(
@@ -303,4 +297,41 @@ def _next_phase(obs: PhaseInputs) -> Decision:
         return Decision("Running", "none", Reason.STARTED)
     return Decision(
         "Pending", "none", Reason.POD_PENDING, obs.pending_detail or "waiting for pods to start"
+    )
+
+
+def _deadline_passed(obs: PhaseInputs) -> bool:
+    """activeDeadlineSeconds passed, and the job has not succeeded (an attempt that finished
+    its training first is recorded as a success: the deadline never fails a finished job)."""
+    if obs.deadline_remaining is None or obs.deadline_remaining > 0:
+        return False
+    if obs.recorded_outcome == "Succeeded":
+        return False
+    return not (obs.recorded_outcome is None and obs.interruption.outcome == "Succeeded")
+
+
+def _deadline_decision(obs: PhaseInputs) -> Decision:
+    """The deadline passed: a running attempt is stopped the normal way (its pods get SIGTERM
+    and write their JIT checkpoint), recorded once its pods are gone (its end, checkpoint and
+    lost steps, like a preemption), and only then is the job Failed: the finalizers that hold
+    its pods are released after the record, never while they write."""
+    base = (
+        f"activeDeadlineSeconds ({obs.active_deadline_seconds}) passed since the first attempt "
+        "started"
+    )
+    running = obs.attempt and obs.recorded_outcome is None and (obs.job_exists or obs.pods)
+    if not running:
+        return Decision("Failed", "fail", Reason.DEADLINE_EXCEEDED, f"{base}: the job is over")
+    if not obs.pods_finished:
+        return Decision(
+            "Checkpointing",
+            "stop_attempt",
+            Reason.DEADLINE_EXCEEDED,
+            f"{base}: stopping attempt {obs.attempt} (its pods write a checkpoint)",
+        )
+    return Decision(
+        "Failed",
+        "record_attempt",
+        Reason.DEADLINE_EXCEEDED,
+        f"{base}: attempt {obs.attempt} was stopped and recorded; the job is over",
     )

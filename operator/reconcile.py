@@ -88,6 +88,7 @@ from preemptible_operator.phases import (
     Decision,
     PhaseInputs,
     bound_attempts,
+    deadline_remaining,
     estimate_progress,
     next_phase,
 )
@@ -548,7 +549,10 @@ class Reconciler:
                     wait = max(0.0, self.clock() - created_at)
                     result.on_written.append(lambda: metrics.QUEUE_WAIT_SECONDS.observe(wait))
             apply_metrics(status, obs.runtime_metrics, spec, obs.attempt)
-        seen = interruption_of(obs, spec, record, recorded)
+        left = deadline_remaining(
+            status.start_time, spec.active_deadline_seconds if spec else None, self.clock()
+        )
+        seen = interruption_of(obs, spec, record, recorded, left is not None and left <= 0)
         interruption = seen.interruption
         if seen.deactivated_by_other:
             # The next pass reads the new spec and records the attempt.

@@ -100,7 +100,15 @@ def test_active_deadline_fails_the_job(
     failed = _conditions(status)["Failed"]
     assert (failed["status"], failed["reason"]) == ("True", "DeadlineExceeded"), failed
     assert "activeDeadlineSeconds (15)" in failed["message"]
+    assert "raise" not in status["message"]  # the job is over: raising the deadline does nothing
     assert "Complete" not in _conditions(status)
+    # The running attempt was stopped through the normal path and recorded before the job
+    # went terminal: its end, and the checkpoint its pods wrote at SIGTERM.
+    last = status["attempts"][-1]
+    assert last.get("endTime") and last["reason"] == "DeadlineExceeded", last
+    assert last["outcome"] == "Suspended" and last.get("endStep") is not None, last
+    assert status.get("lastCompleteCheckpoint"), status
+    assert last.get("checkpoint") == status["lastCompleteCheckpoint"]["path"], status
     # The attempt is stopped and its Job deleted (nothing left for Kueue to admit later).
     wait_for(
         "the attempt's Job and pods gone",

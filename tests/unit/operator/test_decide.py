@@ -217,6 +217,31 @@ def test_interruption_of(
     assert seen.deactivated_by_other is by_other
 
 
+@pytest.mark.parametrize(
+    ("pods", "suspend", "outcome", "reason"),
+    [
+        ([make_pod()], False, "Suspended", Reason.DEADLINE_EXCEEDED),  # running: stopped
+        ([make_pod(phase="Failed", exit_code=75)], False, "Suspended", Reason.DEADLINE_EXCEEDED),
+        ([make_pod(phase="Failed", exit_code=137)], False, "Suspended", Reason.DEADLINE_EXCEEDED),
+        ([make_pod()], True, "Suspended", Reason.DEADLINE_EXCEEDED),  # the deadline wins
+        ([make_pod(phase="Succeeded", exit_code=0)], False, "Succeeded", Reason.COMPLETED),
+    ],
+    ids=["running", "jit-exit", "killed", "suspended-too", "finished-first"],
+)
+def test_interruption_of_after_the_deadline(
+    pods: list[dict[str, Any]], suspend: bool, outcome: str, reason: str
+) -> None:
+    """activeDeadlineSeconds passed: the operator stops the attempt, which then ends for the
+    deadline (recorded like a suspension: no preemption, no failure), unless it finished."""
+    spec = make_spec(activeDeadlineSeconds=60, suspend=suspend)
+    snap = make_snapshot(spec=spec, attempt=1, job=make_job(), pods=pods)
+    seen = interruption_of(snap, spec, _record(running_time=T0_RFC), False, True)
+    assert (seen.interruption.outcome, seen.interruption.reason) == (outcome, reason)
+    assert not seen.deactivated_by_other
+    if reason == Reason.DEADLINE_EXCEEDED:
+        assert "activeDeadlineSeconds (60)" in seen.interruption.message
+
+
 def test_interruption_of_without_a_spec_is_active() -> None:
     """A rejected spec with no attempt spec at hand: nothing is classified."""
     snap = make_snapshot(spec=None, attempt=1, pods=[make_pod(phase="Failed", exit_code=1)])

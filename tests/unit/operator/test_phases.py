@@ -287,19 +287,67 @@ _RUNNING = {"attempt": 2, "job_exists": True, "pods": 2, "running_pods": 2}
 @pytest.mark.parametrize(
     ("inputs", "phase", "action", "reason"),
     [
-        # activeDeadlineSeconds: whatever the job is doing, once it passed the job fails
+        # activeDeadlineSeconds: whatever the job is doing, once it passed the job fails; a
+        # running attempt is first stopped the normal way (JIT checkpoint) and recorded
         (
-            PhaseInputs(**_RUNNING, active_deadline_seconds=60, deadline_remaining=0.0),
-            "Failed",
-            "fail",
+            PhaseInputs(
+                **_RUNNING, pods_finished=False, active_deadline_seconds=60, deadline_remaining=0.0
+            ),
+            "Checkpointing",
+            "stop_attempt",
             Reason.DEADLINE_EXCEEDED,
         ),
         (
-            PhaseInputs(attempt=1, job_exists=True, pods=1, deadline_remaining=-5.0),
+            PhaseInputs(
+                attempt=1, job_exists=True, pods=1, pods_finished=False, deadline_remaining=-5.0
+            ),
+            "Checkpointing",
+            "stop_attempt",
+            Reason.DEADLINE_EXCEEDED,
+        ),  # stuck Pending
+        (
+            PhaseInputs(
+                attempt=2,
+                job_exists=True,
+                pods=2,
+                pods_finished=True,
+                interruption=Interruption("Suspended", Reason.DEADLINE_EXCEEDED),
+                deadline_remaining=-5.0,
+            ),
+            "Failed",
+            "record_attempt",
+            Reason.DEADLINE_EXCEEDED,
+        ),  # its pods are gone: recorded, and the job is over in the same pass
+        (
+            PhaseInputs(attempt=1, job_exists=True, job_suspended=True, deadline_remaining=-5.0),
+            "Failed",
+            "record_attempt",
+            Reason.DEADLINE_EXCEEDED,
+        ),  # queued, never admitted: recorded (its Job goes with the record)
+        (
+            PhaseInputs(
+                attempt=2,
+                job_exists=True,
+                pods=2,
+                interruption=Interruption("Succeeded", Reason.COMPLETED),
+                deadline_remaining=-5.0,
+            ),
+            "Succeeded",
+            "record_attempt",
+            Reason.COMPLETED,
+        ),  # training finished just before the deadline: a success
+        (
+            PhaseInputs(attempt=2, recorded_outcome="Succeeded", deadline_remaining=-5.0),
+            "Succeeded",
+            "finish",
+            Reason.COMPLETED,
+        ),
+        (
+            PhaseInputs(attempt=2, recorded_outcome="Suspended", deadline_remaining=-5.0),
             "Failed",
             "fail",
             Reason.DEADLINE_EXCEEDED,
-        ),  # stuck Pending
+        ),  # the stopped attempt is recorded: the job is over
         (
             PhaseInputs(attempt=3, recorded_outcome="Preempted", deadline_remaining=-1.0),
             "Failed",
@@ -373,6 +421,8 @@ def test_deadline_and_preemption_limit(
         assert f"maxPreemptions is {inputs.max_preemptions}" in decision.message
     if reason == Reason.DEADLINE_EXCEEDED:
         assert "activeDeadlineSeconds" in decision.message
+        # Raising the deadline of a job that is over does nothing: never advised.
+        assert "raise" not in decision.message
 
 
 @pytest.mark.parametrize(
