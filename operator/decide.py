@@ -163,6 +163,9 @@ def current_record(
         grace_seconds=_int_or_none(ann.get(render.ANNOTATION_GRACE)),
     )
     status.attempts = [*(status.attempts or []), record]
+    # The pass that created attempt 1 never wrote status.startTime either: the Job's creation
+    # is when activeDeadlineSeconds starts to count (never left unset: no deadline then).
+    status.start_time = status.start_time or record.start_time
     status.next_attempt_after = None
     gp = status.grace_period or models.GraceStatus()
     gp.current = record.grace_seconds

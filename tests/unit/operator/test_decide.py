@@ -1010,6 +1010,21 @@ def test_current_record_rebuilt_from_the_job() -> None:
     assert status.grace_period is not None and status.grace_period.current == 45
 
 
+@pytest.mark.parametrize(
+    ("start_time", "expected"),
+    [(None, T0_RFC), ("2025-12-31T00:00:00Z", "2025-12-31T00:00:00Z")],
+    ids=["lost-start-time-from-the-job", "kept"],
+)
+def test_current_record_rebuilt_sets_the_start_time(
+    start_time: str | None, expected: str
+) -> None:
+    """The operator died between creating attempt 1's Job and writing the status: the job's
+    start (activeDeadlineSeconds counts from it) is the Job's creation, never left unset."""
+    status = models.TrainingJobStatus(start_time=start_time)
+    assert current_record(status, 1, _annotated_job()) is not None
+    assert status.start_time == expected
+
+
 # ------------------------------------------------------------------------------ next attempt
 def _job_of(attempt: int, *, failed: bool = False) -> dict[str, Any]:
     conditions = [cond("Failed", "BackoffLimitExceeded")] if failed else []
