@@ -25,6 +25,7 @@ from preemptible_operator.children import (
     jobs_to_delete,
     pods_refused,
     refusal_retry_seconds,
+    restarted_pods,
 )
 from preemptible_operator.classify import (
     DEACTIVATED_BY_OPERATOR_ANNOTATION,
@@ -236,6 +237,19 @@ def interruption_of(
                 Reason.DEADLINE_EXCEEDED,
                 f"activeDeadlineSeconds ({spec.active_deadline_seconds}) passed: stopped by "
                 "the operator",
+            )
+        )
+    restarted = restarted_pods(snap.pods, snap.node_ready)
+    if restarted and interruption.outcome != "Succeeded":
+        # Checked before anything the new pods show: the attempt ended when its Job was
+        # suspended, whatever its Workload says now.
+        return InterruptionView(
+            Interruption(
+                "Preempted",
+                Reason.RESUMED_UNSEEN,
+                f"{len(restarted)} pod(s) of attempt {snap.attempt} restarted from its old "
+                "checkpoint after its Job was suspended and resumed unseen (a Kueue eviction "
+                "and re-admission): stopping them, the next attempt resumes from the newest",
             )
         )
     if interruption.reason == Reason.WORKLOAD_DEACTIVATED and not spec.suspend:
@@ -885,7 +899,7 @@ def action_status(
 
 
 DEACTIVATE_ON_RECORD: frozenset[str] = frozenset(
-    {Reason.KUEUE_PREEMPTED, Reason.KUEUE_EVICTED, Reason.PODS_NEVER_READY}
+    {Reason.KUEUE_PREEMPTED, Reason.KUEUE_EVICTED, Reason.PODS_NEVER_READY, Reason.RESUMED_UNSEEN}
 )
 """Reasons whose attempt's Workload is deactivated when the attempt is recorded: Kueue must
 never re-admit that attempt (the next attempt brings a fresh Workload)."""

@@ -285,6 +285,10 @@ def _next_phase(obs: PhaseInputs) -> Decision:
             return Decision("Checkpointing", "stop_attempt", intr.reason, intr.message)
         if intr.reason in (Reason.KUEUE_PREEMPTED, Reason.KUEUE_EVICTED, Reason.PODS_NEVER_READY):
             return Decision("Checkpointing", "deactivate_workload", intr.reason, intr.message)
+        if intr.reason == Reason.RESUMED_UNSEEN:
+            # The restarted pods are deleted gracefully (JIT checkpoint); their Job then fails
+            # (exit 75 is FailJob), so nothing admits this attempt again, Workload or not.
+            return Decision("Checkpointing", "stop_attempt", intr.reason, intr.message)
         if intr.outcome == "Preempted":
             return Decision("Checkpointing", "none", intr.reason, intr.message)
         return Decision("Running", "none", intr.reason, f"stopping the other ranks: {intr.message}")

@@ -20,6 +20,7 @@ from preemptible_operator.children import (
     pods_refused,
     pods_to_end,
     refusal_retry_seconds,
+    restarted_pods,
 )
 from preemptible_operator.conditions import Reason
 from preemptible_operator.render import ATTEMPT_FINALIZER, JOB_COMPLETION_INDEX_ANNOTATION
@@ -419,3 +420,61 @@ def test_a_failed_attempt_is_kept_once_no_pod_can_follow(
     jobs = {1: _attempt_job(1)}  # no Failed condition yet
     assert kept_failed_attempt(jobs, {1: "Failed"}, {1: pods}) == kept
     assert jobs_to_delete(jobs, {1: "Failed"}, 1, {1: pods}) == ([] if kept else [jobs[1]])
+
+
+def _pod_at(name: str, index: int, created: str, **kw: Any) -> dict[str, Any]:
+    pod = make_pod(name, index=index, **kw)
+    pod["metadata"]["creationTimestamp"] = created
+    return pod
+
+
+T_OLD, T_NEW = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
+
+
+@pytest.mark.parametrize(
+    ("pods", "restarted"),
+    [
+        ([], []),
+        ([_pod_at("a", 0, T_OLD)], []),  # running
+        ([_pod_at("a", 0, T_OLD, phase="Failed", exit_code=75)], []),  # ended
+        # suspended and resumed: index 0 ended, a later pod of it runs
+        (
+            [
+                _pod_at("a", 0, T_OLD, phase="Failed", exit_code=75, deleting=True),
+                _pod_at("b", 0, T_NEW),
+            ],
+            ["b"],
+        ),
+        # two indexes, both restarted (one still pending, unbound)
+        (
+            [
+                _pod_at("a", 0, T_OLD, phase="Failed", exit_code=75, deleting=True),
+                _pod_at("b", 1, T_OLD, phase="Failed", exit_code=75, deleting=True),
+                _pod_at("c", 0, T_NEW),
+                _pod_at("d", 1, T_NEW, phase="Pending", node=None),
+            ],
+            ["c", "d"],
+        ),
+        # one rank failed, the other still runs: another index, nothing restarted
+        (
+            [_pod_at("a", 0, T_OLD, phase="Failed", exit_code=1), _pod_at("b", 1, T_NEW)],
+            [],
+        ),
+        # the restarted pod ended too: nothing left running (the attempt is simply over)
+        (
+            [
+                _pod_at("a", 0, T_OLD, phase="Failed", exit_code=75, deleting=True),
+                _pod_at("b", 0, T_NEW, phase="Failed", exit_code=75),
+            ],
+            [],
+        ),
+        # an ended pod created after the running one is not a restart of it
+        (
+            [_pod_at("a", 0, T_NEW, phase="Failed", exit_code=75), _pod_at("b", 0, T_OLD)],
+            [],
+        ),
+    ],
+)
+def test_restarted_pods(pods: list[dict[str, Any]], restarted: list[str]) -> None:
+    got = restarted_pods(pods, {"node-1": True})
+    assert [p["metadata"]["name"] for p in got] == restarted

@@ -242,6 +242,63 @@ def test_interruption_of_after_the_deadline(
         assert "activeDeadlineSeconds (60)" in seen.interruption.message
 
 
+def _at(pod: dict[str, Any], created: str, *, deleted: bool = False) -> dict[str, Any]:
+    pod["metadata"]["creationTimestamp"] = created
+    if deleted:
+        pod["metadata"]["deletionTimestamp"] = created
+    return pod
+
+
+_OLD_75 = "2026-01-01T00:00:00Z"
+_NEW = "2026-01-01T00:10:00Z"
+
+
+@pytest.mark.parametrize(
+    ("queue", "pods", "outcome", "reason"),
+    [
+        # Evicted and re-admitted while the operator was down: the old pod (exit 75, held by
+        # the attempt finalizer) and a new pod of the same index, running from the old resume.
+        (
+            "q",
+            [
+                _at(make_pod("a", phase="Failed", exit_code=75), _OLD_75, deleted=True),
+                _at(make_pod("b"), _NEW),
+            ],
+            "Preempted",
+            Reason.RESUMED_UNSEEN,
+        ),
+        (
+            None,
+            [
+                _at(make_pod("a", phase="Failed", exit_code=75), _OLD_75, deleted=True),
+                _at(make_pod("b", phase="Pending", node=None), _NEW),
+            ],
+            "Preempted",
+            Reason.RESUMED_UNSEEN,
+        ),
+        # Two ranks, one failed first, the other still stopping: nothing restarted.
+        (
+            "q",
+            [
+                _at(make_pod("a", phase="Failed", exit_code=1), _OLD_75),
+                _at(make_pod("b", index=1), _NEW),
+            ],
+            "Failed",
+            Reason.TRAINING_FAILED,
+        ),
+    ],
+    ids=["kueue", "no-kueue-pending", "other-rank-failed"],
+)
+def test_interruption_of_a_resume_never_seen(
+    queue: str | None, pods: list[dict[str, Any]], outcome: str, reason: str
+) -> None:
+    spec = make_spec(queueName=queue) if queue else make_spec()
+    job = make_job(completions=2 if len({p["metadata"]["name"] for p in pods}) > 1 else 1)
+    snap = make_snapshot(spec=spec, attempt=1, job=job, pods=pods, workload=_wl(cond("Admitted")))
+    seen = interruption_of(snap, spec, _record(running_time=T0_RFC), False)
+    assert (seen.interruption.outcome, seen.interruption.reason) == (outcome, reason)
+
+
 def test_interruption_of_without_a_spec_is_active() -> None:
     """A rejected spec with no attempt spec at hand: nothing is classified."""
     snap = make_snapshot(spec=None, attempt=1, pods=[make_pod(phase="Failed", exit_code=1)])
@@ -1015,9 +1072,7 @@ def test_current_record_rebuilt_from_the_job() -> None:
     [(None, T0_RFC), ("2025-12-31T00:00:00Z", "2025-12-31T00:00:00Z")],
     ids=["lost-start-time-from-the-job", "kept"],
 )
-def test_current_record_rebuilt_sets_the_start_time(
-    start_time: str | None, expected: str
-) -> None:
+def test_current_record_rebuilt_sets_the_start_time(start_time: str | None, expected: str) -> None:
     """The operator died between creating attempt 1's Job and writing the status: the job's
     start (activeDeadlineSeconds counts from it) is the Job's creation, never left unset."""
     status = models.TrainingJobStatus(start_time=start_time)
@@ -1310,9 +1365,12 @@ def test_action_status(
 def test_deactivated_on_record() -> None:
     """Kueue's evictions (and a start that never got all pods ready) end the Workload with the
     attempt; a pod eviction or node loss does not (Kueue did not take the quota back)."""
-    assert {Reason.KUEUE_PREEMPTED, Reason.KUEUE_EVICTED, Reason.PODS_NEVER_READY} == set(
-        DEACTIVATE_ON_RECORD
-    )
+    assert {
+        Reason.KUEUE_PREEMPTED,
+        Reason.KUEUE_EVICTED,
+        Reason.PODS_NEVER_READY,
+        Reason.RESUMED_UNSEEN,  # an eviction seen only afterwards (issue 39)
+    } == set(DEACTIVATE_ON_RECORD)
     assert Reason.POD_EVICTED not in DEACTIVATE_ON_RECORD
 
 

@@ -287,6 +287,29 @@ _RUNNING = {"attempt": 2, "job_exists": True, "pods": 2, "running_pods": 2}
 @pytest.mark.parametrize(
     ("inputs", "phase", "action", "reason"),
     [
+        # an eviction and re-admission the operator never saw (issue 39): the restarted pods
+        # are stopped (JIT checkpoint) and the attempt recorded once they are gone
+        (
+            PhaseInputs(
+                **_RUNNING,
+                kueue=True,
+                pods_finished=False,
+                interruption=Interruption("Preempted", Reason.RESUMED_UNSEEN),
+            ),
+            "Checkpointing",
+            "stop_attempt",
+            Reason.RESUMED_UNSEEN,
+        ),
+        (
+            PhaseInputs(
+                **_RUNNING,
+                pods_finished=True,
+                interruption=Interruption("Preempted", Reason.RESUMED_UNSEEN),
+            ),
+            "Requeueing",
+            "record_attempt",
+            Reason.RESUMED_UNSEEN,
+        ),
         # activeDeadlineSeconds: whatever the job is doing, once it passed the job fails; a
         # running attempt is first stopped the normal way (JIT checkpoint) and recorded
         (
