@@ -131,6 +131,8 @@ class Reason:
     an administrator must taint the node out-of-service or delete it."""
     NODES_REACHABLE = "NodesReachable"
     # lifecycle fixes (issue 39)
+    PREVIOUS_ATTEMPT_STOPPING = "PreviousAttemptStopping"
+    """Pods or a Job of an earlier attempt may still run: the next attempt waits for them."""
     RESUMED_UNSEEN = "ResumedUnseen"
     """The attempt's Job was suspended and resumed while the operator did not watch (a Kueue
     eviction and re-admission): its new pods restarted from its old checkpoint. The attempt

@@ -22,7 +22,9 @@ from preemptible_operator.checkpoint_store import StorageSnapshot
 from preemptible_operator.children import (
     Refusal,
     attempt_pods_finished,
+    job_terminal,
     jobs_to_delete,
+    no_pod_can_follow,
     pods_refused,
     refusal_retry_seconds,
     restarted_pods,
@@ -33,6 +35,7 @@ from preemptible_operator.classify import (
     attempt_started,
     classify_interruption,
     pending_detail,
+    pod_finished,
 )
 from preemptible_operator.conditions import Reason
 from preemptible_operator.failure_policy import counted_failures
@@ -44,6 +47,7 @@ from preemptible_operator.phases import (
     Decision,
     PhaseInputs,
     deadline_remaining,
+    next_attempt_number,
     next_phase,
     ttl_remaining,
 )
@@ -76,6 +80,7 @@ __all__ = [
     "current_record",
     "deactivation_patch",
     "deadline_wake",
+    "earlier_attempts_active",
     "find_record",
     "grace_status",
     "held_pods",
@@ -304,6 +309,9 @@ def phase_inputs(
         backoff_remaining=backoff_left,
         kueue=bool(spec and spec.queue_name),
         previous_pods_active=len(snap.previous_pods),
+        earlier_attempts_active=sum(
+            map(len, earlier_attempts_active(snap, next_attempt_number(snap.attempt, recorded)))
+        ),
         pending_detail=pending_detail(snap.pods) if snap.pods else None,
         spec_rejected=snap.rejected is not None and spec is None,
         active_deadline_seconds=spec.active_deadline_seconds if spec else None,
@@ -313,6 +321,34 @@ def phase_inputs(
         preemptions=status.preemptions or 0,
         max_preemptions=spec.max_preemptions if spec else None,
     )
+
+
+def earlier_attempts_active(
+    snap: Snapshot, next_attempt: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Pods of attempts before ``next_attempt`` that are not finished, and their Jobs that can
+    still start pods (not terminal, not being deleted, not all indexes held by ended pods).
+    Normally none: an attempt is recorded only once its pods ended, and its Job is deleted
+    after. But a cache behind the Job controller, or a Job that Kueue admitted again during
+    the restart backoff, can hide a pod that still writes checkpoints: the next attempt waits
+    for them (and stops them), so two attempts never run at once. Pods on a node that cannot
+    be read count as not finished (never guessed gone)."""
+    pods = [
+        p
+        for n, ps in snap.pods_by_attempt.items()
+        if n < next_attempt
+        for p in ps
+        if not pod_finished(p)
+    ]
+    jobs = [
+        j
+        for n, j in snap.jobs.items()
+        if n < next_attempt
+        and not (j.get("metadata") or {}).get("deletionTimestamp")
+        and not job_terminal(j)
+        and not no_pod_can_follow(j, snap.pods_by_attempt.get(n) or [])
+    ]
+    return pods, jobs
 
 
 # ------------------------------------------------------------------------------ refusals
@@ -770,7 +806,7 @@ def plan_attempt(
     capped by the operator), where it resumes (storage's look ``storage``, already applied to
     ``status``, or the newest checkpoint ``reported`` before that) and its fence."""
     meta = snap.obj["metadata"]
-    attempt = snap.attempt + 1 if (recorded or snap.attempt == 0) else snap.attempt
+    attempt = next_attempt_number(snap.attempt, recorded)
     # Earlier attempts' leftovers, cleaned up once this attempt's Job exists (in the
     # background, like an ended attempt's, which usually did it already). Their pods have
     # all finished (the decision waits for that; the Jobs fail on exit and never replace a

@@ -21,6 +21,7 @@ __all__ = [
     "bound_attempts",
     "deadline_remaining",
     "estimate_progress",
+    "next_attempt_number",
     "next_phase",
     "ttl_remaining",
 ]
@@ -36,6 +37,7 @@ Action = Literal[
     "create_attempt",  # create the next attempt's Job (after cleaning up the previous one)
     "stop_attempt",  # the user suspended: delete the attempt's pods gracefully (JIT checkpoint)
     "deactivate_workload",  # Kueue evicted: never let it re-admit this attempt
+    "stop_previous",  # an earlier attempt's pods or Job may still run: stop them first
     "record_attempt",  # the attempt is over and its pods are gone: record it
     "wait_backoff",  # a failure restart is due later
     "finish",  # terminal: release what is left (pod finalizers)
@@ -77,6 +79,9 @@ class PhaseInputs:
     previous_pods_active: int = 0
     """Pods of an earlier TrainingJob of the same name (another uid) that may still run and
     write to the same checkpoint storage."""
+    earlier_attempts_active: int = 0
+    """Pods (not finished) and Jobs (able to start pods) of this TrainingJob's attempts before
+    the one a create would make: a stale cache, a Job Kueue re-admitted during the backoff."""
     active_deadline_seconds: int | None = None
     """spec.activeDeadlineSeconds (None: no deadline)."""
     deadline_remaining: float | None = None
@@ -113,6 +118,12 @@ def bound_attempts(attempts: list[T], keep: int = MAX_ATTEMPT_RECORDS) -> tuple[
     if keep < 1 or len(attempts) <= keep:
         return attempts, 0
     return attempts[-keep:], len(attempts) - keep
+
+
+def next_attempt_number(attempt: int, recorded: bool) -> int:
+    """The attempt a create makes: the next one once the current is recorded (or none exists),
+    else the current one again (its Job was never created or was deleted before it ran)."""
+    return attempt + 1 if (recorded or attempt == 0) else attempt
 
 
 def backoff_seconds(base: int, failures: int, cap: int = 3600) -> int:
@@ -181,6 +192,14 @@ def next_phase(obs: PhaseInputs) -> Decision:
             "none",
             Reason.SPEC_CHANGE_REJECTED,
             "the spec was changed into an invalid one; fix it to continue",
+        )
+    if decision.action == "create_attempt" and obs.earlier_attempts_active:
+        return Decision(
+            decision.phase,
+            "stop_previous",
+            Reason.PREVIOUS_ATTEMPT_STOPPING,
+            f"waiting for {obs.earlier_attempts_active} pod(s) or Job(s) of earlier attempts to "
+            "stop before the next attempt starts (two attempts never write at once)",
         )
     if decision.action == "create_attempt" and obs.previous_pods_active:
         return Decision(

@@ -55,6 +55,7 @@ from preemptible_operator.decide import (
     current_record,
     deactivation_patch,
     deadline_wake,
+    earlier_attempts_active,
     find_record,
     grace_status,
     held_pods,
@@ -90,6 +91,7 @@ from preemptible_operator.phases import (
     bound_attempts,
     deadline_remaining,
     estimate_progress,
+    next_attempt_number,
     next_phase,
 )
 from preemptible_operator.priority_classes import PriorityClassValues
@@ -798,6 +800,14 @@ class Reconciler:
             )
         elif action == "stop_attempt":
             self._stop_pods(obs.pods)
+        elif action == "stop_previous":
+            # Their pods get SIGTERM (JIT checkpoint); the next pass creates the attempt once
+            # they ended (their watch events wake it; the timer is a safety net).
+            pods, jobs = earlier_attempts_active(obs, next_attempt_number(obs.attempt, recorded))
+            self._stop_pods(pods)
+            for job in jobs:
+                self._delete_job(job)
+            result.requeue_after = 1.0
         elif action == "deactivate_workload":
             self._deactivate_workload(namespace, obs.workload, obs.workload_version)
         elif action == "record_attempt" and spec is not None and record is not None:
@@ -882,7 +892,7 @@ class Reconciler:
         (nothing in ``status`` changed then), a temporary error raised."""
         meta = obs.obj["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        attempt = obs.attempt + 1 if (recorded or obs.attempt == 0) else obs.attempt
+        attempt = next_attempt_number(obs.attempt, recorded)
         view = CheckpointView(spec.checkpoint.uri, self.config.path_map)
         # The look the pass recording the previous attempt took, when it was just now.
         storage = self._storage.snapshot(view, (meta["uid"], attempt - 1))

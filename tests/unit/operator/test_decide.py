@@ -23,6 +23,7 @@ from preemptible_operator.decide import (
     current_record,
     deactivation_patch,
     deadline_wake,
+    earlier_attempts_active,
     find_record,
     grace_status,
     held_pods,
@@ -1078,6 +1079,54 @@ def test_current_record_rebuilt_sets_the_start_time(start_time: str | None, expe
     status = models.TrainingJobStatus(start_time=start_time)
     assert current_record(status, 1, _annotated_job()) is not None
     assert status.start_time == expected
+
+
+def _named_job(attempt: int, **kw: Any) -> dict[str, Any]:
+    job = make_job(**kw)
+    job["metadata"]["name"] = f"tj-a{attempt}"
+    job["metadata"]["uid"] = f"job-{attempt}"
+    return job
+
+
+def _deleting(job: dict[str, Any]) -> dict[str, Any]:
+    job["metadata"]["deletionTimestamp"] = T0_RFC
+    return job
+
+
+@pytest.mark.parametrize(
+    ("jobs", "pods", "next_attempt", "active"),
+    [
+        ({}, {}, 1, (0, 0)),
+        # the recorded attempt: its pods ended, its Job failed (exit 75 is FailJob)
+        (
+            {1: _named_job(1, conditions=[cond("Failed", "PodFailurePolicy")])},
+            {1: [make_pod(phase="Failed", exit_code=75)]},
+            2,
+            (0, 0),
+        ),
+        # a stale cache: its Job still runs a pod the recorded attempt never showed
+        (
+            {1: _named_job(1)},
+            {1: [make_pod(phase="Failed", exit_code=75), make_pod("b")]},
+            2,
+            (1, 1),  # and its Job, which can start more
+        ),
+        # Kueue admitted the failed attempt's Job again during the backoff (not yet deleted)
+        ({1: _named_job(1, completions=2)}, {}, 2, (0, 1)),
+        ({1: _deleting(_named_job(1, completions=2))}, {}, 2, (0, 0)),  # being deleted
+        # a failed pod whose tracking finalizer was stripped, being deleted: still running
+        ({}, {1: [make_pod(deleting=True)]}, 2, (1, 0)),
+        # the current attempt's own pods and Job are not "earlier" for its re-create
+        ({2: _named_job(2)}, {2: [make_pod()]}, 2, (0, 0)),
+    ],
+    ids=["none", "ended", "stale-cache", "readmitted", "deleting", "stripped", "current"],
+)
+def test_earlier_attempts_active(
+    jobs: dict[int, Any], pods: dict[int, Any], next_attempt: int, active: tuple[int, int]
+) -> None:
+    snap = make_snapshot(attempt=next_attempt, jobs=jobs, pods_by_attempt=pods)
+    got_pods, got_jobs = earlier_attempts_active(snap, next_attempt)
+    assert (len(got_pods), len(got_jobs)) == active
 
 
 # ------------------------------------------------------------------------------ next attempt

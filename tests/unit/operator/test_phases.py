@@ -12,6 +12,7 @@ from preemptible_operator.phases import (
     backoff_seconds,
     deadline_remaining,
     estimate_progress,
+    next_attempt_number,
     next_phase,
     ttl_remaining,
 )
@@ -287,6 +288,38 @@ _RUNNING = {"attempt": 2, "job_exists": True, "pods": 2, "running_pods": 2}
 @pytest.mark.parametrize(
     ("inputs", "phase", "action", "reason"),
     [
+        # pods or a Job of an earlier attempt may still run (issue 39): stopped, no create
+        (
+            PhaseInputs(attempt=2, recorded_outcome="Preempted", earlier_attempts_active=1),
+            "Requeueing",
+            "stop_previous",
+            Reason.PREVIOUS_ATTEMPT_STOPPING,
+        ),
+        (
+            PhaseInputs(
+                attempt=2,
+                recorded_outcome="Failed",
+                max_restarts=3,
+                failures=1,
+                earlier_attempts_active=2,
+            ),
+            "Requeueing",
+            "stop_previous",
+            Reason.PREVIOUS_ATTEMPT_STOPPING,
+        ),  # Kueue re-admitted the failed attempt's Job during the backoff
+        (
+            PhaseInputs(
+                attempt=2,
+                recorded_outcome="Failed",
+                max_restarts=3,
+                failures=1,
+                backoff_remaining=5.0,
+                earlier_attempts_active=2,
+            ),
+            "Requeueing",
+            "wait_backoff",
+            Reason.BACKOFF,
+        ),  # checked when the create is due
         # an eviction and re-admission the operator never saw (issue 39): the restarted pods
         # are stopped (JIT checkpoint) and the attempt recorded once they are gone
         (
@@ -478,3 +511,12 @@ def test_ttl_remaining(
     phase: str, completed: str | None, ttl: int | None, now: float, left: float | None
 ) -> None:
     assert ttl_remaining(phase, completed, ttl, now) == left
+
+
+@pytest.mark.parametrize(
+    ("attempt", "recorded", "expected"),
+    [(0, False, 1), (0, True, 1), (1, True, 2), (3, False, 3), (3, True, 4)],
+)
+def test_next_attempt_number(attempt: int, recorded: bool, expected: int) -> None:
+    """The one rule for the attempt a create makes (issue 39: it was repeated)."""
+    assert next_attempt_number(attempt, recorded) == expected
