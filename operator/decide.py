@@ -313,7 +313,9 @@ def phase_inputs(
             map(len, earlier_attempts_active(snap, next_attempt_number(snap.attempt, recorded)))
         ),
         pending_detail=pending_detail(snap.pods) if snap.pods else None,
-        spec_rejected=snap.rejected is not None and spec is None,
+        # Held whether or not the attempt's spec is at hand: the running attempt goes on with
+        # it, but no new attempt starts from a spec the user has since replaced.
+        spec_rejected=snap.rejected is not None,
         active_deadline_seconds=spec.active_deadline_seconds if spec else None,
         deadline_remaining=deadline_remaining(
             status.start_time, spec.active_deadline_seconds if spec else None, now
@@ -719,7 +721,11 @@ def status_message(
 
 def rejected_message(rejected: str, spec_at_hand: bool) -> str:
     """status.message while an invalid spec edit is rejected."""
-    keep = "the running attempt goes on with its spec" if spec_at_hand else "no new attempt"
+    keep = (
+        "the running attempt goes on with its spec, no new attempt until it is fixed"
+        if spec_at_hand
+        else "no new attempt"
+    )
     return f"spec change rejected ({keep}): {rejected}"
 
 

@@ -74,8 +74,8 @@ class PhaseInputs:
     pending_detail: str | None = None
     """Why the pods do not run yet (classify.pending_detail), shown while Pending."""
     spec_rejected: bool = False
-    """The spec was edited into an invalid one after the job had run and no valid spec is at
-    hand: hold (no new attempt) until it is fixed, never fail for it."""
+    """The spec was edited into an invalid one after the job had run: hold (no new attempt,
+    even when the running attempt's spec is at hand) until it is fixed, never fail for it."""
     previous_pods_active: int = 0
     """Pods of an earlier TrainingJob of the same name (another uid) that may still run and
     write to the same checkpoint storage."""

@@ -362,8 +362,9 @@ INPUT_FLAGS = [
     ("valid", {}, False, False, False),
     ("invalid-name", {"invalid": "name too long"}, True, False, False),
     ("suspended", {"spec": make_spec(suspend=True)}, False, True, False),
-    # An invalid edit after the job ran, with the attempt's spec at hand: not held.
-    ("rejected-with-attempt-spec", {"rejected": "bad", "attempt": 1}, False, False, False),
+    # An invalid edit after the job ran, with the attempt's spec at hand: the attempt goes on
+    # with it, but the next one is held until the spec is fixed (issue 39).
+    ("rejected-with-attempt-spec", {"rejected": "bad", "attempt": 1}, False, False, True),
     ("rejected-no-spec", {"rejected": "bad", "spec": None, "attempt": 1}, False, False, True),
 ]
 
@@ -931,7 +932,8 @@ def test_status_message(
 
 def test_rejected_message() -> None:
     assert rejected_message("bad", True) == (
-        "spec change rejected (the running attempt goes on with its spec): bad"
+        "spec change rejected (the running attempt goes on with its spec, no new attempt "
+        "until it is fixed): bad"
     )
     assert rejected_message("bad", False) == "spec change rejected (no new attempt): bad"
 
