@@ -4,6 +4,7 @@ progress in status, activeDeadlineSeconds, maxPreemptions and ttlSecondsAfterFin
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,28 @@ def test_labels_propagate_complete_progress_and_ttl(
         timeout=90,
         on_timeout=lambda: tj.describe("done") + operator.tail(),
     )
+
+
+def test_ttl_added_to_a_finished_job_deletes_it(
+    control_plane: ControlPlane,
+    node_agent: NodeAgent,
+    tj: TJClient,
+    operator: OperatorProcess,
+    checkpoint_root: Path,
+) -> None:
+    """Issue 39: a finished job's daemon has ended; an edit (ttlSecondsAfterFinished added)
+    must still be acted on, not only after an operator restart."""
+    tj.create(toy_training_job("later", checkpoint_root, max_steps=4))
+    _kubectl_wait(control_plane, tj, "Complete", "later")
+    time.sleep(3)  # its last pass done: no daemon left for it
+    tj.patch_spec("later", {"ttlSecondsAfterFinished": 0})
+    wait_for(
+        "the finished TrainingJob deleted after its TTL was added",
+        lambda: _gone(tj, "later"),
+        timeout=60,
+        on_timeout=lambda: tj.describe("later") + operator.tail(),
+    )
+    assert operator.alive()
 
 
 def test_active_deadline_fails_the_job(
