@@ -31,6 +31,7 @@ __all__ = [
     "pods_refused",
     "pods_to_end",
     "refusal_retry_seconds",
+    "restarted_pods",
 ]
 
 REFUSAL_RETRY_MIN = 5.0
@@ -289,3 +290,29 @@ def jobs_to_delete(
             continue
         out.append(job)
     return out
+
+
+def restarted_pods(
+    pods: Iterable[Mapping[str, Any]], node_ready: Mapping[str, bool] | None = None
+) -> list[Mapping[str, Any]]:
+    """Pods of the attempt started after an earlier pod of the same completion index ended:
+    the attempt's Job was suspended and resumed (a Kueue eviction and re-admission the
+    operator never saw: it was down or lagging). Nothing else gives an index a second pod
+    (render_job: backoffLimit 0, podReplacementPolicy Failed, FailJob on exit 75 and
+    DisruptionTarget, no Ignore rule): only a suspension ends pods without counting them.
+    Such pods resumed from the attempt's old PREEMPTIBLE_RESUME_FROM (steps redone): the attempt
+    must end and the next one start from the newest checkpoint. Returns the ones still able to
+    run (not finished)."""
+    ended: dict[int, str] = {}
+    live: list[tuple[int, str, Mapping[str, Any]]] = []
+    for pod in pods:
+        index = _completion_index(pod)
+        if index is None:
+            continue
+        created = str((pod.get("metadata") or {}).get("creationTimestamp") or "")
+        if pod_finished(pod, node_ready):
+            ended[index] = min(ended.get(index, created), created)
+        else:
+            live.append((index, created, pod))
+    # RFC 3339 times of one apiserver compare as strings; a missing time never counts as later.
+    return [p for i, created, p in live if i in ended and created > ended[i]]

@@ -130,6 +130,13 @@ class Reason:
     """An attempt's pod has been stuck on a NotReady node past spec.unreachableNode's bound:
     an administrator must taint the node out-of-service or delete it."""
     NODES_REACHABLE = "NodesReachable"
+    # lifecycle fixes (issue 39)
+    PREVIOUS_ATTEMPT_STOPPING = "PreviousAttemptStopping"
+    """Pods or a Job of an earlier attempt may still run: the next attempt waits for them."""
+    RESUMED_UNSEEN = "ResumedUnseen"
+    """The attempt's Job was suspended and resumed while the operator did not watch (a Kueue
+    eviction and re-admission): its new pods restarted from its old checkpoint. The attempt
+    ends as preempted; the next one resumes from the newest checkpoint."""
 
 
 PREEMPTION_REASONS = frozenset(
@@ -142,6 +149,7 @@ PREEMPTION_REASONS = frozenset(
         Reason.NODE_SHUTDOWN,
         Reason.RUNTIME_PREEMPTED,
         Reason.DEADLINE_TOO_SHORT,
+        Reason.RESUMED_UNSEEN,
     }
 )
 

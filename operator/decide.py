@@ -23,9 +23,12 @@ from preemptible_operator.checkpoint_store import StorageSnapshot
 from preemptible_operator.children import (
     Refusal,
     attempt_pods_finished,
+    job_terminal,
     jobs_to_delete,
+    no_pod_can_follow,
     pods_refused,
     refusal_retry_seconds,
+    restarted_pods,
 )
 from preemptible_operator.classify import (
     DEACTIVATED_BY_OPERATOR_ANNOTATION,
@@ -33,6 +36,7 @@ from preemptible_operator.classify import (
     attempt_started,
     classify_interruption,
     pending_detail,
+    pod_finished,
 )
 from preemptible_operator.conditions import Reason
 from preemptible_operator.failure_policy import counted_failures
@@ -44,6 +48,7 @@ from preemptible_operator.phases import (
     Decision,
     PhaseInputs,
     deadline_remaining,
+    next_attempt_number,
     next_phase,
     ttl_remaining,
 )
@@ -76,6 +81,7 @@ __all__ = [
     "current_record",
     "deactivation_patch",
     "deadline_wake",
+    "earlier_attempts_active",
     "find_record",
     "grace_status",
     "held_pods",
@@ -164,6 +170,9 @@ def current_record(
         grace_seconds=_int_or_none(ann.get(render.ANNOTATION_GRACE)),
     )
     status.attempts = [*(status.attempts or []), record]
+    # The pass that created attempt 1 never wrote status.startTime either: the Job's creation
+    # is when activeDeadlineSeconds starts to count (never left unset: no deadline then).
+    status.start_time = status.start_time or record.start_time
     status.next_attempt_after = None
     gp = status.grace_period or models.GraceStatus()
     gp.current = record.grace_seconds
@@ -207,9 +216,12 @@ def interruption_of(
     spec: models.TrainingJobSpec | None,
     record: models.AttemptRecord | None,
     recorded: bool,
+    deadline_passed: bool = False,
 ) -> InterruptionView:
     """Classify the current attempt (Active while there is none or it is recorded already).
-    ``record`` carries the runningTime this pass may just have set (starts_now)."""
+    ``record`` carries the runningTime this pass may just have set (starts_now).
+    ``deadline_passed``: activeDeadlineSeconds passed; the operator stops the attempt, and
+    whatever its pods show then (unless they finished training) it ends for the deadline."""
     if spec is None or not snap.attempt or recorded:
         return InterruptionView(ACTIVE)
     started = record is not None and record.running_time is not None
@@ -223,6 +235,29 @@ def interruption_of(
         was_started=started,
         user_suspended=spec.suspend,
     )
+    if deadline_passed and interruption.outcome != "Succeeded":
+        # Recorded like a suspension: no preemption, no failure counted (the job is over).
+        return InterruptionView(
+            Interruption(
+                "Suspended",
+                Reason.DEADLINE_EXCEEDED,
+                f"activeDeadlineSeconds ({spec.active_deadline_seconds}) passed: stopped by "
+                "the operator",
+            )
+        )
+    restarted = restarted_pods(snap.pods, snap.node_ready)
+    if restarted and interruption.outcome != "Succeeded":
+        # Checked before anything the new pods show: the attempt ended when its Job was
+        # suspended, whatever its Workload says now.
+        return InterruptionView(
+            Interruption(
+                "Preempted",
+                Reason.RESUMED_UNSEEN,
+                f"{len(restarted)} pod(s) of attempt {snap.attempt} restarted from its old "
+                "checkpoint after its Job was suspended and resumed unseen (a Kueue eviction "
+                "and re-admission): stopping them, the next attempt resumes from the newest",
+            )
+        )
     if interruption.reason == Reason.WORKLOAD_DEACTIVATED and not spec.suspend:
         return InterruptionView(interruption, deactivated_by_other=True)
     if snap.job is None and snap.pods and not interruption.over:
@@ -275,8 +310,13 @@ def phase_inputs(
         backoff_remaining=backoff_left,
         kueue=bool(spec and spec.queue_name),
         previous_pods_active=len(snap.previous_pods),
+        earlier_attempts_active=sum(
+            map(len, earlier_attempts_active(snap, next_attempt_number(snap.attempt, recorded)))
+        ),
         pending_detail=pending_detail(snap.pods) if snap.pods else None,
-        spec_rejected=snap.rejected is not None and spec is None,
+        # Held whether or not the attempt's spec is at hand: the running attempt goes on with
+        # it, but no new attempt starts from a spec the user has since replaced.
+        spec_rejected=snap.rejected is not None,
         active_deadline_seconds=spec.active_deadline_seconds if spec else None,
         deadline_remaining=deadline_remaining(
             status.start_time, spec.active_deadline_seconds if spec else None, now
@@ -284,6 +324,34 @@ def phase_inputs(
         preemptions=limited_preemptions(status.preemptions, status.preemptions_before_running),
         max_preemptions=spec.max_preemptions if spec else None,
     )
+
+
+def earlier_attempts_active(
+    snap: Snapshot, next_attempt: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Pods of attempts before ``next_attempt`` that are not finished, and their Jobs that can
+    still start pods (not terminal, not being deleted, not all indexes held by ended pods).
+    Normally none: an attempt is recorded only once its pods ended, and its Job is deleted
+    after. But a cache behind the Job controller, or a Job that Kueue admitted again during
+    the restart backoff, can hide a pod that still writes checkpoints: the next attempt waits
+    for them (and stops them), so two attempts never run at once. Pods on a node that cannot
+    be read count as not finished (never guessed gone)."""
+    pods = [
+        p
+        for n, ps in snap.pods_by_attempt.items()
+        if n < next_attempt
+        for p in ps
+        if not pod_finished(p)
+    ]
+    jobs = [
+        j
+        for n, j in snap.jobs.items()
+        if n < next_attempt
+        and not (j.get("metadata") or {}).get("deletionTimestamp")
+        and not job_terminal(j)
+        and not no_pod_can_follow(j, snap.pods_by_attempt.get(n) or [])
+    ]
+    return pods, jobs
 
 
 # ------------------------------------------------------------------------------ refusals
@@ -654,7 +722,11 @@ def status_message(
 
 def rejected_message(rejected: str, spec_at_hand: bool) -> str:
     """status.message while an invalid spec edit is rejected."""
-    keep = "the running attempt goes on with its spec" if spec_at_hand else "no new attempt"
+    keep = (
+        "the running attempt goes on with its spec, no new attempt until it is fixed"
+        if spec_at_hand
+        else "no new attempt"
+    )
     return f"spec change rejected ({keep}): {rejected}"
 
 
@@ -741,7 +813,7 @@ def plan_attempt(
     capped by the operator), where it resumes (storage's look ``storage``, already applied to
     ``status``, or the newest checkpoint ``reported`` before that) and its fence."""
     meta = snap.obj["metadata"]
-    attempt = snap.attempt + 1 if (recorded or snap.attempt == 0) else snap.attempt
+    attempt = next_attempt_number(snap.attempt, recorded)
     # Earlier attempts' leftovers, cleaned up once this attempt's Job exists (in the
     # background, like an ended attempt's, which usually did it already). Their pods have
     # all finished (the decision waits for that; the Jobs fail on exit and never replace a
@@ -870,7 +942,7 @@ def action_status(
 
 
 DEACTIVATE_ON_RECORD: frozenset[str] = frozenset(
-    {Reason.KUEUE_PREEMPTED, Reason.KUEUE_EVICTED, Reason.PODS_NEVER_READY}
+    {Reason.KUEUE_PREEMPTED, Reason.KUEUE_EVICTED, Reason.PODS_NEVER_READY, Reason.RESUMED_UNSEEN}
 )
 """Reasons whose attempt's Workload is deactivated when the attempt is recorded: Kueue must
 never re-admit that attempt (the next attempt brings a fresh Workload)."""

@@ -49,6 +49,9 @@ _workload_seen: dict[str, tuple[Any, ...]] = {}
 """Workload uid -> what of it a pass reads (projection.workload_essence), last seen."""
 _released: set[str] = set()
 """uids of TrainingJobs being deleted whose pods were released."""
+_revisits: set[asyncio.Task[None]] = set()
+"""Passes of finished TrainingJobs edited after their daemon ended (held: a task nobody
+references may be garbage collected while it runs)."""
 
 FINALIZER = "preemptible.dev/operator"
 ERROR_BACKOFF_MAX = 60.0
@@ -281,8 +284,9 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
                     delay, done = outcome.requeue_after, outcome.done
                     del outcome
                     failures = 0
-                    if done:
-                        # Terminal: no more passes (a restart re-checks it once).
+                    if done and not wake.is_set():
+                        # Terminal: no more passes; a later spec edit starts them again
+                        # (_revisit), and a restart re-checks it once.
                         forget_series_later(namespace, name)
                         return
                 except Exception:
@@ -306,9 +310,22 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
         if _state["reconciler"] is not None:
             _state["reconciler"].cache_saw(namespace, name, meta.get("resourceVersion"))
         seen = (meta.get("generation"), meta.get("deletionTimestamp"))
-        if _generations.get(key) != seen:
+        before = _generations.get(key)
+        if before != seen:
             _generations[key] = seen
             _wake(namespace, name)
+            if (
+                before is not None
+                and type != "DELETED"
+                and not meta.get("deletionTimestamp")
+                and key not in _wakeups
+            ):
+                # Its daemon ended (the job finished) and kopf never starts another before an
+                # operator restart: an edit (ttlSecondsAfterFinished added) still gets passes.
+                # Not on first sight: the daemon kopf starts for it makes that pass.
+                task = asyncio.create_task(_revisit(namespace, name))
+                _revisits.add(task)
+                task.add_done_callback(_revisits.discard)
         # Deletion is handled here rather than by kopf.on.delete: any change handler makes kopf
         # write its diff-base annotation on every new object (a second PATCH that races the
         # first status write).
@@ -373,6 +390,42 @@ async def _run_pass(
     if wake.is_set() and future.cancel():
         return None
     return await finished
+
+
+REVISIT_ERRORS_MAX = 5
+
+
+async def _revisit(namespace: str, name: str) -> None:
+    """Passes of a TrainingJob whose daemon has ended (it finished) after an edit of its spec,
+    until a pass says nothing is due (or deletes it at its TTL); the daemon's loop, reading
+    the TrainingJob and its children from the API (a rare event: no caches needed). Watch
+    events on it wake this loop as they wake a daemon."""
+    key = (namespace, name)
+    if key in _wakeups:
+        return
+    wake = _wakeups[key] = asyncio.Event()
+    failures = 0
+    try:
+        while True:
+            wake.clear()
+            try:
+                outcome = await asyncio.to_thread(
+                    _reconciler().reconcile, namespace, name, None, scrape_metrics=False
+                )
+            except Exception:
+                failures += 1
+                if failures >= REVISIT_ERRORS_MAX:
+                    log.exception("pass of finished %s/%s failed; giving up", *key)
+                    return
+                await _sleep(wake, None, min(ERROR_BACKOFF_MAX, 2.0**failures))
+                continue
+            failures = 0
+            if outcome.done and not wake.is_set():
+                return
+            await _sleep(wake, None, outcome.requeue_after)
+    finally:
+        if _wakeups.get(key) is wake:
+            del _wakeups[key]
 
 
 async def _sleep(wake: asyncio.Event, stopped: Any, delay: float | None) -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "bound_attempts",
     "deadline_remaining",
     "estimate_progress",
+    "next_attempt_number",
     "next_phase",
     "ttl_remaining",
 ]
@@ -36,6 +37,7 @@ Action = Literal[
     "create_attempt",  # create the next attempt's Job (after cleaning up the previous one)
     "stop_attempt",  # the user suspended: delete the attempt's pods gracefully (JIT checkpoint)
     "deactivate_workload",  # Kueue evicted: never let it re-admit this attempt
+    "stop_previous",  # an earlier attempt's pods or Job may still run: stop them first
     "record_attempt",  # the attempt is over and its pods are gone: record it
     "wait_backoff",  # a failure restart is due later
     "finish",  # terminal: release what is left (pod finalizers)
@@ -72,11 +74,14 @@ class PhaseInputs:
     pending_detail: str | None = None
     """Why the pods do not run yet (classify.pending_detail), shown while Pending."""
     spec_rejected: bool = False
-    """The spec was edited into an invalid one after the job had run and no valid spec is at
-    hand: hold (no new attempt) until it is fixed, never fail for it."""
+    """The spec was edited into an invalid one after the job had run: hold (no new attempt,
+    even when the running attempt's spec is at hand) until it is fixed, never fail for it."""
     previous_pods_active: int = 0
     """Pods of an earlier TrainingJob of the same name (another uid) that may still run and
     write to the same checkpoint storage."""
+    earlier_attempts_active: int = 0
+    """Pods (not finished) and Jobs (able to start pods) of this TrainingJob's attempts before
+    the one a create would make: a stale cache, a Job Kueue re-admitted during the backoff."""
     active_deadline_seconds: int | None = None
     """spec.activeDeadlineSeconds (None: no deadline)."""
     deadline_remaining: float | None = None
@@ -113,6 +118,12 @@ def bound_attempts(attempts: list[T], keep: int = MAX_ATTEMPT_RECORDS) -> tuple[
     if keep < 1 or len(attempts) <= keep:
         return attempts, 0
     return attempts[-keep:], len(attempts) - keep
+
+
+def next_attempt_number(attempt: int, recorded: bool) -> int:
+    """The attempt a create makes: the next one once the current is recorded (or none exists),
+    else the current one again (its Job was never created or was deleted before it ran)."""
+    return attempt + 1 if (recorded or attempt == 0) else attempt
 
 
 def backoff_seconds(base: int, failures: int, cap: int = 3600) -> int:
@@ -182,6 +193,14 @@ def next_phase(obs: PhaseInputs) -> Decision:
             Reason.SPEC_CHANGE_REJECTED,
             "the spec was changed into an invalid one; fix it to continue",
         )
+    if decision.action == "create_attempt" and obs.earlier_attempts_active:
+        return Decision(
+            decision.phase,
+            "stop_previous",
+            Reason.PREVIOUS_ATTEMPT_STOPPING,
+            f"waiting for {obs.earlier_attempts_active} pod(s) or Job(s) of earlier attempts to "
+            "stop before the next attempt starts (two attempts never write at once)",
+        )
     if decision.action == "create_attempt" and obs.previous_pods_active:
         return Decision(
             "Pending",
@@ -198,14 +217,8 @@ def _next_phase(obs: PhaseInputs) -> Decision:
         return Decision(obs.current_phase, "finish", Reason.COMPLETED)  # type: ignore[arg-type]
     if obs.invalid:
         return Decision("Failed", "fail_invalid", Reason.INVALID_SPEC)
-    if obs.deadline_remaining is not None and obs.deadline_remaining <= 0:
-        return Decision(
-            "Failed",
-            "fail",
-            Reason.DEADLINE_EXCEEDED,
-            f"activeDeadlineSeconds ({obs.active_deadline_seconds}) passed since the first "
-            "attempt started; raise it to run longer",
-        )
+    if _deadline_passed(obs):
+        return _deadline_decision(obs)
     if obs.attempt == 0:
         if obs.suspend:
             return Decision(
@@ -291,6 +304,10 @@ def _next_phase(obs: PhaseInputs) -> Decision:
             return Decision("Checkpointing", "stop_attempt", intr.reason, intr.message)
         if intr.reason in (Reason.KUEUE_PREEMPTED, Reason.KUEUE_EVICTED, Reason.PODS_NEVER_READY):
             return Decision("Checkpointing", "deactivate_workload", intr.reason, intr.message)
+        if intr.reason == Reason.RESUMED_UNSEEN:
+            # The restarted pods are deleted gracefully (JIT checkpoint); their Job then fails
+            # (exit 75 is FailJob), so nothing admits this attempt again, Workload or not.
+            return Decision("Checkpointing", "stop_attempt", intr.reason, intr.message)
         if intr.outcome == "Preempted":
             return Decision("Checkpointing", "none", intr.reason, intr.message)
         return Decision("Running", "none", intr.reason, f"stopping the other ranks: {intr.message}")
@@ -303,4 +320,41 @@ def _next_phase(obs: PhaseInputs) -> Decision:
         return Decision("Running", "none", Reason.STARTED)
     return Decision(
         "Pending", "none", Reason.POD_PENDING, obs.pending_detail or "waiting for pods to start"
+    )
+
+
+def _deadline_passed(obs: PhaseInputs) -> bool:
+    """activeDeadlineSeconds passed, and the job has not succeeded (an attempt that finished
+    its training first is recorded as a success: the deadline never fails a finished job)."""
+    if obs.deadline_remaining is None or obs.deadline_remaining > 0:
+        return False
+    if obs.recorded_outcome == "Succeeded":
+        return False
+    return not (obs.recorded_outcome is None and obs.interruption.outcome == "Succeeded")
+
+
+def _deadline_decision(obs: PhaseInputs) -> Decision:
+    """The deadline passed: a running attempt is stopped the normal way (its pods get SIGTERM
+    and write their JIT checkpoint), recorded once its pods are gone (its end, checkpoint and
+    lost steps, like a preemption), and only then is the job Failed: the finalizers that hold
+    its pods are released after the record, never while they write."""
+    base = (
+        f"activeDeadlineSeconds ({obs.active_deadline_seconds}) passed since the first attempt "
+        "started"
+    )
+    running = obs.attempt and obs.recorded_outcome is None and (obs.job_exists or obs.pods)
+    if not running:
+        return Decision("Failed", "fail", Reason.DEADLINE_EXCEEDED, f"{base}: the job is over")
+    if not obs.pods_finished:
+        return Decision(
+            "Checkpointing",
+            "stop_attempt",
+            Reason.DEADLINE_EXCEEDED,
+            f"{base}: stopping attempt {obs.attempt} (its pods write a checkpoint)",
+        )
+    return Decision(
+        "Failed",
+        "record_attempt",
+        Reason.DEADLINE_EXCEEDED,
+        f"{base}: attempt {obs.attempt} was stopped and recorded; the job is over",
     )

@@ -27,6 +27,7 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 
 from preemptible_operator import metrics, models, render
+from preemptible_operator.boost import boost_patch, plan_boost
 from preemptible_operator.budget import periodic_delay, spread_interval
 from preemptible_operator.checkpoint_store import CheckpointView, PathMap, StorageReads
 from preemptible_operator.children import (
@@ -38,7 +39,6 @@ from preemptible_operator.children import (
 )
 from preemptible_operator.classify import (
     Interruption,
-    is_kueue_admitted,
     pod_finished,
 )
 from preemptible_operator.conditions import Reason
@@ -55,6 +55,7 @@ from preemptible_operator.decide import (
     current_record,
     deactivation_patch,
     deadline_wake,
+    earlier_attempts_active,
     find_record,
     grace_status,
     held_pods,
@@ -88,7 +89,9 @@ from preemptible_operator.phases import (
     Decision,
     PhaseInputs,
     bound_attempts,
+    deadline_remaining,
     estimate_progress,
+    next_attempt_number,
     next_phase,
 )
 from preemptible_operator.priority_classes import PriorityClassValues
@@ -99,13 +102,6 @@ from preemptible_operator.recording import (
 )
 from preemptible_operator.scrape import RuntimeMetrics, scrape
 from preemptible_operator.timestamps import now_rfc3339, parse_rfc3339
-from preemptible_operator.victims import (
-    BOOST_ANNOTATION,
-    band_top,
-    should_write_boost,
-    victim_boost,
-    victim_inputs,
-)
 
 __all__ = [
     "Cached",
@@ -548,7 +544,10 @@ class Reconciler:
                     wait = max(0.0, self.clock() - created_at)
                     result.on_written.append(lambda: metrics.QUEUE_WAIT_SECONDS.observe(wait))
             apply_metrics(status, obs.runtime_metrics, spec, obs.attempt)
-        seen = interruption_of(obs, spec, record, recorded)
+        left = deadline_remaining(
+            status.start_time, spec.active_deadline_seconds if spec else None, self.clock()
+        )
+        seen = interruption_of(obs, spec, record, recorded, left is not None and left <= 0)
         interruption = seen.interruption
         if seen.deactivated_by_other:
             # The next pass reads the new spec and records the attempt.
@@ -801,6 +800,14 @@ class Reconciler:
             )
         elif action == "stop_attempt":
             self._stop_pods(obs.pods)
+        elif action == "stop_previous":
+            # Their pods get SIGTERM (JIT checkpoint); the next pass creates the attempt once
+            # they ended (their watch events wake it; the timer is a safety net).
+            pods, jobs = earlier_attempts_active(obs, next_attempt_number(obs.attempt, recorded))
+            self._stop_pods(pods)
+            for job in jobs:
+                self._delete_job(job)
+            result.requeue_after = 1.0
         elif action == "deactivate_workload":
             self._deactivate_workload(namespace, obs.workload, obs.workload_version)
         elif action == "record_attempt" and spec is not None and record is not None:
@@ -885,7 +892,7 @@ class Reconciler:
         (nothing in ``status`` changed then), a temporary error raised."""
         meta = obs.obj["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        attempt = obs.attempt + 1 if (recorded or obs.attempt == 0) else obs.attempt
+        attempt = next_attempt_number(obs.attempt, recorded)
         view = CheckpointView(spec.checkpoint.uri, self.config.path_map)
         # The look the pass recording the previous attempt took, when it was just now.
         storage = self._storage.snapshot(view, (meta["uid"], attempt - 1))
@@ -1255,33 +1262,39 @@ class Reconciler:
         """Keep the running attempt's Workload's priority boost at what a preemption would cost
         now (victims.py): written only when it changes, at most at the progress-write budget."""
         workload, version = obs.workload, obs.workload_version
-        if workload is None or version is None or not is_kueue_admitted(workload):
+        if workload is None or version is None:
             return
-        if (workload.get("spec") or {}).get("active") is False:
-            return  # a victim being stopped: its boost was dropped with the deactivation
-        inputs = victim_inputs(status, spec, record, self.clock())
-        if inputs is None:
-            return
-        priority = (workload.get("spec") or {}).get("priority")
-        configured = self.config.priority_boost_max
-        top = band_top(priority, self._class_values.values(version), configured)
-        if top < configured and (priority or 0, configured, top) not in self._narrowed:
-            self._narrowed.add((priority or 0, configured, top))
-            log.warning(
-                "priority boost band for priority %s narrowed from %d to %d: the next higher "
-                "priority class is %d above (a larger boost would lift the job level with it)",
-                priority or 0, configured, top, top + 1,
-            )  # fmt: skip
-        boost, cost = victim_boost(inputs, top)
         meta = workload["metadata"]
         key = (meta["namespace"], obs.obj["metadata"]["name"])
         with self._lock:
             last = self._boosted.get(key)
         now = time.monotonic()
-        last_write = last[1] if last is not None and last[0] == meta.get("uid") else None
-        current = (meta.get("annotations") or {}).get(BOOST_ANNOTATION)
-        if not should_write_boost(boost, current, last_write, now, self.periodic_intervals()[1]):
+        configured = self.config.priority_boost_max
+        plan = plan_boost(
+            workload,
+            status,
+            spec,
+            record,
+            self.clock(),
+            class_values=lambda: self._class_values.values(version),
+            configured=configured,
+            last_write=last[1] if last is not None and last[0] == meta.get("uid") else None,
+            monotonic_now=now,
+            min_interval=self.periodic_intervals()[1],
+        )
+        if plan is None:
             return
+        priority = (workload.get("spec") or {}).get("priority") or 0
+        if plan.narrowed and (priority, configured, plan.band) not in self._narrowed:
+            self._narrowed.add((priority, configured, plan.band))
+            log.warning(
+                "priority boost band for priority %s narrowed from %d to %d: the next higher "
+                "priority class is %d above (a larger boost would lift the job level with it)",
+                priority, configured, plan.band, plan.band + 1,
+            )  # fmt: skip
+        if not plan.write:
+            return
+        boost, cost, current = plan.boost, plan.cost, plan.current
         written = True
         try:
             self.custom.patch_namespaced_custom_object(
@@ -1290,7 +1303,7 @@ class Reconciler:
                 meta["namespace"],
                 "workloads",
                 meta["name"],
-                {"metadata": {"annotations": {BOOST_ANNOTATION: str(boost)}}},
+                boost_patch(boost),
             )
         except ApiException as exc:
             # Best effort: a boost not written (the Workload gone with its Job, a webhook or

@@ -10,7 +10,11 @@ running attempt's Workload a boost in ``[0, maximum]``:
 
 - ``maximum`` while the attempt is protected (``spec.preemption.minRunSeconds``: it has run less
   than that, or has not written a checkpoint of its own yet), so a job is not preempted again
-  before it saved once;
+  before it saved once. Waiting for that checkpoint is bounded (issue 39): only while the
+  operator can see the attempt's checkpoints (its /metrics report this attempt's progress), and
+  at most one save interval (the attempt's own, else ``UNSAVED_WAIT_SECONDS``) past
+  minRunSeconds; a JIT-only job or one whose /metrics are blocked is otherwise protected for its
+  whole run;
 - else a value in ``[0, maximum - 1]`` that grows with the cost of a preemption now (log scale:
   seconds and hours both stay apart in a small band).
 
@@ -43,6 +47,7 @@ from trainer_runtime.grace import stop_seconds_term
 __all__ = [
     "BOOST_ANNOTATION",
     "SATURATION_SECONDS",
+    "UNSAVED_WAIT_SECONDS",
     "PreemptionCost",
     "VictimInputs",
     "band_top",
@@ -58,6 +63,11 @@ BOOST_ANNOTATION = "kueue.x-k8s.io/priority-boost"
 
 SATURATION_SECONDS = 86_400.0
 """A cost of a day or more gets the highest unprotected boost (``maximum - 1``)."""
+
+
+UNSAVED_WAIT_SECONDS = 1800.0
+"""How long past minRunSeconds an attempt with no checkpoint of its own stays protected when its
+save interval is not known (a script's own save_steps): then its cost decides."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,12 @@ class VictimInputs:
     node_notice_seconds: float | None = None
     min_run_seconds: int | None = None
     """spec.preemption.minRunSeconds (None: no protection)."""
+    checkpoints_visible: bool = True
+    """The operator sees this attempt's progress in its /metrics, so it would see its periodic
+    checkpoints: False (nothing scraped for this attempt) ends protection at minRunSeconds."""
+    save_interval_seconds: float | None = None
+    """The periodic save interval the attempt runs with, when the operator set it (None:
+    unknown, UNSAVED_WAIT_SECONDS bounds the wait for the first checkpoint)."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +131,9 @@ def preemption_cost(inp: VictimInputs) -> PreemptionCost:
     stop, save = _finite(inp.stop_seconds), _finite(inp.save_seconds)
     jit_seconds = kill_wait + stop + save if stop is not None and save is not None else None
     jit_fits = deadline is not None and jit_seconds is not None and jit_seconds <= deadline
-    protected = inp.min_run_seconds is not None and (ran < inp.min_run_seconds or not saved)
+    protected = inp.min_run_seconds is not None and (
+        ran < inp.min_run_seconds or (not saved and ran < _unsaved_limit(inp))
+    )
     if jit_fits and jit_seconds is not None:
         seconds = jit_seconds
         reason = f"JIT save fits the {deadline:g} s deadline: {jit_seconds:.1f} s to stop and save"
@@ -145,6 +163,17 @@ def preemption_cost(inp: VictimInputs) -> PreemptionCost:
     return PreemptionCost(
         seconds=seconds, jit_fits=jit_fits, saved=saved, protected=protected, reason=reason
     )
+
+
+def _unsaved_limit(inp: VictimInputs) -> float:
+    """Seconds of running after which an attempt without a checkpoint of its own is no longer
+    protected: minRunSeconds when the operator cannot see its checkpoints, else one save
+    interval more (never forever: a JIT-only job saves only when it is stopped)."""
+    min_run = float(inp.min_run_seconds or 0)
+    if not inp.checkpoints_visible:
+        return min_run
+    wait = _finite(inp.save_interval_seconds)
+    return min_run + (wait if wait is not None else UNSAVED_WAIT_SECONDS)
 
 
 def boost_for_cost(
@@ -206,6 +235,11 @@ def victim_inputs(
     if grace is None and status.grace_period is not None:
         grace = status.grace_period.current
     ckpt = status.last_complete_checkpoint
+    progress = status.progress
+    visible = progress is not None and progress.step is not None
+    visible = visible and progress is not None and progress.attempt in (None, record.attempt)
+    interval = status.checkpoint_interval
+    applied = interval is not None and interval.applied and spec.checkpoint.interval == "auto"
     return VictimInputs(
         now=now,
         running_since=running_since,
@@ -219,6 +253,10 @@ def victim_inputs(
         grace_seconds=grace,
         node_notice_seconds=spec.grace_period.node_notice_seconds,
         min_run_seconds=spec.preemption.min_run_seconds if spec.preemption else None,
+        checkpoints_visible=visible,
+        save_interval_seconds=(
+            interval.recommended_seconds if applied and interval is not None else None
+        ),
     )
 
 

@@ -4,6 +4,7 @@ progress in status, activeDeadlineSeconds, maxPreemptions and ttlSecondsAfterFin
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,28 @@ def test_labels_propagate_complete_progress_and_ttl(
     )
 
 
+def test_ttl_added_to_a_finished_job_deletes_it(
+    control_plane: ControlPlane,
+    node_agent: NodeAgent,
+    tj: TJClient,
+    operator: OperatorProcess,
+    checkpoint_root: Path,
+) -> None:
+    """Issue 39: a finished job's daemon has ended; an edit (ttlSecondsAfterFinished added)
+    must still be acted on, not only after an operator restart."""
+    tj.create(toy_training_job("later", checkpoint_root, max_steps=4))
+    _kubectl_wait(control_plane, tj, "Complete", "later")
+    time.sleep(3)  # its last pass done: no daemon left for it
+    tj.patch_spec("later", {"ttlSecondsAfterFinished": 0})
+    wait_for(
+        "the finished TrainingJob deleted after its TTL was added",
+        lambda: _gone(tj, "later"),
+        timeout=60,
+        on_timeout=lambda: tj.describe("later") + operator.tail(),
+    )
+    assert operator.alive()
+
+
 def test_active_deadline_fails_the_job(
     control_plane: ControlPlane,
     node_agent: NodeAgent,
@@ -100,7 +123,15 @@ def test_active_deadline_fails_the_job(
     failed = _conditions(status)["Failed"]
     assert (failed["status"], failed["reason"]) == ("True", "DeadlineExceeded"), failed
     assert "activeDeadlineSeconds (15)" in failed["message"]
+    assert "raise" not in status["message"]  # the job is over: raising the deadline does nothing
     assert "Complete" not in _conditions(status)
+    # The running attempt was stopped through the normal path and recorded before the job
+    # went terminal: its end, and the checkpoint its pods wrote at SIGTERM.
+    last = status["attempts"][-1]
+    assert last.get("endTime") and last["reason"] == "DeadlineExceeded", last
+    assert last["outcome"] == "Suspended" and last.get("endStep") is not None, last
+    assert status.get("lastCompleteCheckpoint"), status
+    assert last.get("checkpoint") == status["lastCompleteCheckpoint"]["path"], status
     # The attempt is stopped and its Job deleted (nothing left for Kueue to admit later).
     wait_for(
         "the attempt's Job and pods gone",

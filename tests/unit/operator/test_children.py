@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from preemptible_operator import render
 from preemptible_operator.children import (
     JOB_TRACKING_FINALIZER,
     REFUSAL_RETRY_MAX,
@@ -20,10 +21,15 @@ from preemptible_operator.children import (
     pods_refused,
     pods_to_end,
     refusal_retry_seconds,
+    restarted_pods,
 )
 from preemptible_operator.conditions import Reason
-from preemptible_operator.render import ATTEMPT_FINALIZER, JOB_COMPLETION_INDEX_ANNOTATION
-from tests.unit.operator.builders import cond, make_job, make_pod
+from preemptible_operator.render import (
+    ATTEMPT_FINALIZER,
+    CONTAINER_NAME,
+    JOB_COMPLETION_INDEX_ANNOTATION,
+)
+from tests.unit.operator.builders import cond, make_job, make_pod, make_spec
 
 
 def _job(
@@ -419,3 +425,117 @@ def test_a_failed_attempt_is_kept_once_no_pod_can_follow(
     jobs = {1: _attempt_job(1)}  # no Failed condition yet
     assert kept_failed_attempt(jobs, {1: "Failed"}, {1: pods}) == kept
     assert jobs_to_delete(jobs, {1: "Failed"}, 1, {1: pods}) == ([] if kept else [jobs[1]])
+
+
+def _pod_at(name: str, index: int, created: str, **kw: Any) -> dict[str, Any]:
+    pod = make_pod(name, index=index, **kw)
+    pod["metadata"]["creationTimestamp"] = created
+    return pod
+
+
+T_OLD, T_NEW = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
+
+
+@pytest.mark.parametrize(
+    ("pods", "restarted"),
+    [
+        ([], []),
+        ([_pod_at("a", 0, T_OLD)], []),  # running
+        ([_pod_at("a", 0, T_OLD, phase="Failed", exit_code=75)], []),  # ended
+        # suspended and resumed: index 0 ended, a later pod of it runs
+        (
+            [
+                _pod_at("a", 0, T_OLD, phase="Failed", exit_code=75, deleting=True),
+                _pod_at("b", 0, T_NEW),
+            ],
+            ["b"],
+        ),
+        # two indexes, both restarted (one still pending, unbound)
+        (
+            [
+                _pod_at("a", 0, T_OLD, phase="Failed", exit_code=75, deleting=True),
+                _pod_at("b", 1, T_OLD, phase="Failed", exit_code=75, deleting=True),
+                _pod_at("c", 0, T_NEW),
+                _pod_at("d", 1, T_NEW, phase="Pending", node=None),
+            ],
+            ["c", "d"],
+        ),
+        # one rank failed, the other still runs: another index, nothing restarted
+        (
+            [_pod_at("a", 0, T_OLD, phase="Failed", exit_code=1), _pod_at("b", 1, T_NEW)],
+            [],
+        ),
+        # the restarted pod ended too: nothing left running (the attempt is simply over)
+        (
+            [
+                _pod_at("a", 0, T_OLD, phase="Failed", exit_code=75, deleting=True),
+                _pod_at("b", 0, T_NEW, phase="Failed", exit_code=75),
+            ],
+            [],
+        ),
+        # an ended pod created after the running one is not a restart of it
+        (
+            [_pod_at("a", 0, T_NEW, phase="Failed", exit_code=75), _pod_at("b", 0, T_OLD)],
+            [],
+        ),
+    ],
+)
+def test_restarted_pods(pods: list[dict[str, Any]], restarted: list[str]) -> None:
+    got = restarted_pods(pods, {"node-1": True})
+    assert [p["metadata"]["name"] for p in got] == restarted
+
+
+# ------------------------------------------------------------------------------ what children.py
+# relies on in the Job render_job makes (issue 39): no_pod_can_follow, attempt_pods_finished,
+# kept_failed_attempt and restarted_pods are only right for a Job of exactly this shape.
+@pytest.mark.parametrize(
+    "spec_fields",
+    [
+        {},
+        {"numNodes": 4},
+        {"queueName": "q"},
+        # a user's podTemplate cannot loosen any of it
+        {"podTemplate": {"spec": {"restartPolicy": "OnFailure", "nodeSelector": {"a": "b"}}}},
+        {"podTemplate": {"metadata": {"finalizers": ["example.com/mine"]}}},
+        {"failurePolicy": {"rules": [{"action": "Ignore", "onExitCodes": [3]}]}},
+    ],
+    ids=[
+        "one-node",
+        "four-nodes",
+        "kueue",
+        "template-restart-policy",
+        "user-finalizer",
+        "failure-policy-ignore",
+    ],
+)
+def test_render_job_keeps_what_children_relies_on(spec_fields: dict[str, Any]) -> None:
+    spec = make_spec(**spec_fields)
+    params = render.AttemptParams(
+        attempt=2, grace_seconds=60, resume_from="latest", suspended=bool(spec.queue_name)
+    )
+    job = render.render_job({"name": "tj", "namespace": "ns", "uid": "u"}, spec, params)
+    js = job["spec"]
+    # One pod per index, every index once: a completion index identifies a pod's place.
+    assert js["completionMode"] == "Indexed"
+    assert js["completions"] == js["parallelism"] == spec.num_nodes
+    # A counted failure fails the whole attempt: no retries inside a Job.
+    assert js["backoffLimit"] == 0
+    assert "backoffLimitPerIndex" not in js and "maxFailedIndexes" not in js
+    # A replacement only after the old pod is Failed (never beside one still saving).
+    assert js["podReplacementPolicy"] == "Failed"
+    # FailJob on the runtime's preemption exit and on a disruption; no Ignore or Count rule
+    # (an ignored failure would give an index a second pod: restarted_pods, no_pod_can_follow).
+    rules = js["podFailurePolicy"]["rules"]
+    assert {r["action"] for r in rules} == {"FailJob"}
+    exits = [r["onExitCodes"] for r in rules if "onExitCodes" in r]
+    assert exits == [{"containerName": CONTAINER_NAME, "operator": "In", "values": [75]}]
+    assert [r["onPodConditions"] for r in rules if "onPodConditions" in r] == [
+        [{"type": "DisruptionTarget"}]
+    ]
+    assert "successPolicy" not in js  # an index succeeds only by its own pod
+    pod = js["template"]
+    assert pod["spec"]["restartPolicy"] == "Never"  # a container never restarts in place
+    # The attempt-record finalizer keeps an ended pod (its termination message) until recorded.
+    assert ATTEMPT_FINALIZER in pod["metadata"]["finalizers"]
+    assert CONTAINER_NAME in [c["name"] for c in pod["spec"]["containers"]]
+    assert js["suspend"] is bool(spec.queue_name)  # Kueue admits it by unsuspending

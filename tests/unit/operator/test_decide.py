@@ -23,6 +23,7 @@ from preemptible_operator.decide import (
     current_record,
     deactivation_patch,
     deadline_wake,
+    earlier_attempts_active,
     find_record,
     grace_status,
     held_pods,
@@ -217,6 +218,88 @@ def test_interruption_of(
     assert seen.deactivated_by_other is by_other
 
 
+@pytest.mark.parametrize(
+    ("pods", "suspend", "outcome", "reason"),
+    [
+        ([make_pod()], False, "Suspended", Reason.DEADLINE_EXCEEDED),  # running: stopped
+        ([make_pod(phase="Failed", exit_code=75)], False, "Suspended", Reason.DEADLINE_EXCEEDED),
+        ([make_pod(phase="Failed", exit_code=137)], False, "Suspended", Reason.DEADLINE_EXCEEDED),
+        ([make_pod()], True, "Suspended", Reason.DEADLINE_EXCEEDED),  # the deadline wins
+        ([make_pod(phase="Succeeded", exit_code=0)], False, "Succeeded", Reason.COMPLETED),
+    ],
+    ids=["running", "jit-exit", "killed", "suspended-too", "finished-first"],
+)
+def test_interruption_of_after_the_deadline(
+    pods: list[dict[str, Any]], suspend: bool, outcome: str, reason: str
+) -> None:
+    """activeDeadlineSeconds passed: the operator stops the attempt, which then ends for the
+    deadline (recorded like a suspension: no preemption, no failure), unless it finished."""
+    spec = make_spec(activeDeadlineSeconds=60, suspend=suspend)
+    snap = make_snapshot(spec=spec, attempt=1, job=make_job(), pods=pods)
+    seen = interruption_of(snap, spec, _record(running_time=T0_RFC), False, True)
+    assert (seen.interruption.outcome, seen.interruption.reason) == (outcome, reason)
+    assert not seen.deactivated_by_other
+    if reason == Reason.DEADLINE_EXCEEDED:
+        assert "activeDeadlineSeconds (60)" in seen.interruption.message
+
+
+def _at(pod: dict[str, Any], created: str, *, deleted: bool = False) -> dict[str, Any]:
+    pod["metadata"]["creationTimestamp"] = created
+    if deleted:
+        pod["metadata"]["deletionTimestamp"] = created
+    return pod
+
+
+_OLD_75 = "2026-01-01T00:00:00Z"
+_NEW = "2026-01-01T00:10:00Z"
+
+
+@pytest.mark.parametrize(
+    ("queue", "pods", "outcome", "reason"),
+    [
+        # Evicted and re-admitted while the operator was down: the old pod (exit 75, held by
+        # the attempt finalizer) and a new pod of the same index, running from the old resume.
+        (
+            "q",
+            [
+                _at(make_pod("a", phase="Failed", exit_code=75), _OLD_75, deleted=True),
+                _at(make_pod("b"), _NEW),
+            ],
+            "Preempted",
+            Reason.RESUMED_UNSEEN,
+        ),
+        (
+            None,
+            [
+                _at(make_pod("a", phase="Failed", exit_code=75), _OLD_75, deleted=True),
+                _at(make_pod("b", phase="Pending", node=None), _NEW),
+            ],
+            "Preempted",
+            Reason.RESUMED_UNSEEN,
+        ),
+        # Two ranks, one failed first, the other still stopping: nothing restarted.
+        (
+            "q",
+            [
+                _at(make_pod("a", phase="Failed", exit_code=1), _OLD_75),
+                _at(make_pod("b", index=1), _NEW),
+            ],
+            "Failed",
+            Reason.TRAINING_FAILED,
+        ),
+    ],
+    ids=["kueue", "no-kueue-pending", "other-rank-failed"],
+)
+def test_interruption_of_a_resume_never_seen(
+    queue: str | None, pods: list[dict[str, Any]], outcome: str, reason: str
+) -> None:
+    spec = make_spec(queueName=queue) if queue else make_spec()
+    job = make_job(completions=2 if len({p["metadata"]["name"] for p in pods}) > 1 else 1)
+    snap = make_snapshot(spec=spec, attempt=1, job=job, pods=pods, workload=_wl(cond("Admitted")))
+    seen = interruption_of(snap, spec, _record(running_time=T0_RFC), False)
+    assert (seen.interruption.outcome, seen.interruption.reason) == (outcome, reason)
+
+
 def test_interruption_of_without_a_spec_is_active() -> None:
     """A rejected spec with no attempt spec at hand: nothing is classified."""
     snap = make_snapshot(spec=None, attempt=1, pods=[make_pod(phase="Failed", exit_code=1)])
@@ -279,8 +362,9 @@ INPUT_FLAGS = [
     ("valid", {}, False, False, False),
     ("invalid-name", {"invalid": "name too long"}, True, False, False),
     ("suspended", {"spec": make_spec(suspend=True)}, False, True, False),
-    # An invalid edit after the job ran, with the attempt's spec at hand: not held.
-    ("rejected-with-attempt-spec", {"rejected": "bad", "attempt": 1}, False, False, False),
+    # An invalid edit after the job ran, with the attempt's spec at hand: the attempt goes on
+    # with it, but the next one is held until the spec is fixed (issue 39).
+    ("rejected-with-attempt-spec", {"rejected": "bad", "attempt": 1}, False, False, True),
     ("rejected-no-spec", {"rejected": "bad", "spec": None, "attempt": 1}, False, False, True),
 ]
 
@@ -848,7 +932,8 @@ def test_status_message(
 
 def test_rejected_message() -> None:
     assert rejected_message("bad", True) == (
-        "spec change rejected (the running attempt goes on with its spec): bad"
+        "spec change rejected (the running attempt goes on with its spec, no new attempt "
+        "until it is fixed): bad"
     )
     assert rejected_message("bad", False) == "spec change rejected (no new attempt): bad"
 
@@ -983,6 +1068,67 @@ def test_current_record_rebuilt_from_the_job() -> None:
     assert record.resume_from == "/ckpt/run/checkpoint-12"
     assert status.next_attempt_after is None
     assert status.grace_period is not None and status.grace_period.current == 45
+
+
+@pytest.mark.parametrize(
+    ("start_time", "expected"),
+    [(None, T0_RFC), ("2025-12-31T00:00:00Z", "2025-12-31T00:00:00Z")],
+    ids=["lost-start-time-from-the-job", "kept"],
+)
+def test_current_record_rebuilt_sets_the_start_time(start_time: str | None, expected: str) -> None:
+    """The operator died between creating attempt 1's Job and writing the status: the job's
+    start (activeDeadlineSeconds counts from it) is the Job's creation, never left unset."""
+    status = models.TrainingJobStatus(start_time=start_time)
+    assert current_record(status, 1, _annotated_job()) is not None
+    assert status.start_time == expected
+
+
+def _named_job(attempt: int, **kw: Any) -> dict[str, Any]:
+    job = make_job(**kw)
+    job["metadata"]["name"] = f"tj-a{attempt}"
+    job["metadata"]["uid"] = f"job-{attempt}"
+    return job
+
+
+def _deleting(job: dict[str, Any]) -> dict[str, Any]:
+    job["metadata"]["deletionTimestamp"] = T0_RFC
+    return job
+
+
+@pytest.mark.parametrize(
+    ("jobs", "pods", "next_attempt", "active"),
+    [
+        ({}, {}, 1, (0, 0)),
+        # the recorded attempt: its pods ended, its Job failed (exit 75 is FailJob)
+        (
+            {1: _named_job(1, conditions=[cond("Failed", "PodFailurePolicy")])},
+            {1: [make_pod(phase="Failed", exit_code=75)]},
+            2,
+            (0, 0),
+        ),
+        # a stale cache: its Job still runs a pod the recorded attempt never showed
+        (
+            {1: _named_job(1)},
+            {1: [make_pod(phase="Failed", exit_code=75), make_pod("b")]},
+            2,
+            (1, 1),  # and its Job, which can start more
+        ),
+        # Kueue admitted the failed attempt's Job again during the backoff (not yet deleted)
+        ({1: _named_job(1, completions=2)}, {}, 2, (0, 1)),
+        ({1: _deleting(_named_job(1, completions=2))}, {}, 2, (0, 0)),  # being deleted
+        # a failed pod whose tracking finalizer was stripped, being deleted: still running
+        ({}, {1: [make_pod(deleting=True)]}, 2, (1, 0)),
+        # the current attempt's own pods and Job are not "earlier" for its re-create
+        ({2: _named_job(2)}, {2: [make_pod()]}, 2, (0, 0)),
+    ],
+    ids=["none", "ended", "stale-cache", "readmitted", "deleting", "stripped", "current"],
+)
+def test_earlier_attempts_active(
+    jobs: dict[int, Any], pods: dict[int, Any], next_attempt: int, active: tuple[int, int]
+) -> None:
+    snap = make_snapshot(attempt=next_attempt, jobs=jobs, pods_by_attempt=pods)
+    got_pods, got_jobs = earlier_attempts_active(snap, next_attempt)
+    assert (len(got_pods), len(got_jobs)) == active
 
 
 # ------------------------------------------------------------------------------ next attempt
@@ -1270,9 +1416,12 @@ def test_action_status(
 def test_deactivated_on_record() -> None:
     """Kueue's evictions (and a start that never got all pods ready) end the Workload with the
     attempt; a pod eviction or node loss does not (Kueue did not take the quota back)."""
-    assert {Reason.KUEUE_PREEMPTED, Reason.KUEUE_EVICTED, Reason.PODS_NEVER_READY} == set(
-        DEACTIVATE_ON_RECORD
-    )
+    assert {
+        Reason.KUEUE_PREEMPTED,
+        Reason.KUEUE_EVICTED,
+        Reason.PODS_NEVER_READY,
+        Reason.RESUMED_UNSEEN,  # an eviction seen only afterwards (issue 39)
+    } == set(DEACTIVATE_ON_RECORD)
     assert Reason.POD_EVICTED not in DEACTIVATE_ON_RECORD
 
 

@@ -12,6 +12,7 @@ from preemptible_operator.phases import (
     backoff_seconds,
     deadline_remaining,
     estimate_progress,
+    next_attempt_number,
     next_phase,
     ttl_remaining,
 )
@@ -287,19 +288,122 @@ _RUNNING = {"attempt": 2, "job_exists": True, "pods": 2, "running_pods": 2}
 @pytest.mark.parametrize(
     ("inputs", "phase", "action", "reason"),
     [
-        # activeDeadlineSeconds: whatever the job is doing, once it passed the job fails
+        # pods or a Job of an earlier attempt may still run (issue 39): stopped, no create
         (
-            PhaseInputs(**_RUNNING, active_deadline_seconds=60, deadline_remaining=0.0),
-            "Failed",
-            "fail",
+            PhaseInputs(attempt=2, recorded_outcome="Preempted", earlier_attempts_active=1),
+            "Requeueing",
+            "stop_previous",
+            Reason.PREVIOUS_ATTEMPT_STOPPING,
+        ),
+        (
+            PhaseInputs(
+                attempt=2,
+                recorded_outcome="Failed",
+                max_restarts=3,
+                failures=1,
+                earlier_attempts_active=2,
+            ),
+            "Requeueing",
+            "stop_previous",
+            Reason.PREVIOUS_ATTEMPT_STOPPING,
+        ),  # Kueue re-admitted the failed attempt's Job during the backoff
+        (
+            PhaseInputs(
+                attempt=2,
+                recorded_outcome="Failed",
+                max_restarts=3,
+                failures=1,
+                backoff_remaining=5.0,
+                earlier_attempts_active=2,
+            ),
+            "Requeueing",
+            "wait_backoff",
+            Reason.BACKOFF,
+        ),  # checked when the create is due
+        # an eviction and re-admission the operator never saw (issue 39): the restarted pods
+        # are stopped (JIT checkpoint) and the attempt recorded once they are gone
+        (
+            PhaseInputs(
+                **_RUNNING,
+                kueue=True,
+                pods_finished=False,
+                interruption=Interruption("Preempted", Reason.RESUMED_UNSEEN),
+            ),
+            "Checkpointing",
+            "stop_attempt",
+            Reason.RESUMED_UNSEEN,
+        ),
+        (
+            PhaseInputs(
+                **_RUNNING,
+                pods_finished=True,
+                interruption=Interruption("Preempted", Reason.RESUMED_UNSEEN),
+            ),
+            "Requeueing",
+            "record_attempt",
+            Reason.RESUMED_UNSEEN,
+        ),
+        # activeDeadlineSeconds: whatever the job is doing, once it passed the job fails; a
+        # running attempt is first stopped the normal way (JIT checkpoint) and recorded
+        (
+            PhaseInputs(
+                **_RUNNING, pods_finished=False, active_deadline_seconds=60, deadline_remaining=0.0
+            ),
+            "Checkpointing",
+            "stop_attempt",
             Reason.DEADLINE_EXCEEDED,
         ),
         (
-            PhaseInputs(attempt=1, job_exists=True, pods=1, deadline_remaining=-5.0),
+            PhaseInputs(
+                attempt=1, job_exists=True, pods=1, pods_finished=False, deadline_remaining=-5.0
+            ),
+            "Checkpointing",
+            "stop_attempt",
+            Reason.DEADLINE_EXCEEDED,
+        ),  # stuck Pending
+        (
+            PhaseInputs(
+                attempt=2,
+                job_exists=True,
+                pods=2,
+                pods_finished=True,
+                interruption=Interruption("Suspended", Reason.DEADLINE_EXCEEDED),
+                deadline_remaining=-5.0,
+            ),
+            "Failed",
+            "record_attempt",
+            Reason.DEADLINE_EXCEEDED,
+        ),  # its pods are gone: recorded, and the job is over in the same pass
+        (
+            PhaseInputs(attempt=1, job_exists=True, job_suspended=True, deadline_remaining=-5.0),
+            "Failed",
+            "record_attempt",
+            Reason.DEADLINE_EXCEEDED,
+        ),  # queued, never admitted: recorded (its Job goes with the record)
+        (
+            PhaseInputs(
+                attempt=2,
+                job_exists=True,
+                pods=2,
+                interruption=Interruption("Succeeded", Reason.COMPLETED),
+                deadline_remaining=-5.0,
+            ),
+            "Succeeded",
+            "record_attempt",
+            Reason.COMPLETED,
+        ),  # training finished just before the deadline: a success
+        (
+            PhaseInputs(attempt=2, recorded_outcome="Succeeded", deadline_remaining=-5.0),
+            "Succeeded",
+            "finish",
+            Reason.COMPLETED,
+        ),
+        (
+            PhaseInputs(attempt=2, recorded_outcome="Suspended", deadline_remaining=-5.0),
             "Failed",
             "fail",
             Reason.DEADLINE_EXCEEDED,
-        ),  # stuck Pending
+        ),  # the stopped attempt is recorded: the job is over
         (
             PhaseInputs(attempt=3, recorded_outcome="Preempted", deadline_remaining=-1.0),
             "Failed",
@@ -373,6 +477,8 @@ def test_deadline_and_preemption_limit(
         assert f"maxPreemptions is {inputs.max_preemptions}" in decision.message
     if reason == Reason.DEADLINE_EXCEEDED:
         assert "activeDeadlineSeconds" in decision.message
+        # Raising the deadline of a job that is over does nothing: never advised.
+        assert "raise" not in decision.message
 
 
 @pytest.mark.parametrize(
@@ -405,3 +511,12 @@ def test_ttl_remaining(
     phase: str, completed: str | None, ttl: int | None, now: float, left: float | None
 ) -> None:
     assert ttl_remaining(phase, completed, ttl, now) == left
+
+
+@pytest.mark.parametrize(
+    ("attempt", "recorded", "expected"),
+    [(0, False, 1), (0, True, 1), (1, True, 2), (3, False, 3), (3, True, 4)],
+)
+def test_next_attempt_number(attempt: int, recorded: bool, expected: int) -> None:
+    """The one rule for the attempt a create makes (issue 39: it was repeated)."""
+    assert next_attempt_number(attempt, recorded) == expected

@@ -111,6 +111,9 @@ def test_boost_is_monotone_and_inside_the_band() -> None:
         boost_for_cost(1.0, 0)
 
 
+_UNSAVED = {"min_run_seconds": 300, "checkpoint_step": None}
+
+
 @pytest.mark.parametrize(
     ("kw", "protected", "boost"),
     [
@@ -125,6 +128,17 @@ def test_boost_is_monotone_and_inside_the_band() -> None:
         ({"min_run_seconds": 300, "checkpoint_step": 50, "start_step": 50}, True, 100),
         ({"min_run_seconds": 0, "checkpoint_step": None}, True, 100),
         ({"min_run_seconds": 0}, False, 28),
+        # Bounded (issue 39). Checkpoints the operator cannot see (its /metrics blocked, nothing
+        # scraped for this attempt): protected for minRunSeconds only.
+        ({"min_run_seconds": 900, "checkpoints_visible": False}, True, 100),
+        ({**_UNSAVED, "checkpoints_visible": False}, False, 28),
+        # The attempt's save interval known: one interval past minRunSeconds at most.
+        ({**_UNSAVED, "save_interval_seconds": 400}, True, 100),
+        ({**_UNSAVED, "save_interval_seconds": 200}, False, 28),
+        ({"min_run_seconds": 0, "checkpoint_step": None, "save_interval_seconds": 120}, False, 28),
+        # A JIT-only job (it saves only when stopped): not protected for its whole run.
+        ({"min_run_seconds": 300, "checkpoint_step": None, "now": T0 + 2200}, False, 28),
+        ({"min_run_seconds": 300, "checkpoint_step": None, "now": T0 + 2000}, True, 100),
     ],
 )
 def test_min_run_seconds_protection(kw: dict[str, Any], protected: bool, boost: int) -> None:
@@ -233,9 +247,38 @@ def test_victim_inputs_from_the_status() -> None:
         None,
         None,
     )
+    assert not bare.checkpoints_visible  # nothing scraped: no evidence of its checkpoints
     # Not running yet (queued, or its pods not seen running): no boost at all.
     assert victim_inputs(_status(), spec, _record(runningTime=None), T0) is None
     assert victim_inputs(_status(), spec, None, T0) is None
+
+
+@pytest.mark.parametrize(
+    ("progress", "interval", "spec_interval", "visible", "save_interval"),
+    [
+        ({"step": 40, "attempt": 2}, None, None, True, None),
+        ({"step": 40, "attempt": 1}, None, None, False, None),  # an earlier attempt's report
+        (None, None, None, False, None),  # /metrics blocked: nothing scraped
+        ({"step": 40}, {"recommendedSeconds": 600, "applied": True}, "auto", True, 600),
+        ({"step": 40}, {"recommendedSeconds": 600, "applied": False}, None, True, None),
+    ],
+)
+def test_victim_inputs_checkpoint_evidence(
+    progress: dict[str, Any] | None,
+    interval: dict[str, Any] | None,
+    spec_interval: str | None,
+    visible: bool,
+    save_interval: float | None,
+) -> None:
+    """What bounds the wait for an attempt's first checkpoint (issue 39)."""
+    spec = make_spec(
+        preemption={"minRunSeconds": 120},
+        checkpoint={"uri": "/ckpt/run", "interval": spec_interval},
+    )
+    status = _status(progress=progress, checkpointInterval=interval)
+    inp = victim_inputs(status, spec, _record(), T0)
+    assert inp is not None
+    assert (inp.checkpoints_visible, inp.save_interval_seconds) == (visible, save_interval)
 
 
 @pytest.mark.parametrize(
