@@ -2,9 +2,10 @@
 
 Reading order: ``train`` -> ``_train`` (``while not should_stop(): train_step()``) ->
 ``train_step`` (one optimizer step over the gradient-accumulation micro-batches) ->
-``training_step`` (one micro-batch: forward, loss, backward). Checkpoints go through
-checkpoint_io's writer/reader; SIGTERM only sets a latch (signals.py) which the loop reads at
-step boundaries.
+``training_step`` (one micro-batch: forward, loss, backward). The loop says when to save or
+resume; how (which checkpoint, fallback, rank shares, background writes, JIT supersession) is
+checkpointing.py's CheckpointManager. SIGTERM only sets a latch (signals.py) which the loop reads
+at step boundaries.
 """
 
 from __future__ import annotations
