@@ -72,7 +72,8 @@ class JitStopMixin:
 
     Relies on the Trainer's ``args``, ``state``, ``control``, ``sigterm_latch``, ``save_timer``,
     ``micro_batch_timer``, ``last_checkpoint``, ``_position``, ``current_flos``, ``model``,
-    ``optimizer``, ``train_dataset``, ``_is_iterable`` and ``_stop_for_preemption``.
+    ``optimizer``, ``train_dataset``, ``_is_iterable``, ``_stop_for_preemption`` and
+    ``_checkpoints`` (the CheckpointManager: a write in flight at a stop without a save).
     """
 
     _rng_for_checkpoint: tuple[dict[str, torch.Tensor], dict[str, str]] | None = None
