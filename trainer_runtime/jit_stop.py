@@ -72,7 +72,8 @@ class JitStopMixin:
 
     Relies on the Trainer's ``args``, ``state``, ``control``, ``sigterm_latch``, ``save_timer``,
     ``micro_batch_timer``, ``last_checkpoint``, ``_position``, ``current_flos``, ``model``,
-    ``optimizer``, ``train_dataset``, ``_is_iterable`` and ``_stop_for_preemption``.
+    ``optimizer``, ``train_dataset``, ``_is_iterable``, ``_stop_for_preemption`` and
+    ``_checkpoints`` (the CheckpointManager: a write in flight at a stop without a save).
     """
 
     _rng_for_checkpoint: tuple[dict[str, torch.Tensor], dict[str, str]] | None = None
@@ -259,20 +260,9 @@ class JitStopMixin:
     def _settle_async_save_before(self, seconds_left: float | None) -> None:
         """No JIT save: a background write in flight is committed if every rank's finishes
         within the time left (a newer complete checkpoint), else cancelled; never waited for
-        past the deadline."""
-        save = getattr(self, "_async_save", None)
-        if save is None:
-            return
+        past the deadline (checkpointing.py)."""
         budget = None if seconds_left is None else max(0.0, seconds_left - self._exit_reserve())
-        save.wait(budget)
-        if collectives.agree_to_stop(not save.done()):
-            logger.warning(
-                "the background write of %s cannot finish before the deadline: cancelled",
-                save.writer.path,
-            )
-            self._abandon_async_save()  # type: ignore[attr-defined]
-            return
-        self._commit_async_save()  # type: ignore[attr-defined]
+        self._checkpoints.settle_before_deadline(budget)  # type: ignore[attr-defined]
 
     # -- evaluation during training ------------------------------------------------------------
     def _evaluate_during_training(self, skip_scheduler: bool = False) -> dict[str, float]:

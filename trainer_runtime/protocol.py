@@ -44,6 +44,7 @@ __all__ = [
     "local_rank_from_env",
     "read_termination_message",
     "termination_message_path",
+    "under_operator",
     "worker_termination_file",
     "write_termination_message",
     "writes_termination_message",
@@ -207,6 +208,11 @@ class TerminationMessage(BaseModel):
         description="Written by `trainer-runtime launch`: each local rank's exit code, by local "
         "rank (None: unknown).",
     )
+
+
+def under_operator() -> bool:
+    """The operator's environment contract is present: exit codes and termination messages apply."""
+    return bool(os.environ.get(ENV_OUTPUT_DIR) or os.environ.get(ENV_ATTEMPT))
 
 
 def worker_termination_file(directory: str, local_rank: int) -> str:

@@ -2,9 +2,10 @@
 
 Reading order: ``train`` -> ``_train`` (``while not should_stop(): train_step()``) ->
 ``train_step`` (one optimizer step over the gradient-accumulation micro-batches) ->
-``training_step`` (one micro-batch: forward, loss, backward). Checkpoints go through
-checkpoint_io's writer/reader; SIGTERM only sets a latch (signals.py) which the loop reads at
-step boundaries.
+``training_step`` (one micro-batch: forward, loss, backward). The loop says when to save or
+resume; how (which checkpoint, fallback, rank shares, background writes, JIT supersession) is
+checkpointing.py's CheckpointManager. SIGTERM only sets a latch (signals.py) which the loop reads
+at step boundaries.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import math
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -31,68 +31,19 @@ from trainer_runtime.callbacks import (
     DefaultFlowCallback,
     TrainerCallback,
 )
-from trainer_runtime.checkpoint import fallback, per_node
-from trainer_runtime.checkpoint.background import (
-    BackgroundSave,
-    resolve_save_async,
-    snapshot_entry,
-)
-from trainer_runtime.checkpoint.background import json_bytes as _json_bytes
-from trainer_runtime.checkpoint.hf_format import (
-    HF_OPTIMIZER_NAME,
-    HF_SCHEDULER_NAME,
-    has_model_files,
-    hf_rng_file_name,
-    load_hf_rng_state,
-    load_model_files,
-    model_file_entries,
-    model_weights,
-    side_files,
-    torch_load,
-)
-from trainer_runtime.checkpoint.io import (
-    OPTIMIZER_META_KEY,
-    CheckpointReader,
-    CheckpointWriter,
-    optimizer_state_to_tensors,
-    remove_checkpoint,
-    warm_local_writes,
-    write_entry,
-)
-from trainer_runtime.checkpoint.layout import (
-    RUNTIME_STATE_NAME,
-    TRAINER_STATE_NAME,
-    CheckpointInfo,
-    CheckpointStore,
-    attempt_from_env,
-    checkpoint_name,
-    inspect_checkpoint,
-    parse_step,
-)
-from trainer_runtime.checkpoint.model_state import (
-    MODEL_STEM,
-    OPTIMIZER_INDEX_NAME,
-    OPTIMIZER_NAME,
-    OPTIMIZER_STEM,
-    SCHEDULER_NAME,
-    TRAINING_ARGS_NAME,
-    rng_file_name,
-)
-from trainer_runtime.checkpoint.pinned import PinnedStaging, local_ranks_from_env
+from trainer_runtime.checkpoint import per_node
+from trainer_runtime.checkpoint.background import BackgroundSave, SnapshotBuffers
+from trainer_runtime.checkpoint.io import warm_local_writes
+from trainer_runtime.checkpoint.layout import TRAINER_STATE_NAME, CheckpointInfo, attempt_from_env
+from trainer_runtime.checkpoint.pinned import PinnedStaging
 from trainer_runtime.checkpoint.resharding import DataShape, reshard_position
-from trainer_runtime.checkpoint.resume_choice import parent_of, requested_resume, resolve_in_store
-from trainer_runtime.checkpoint.rng import restore_rng_state
-from trainer_runtime.checkpoint.safetensors_stream import TensorFile
-from trainer_runtime.checkpoint.share_resume import load_shared
-from trainer_runtime.checkpoint.shares import ShareGroup, agree_on_plan, share_entries
 from trainer_runtime.checkpoint.storage import Storage, configure_direct_io
+from trainer_runtime.checkpointing import CheckpointManager
 from trainer_runtime.data.arguments import (
     build_train_dataloader,
     dataloader_kwargs,
-    dataset_state_file_name,
     has_dataset_state,
     is_iterable_dataset,
-    iterable_dataset_state,
     set_dataset_epoch,
     skip_batches,
 )
@@ -122,8 +73,6 @@ from trainer_runtime.distributed.peers import PeerLoss, PeerWatch, peer_failure_
 from trainer_runtime.distributed.trainer_fsdp import FsdpTrainerMixin
 from trainer_runtime.elastic import elastic_accumulation
 from trainer_runtime.errors import (
-    CheckpointCorruptError,
-    CheckpointError,
     ConfigurationError,
     ResumeError,
 )
@@ -143,12 +92,11 @@ from trainer_runtime.features.trainer_features import TrainerFeaturesMixin
 from trainer_runtime.jit_stop import JitStopMixin, save_interval_from_env
 from trainer_runtime.metrics import TrainingMetrics, metrics_from_env
 from trainer_runtime.protocol import (
-    ENV_ATTEMPT,
-    ENV_OUTPUT_DIR,
     ENV_TERMINATION_DIR,
     EXIT_PEER_FAILED,
     EXIT_PREEMPTED,
     REASON_DEADLINE_TOO_SHORT,
+    under_operator,
 )
 from trainer_runtime.signals import SigtermLatch
 from trainer_runtime.state import PREEMPTIBLE_KEY, TrainerControl, TrainerState
@@ -159,20 +107,12 @@ from trainer_runtime.training_args import TrainingArguments, check_runtime_suppo
 __all__ = ["Trainer"]
 
 logger = logging.getLogger(__name__)
-# How often ranks re-agree while a periodic save waits behind a background write (each poll is one
-# all-reduce of one int); short next to a step, so a SIGTERM is acted on without delay.
-_ASYNC_POLL_SECONDS = 0.05
 
 
 def _wait_for_exit(seconds: float = 30.0) -> None:
     """Another thread is ending the process (os._exit); should it not, end it here."""
     time.sleep(seconds)
     os._exit(EXIT_PEER_FAILED)
-
-
-def under_operator() -> bool:
-    """The operator's environment contract is present: exit codes and termination messages apply."""
-    return bool(os.environ.get(ENV_OUTPUT_DIR) or os.environ.get(ENV_ATTEMPT))
 
 
 def _to_device(data: Any, device: torch.device) -> Any:
@@ -313,15 +253,9 @@ class Trainer(
         self.train_dataloader: DataLoader | None = None
         self.train_sampler: ResumableBatchSampler | None = None
         self.last_checkpoint: CheckpointInfo | None = None
-        # the periodic checkpoint a writer thread is writing (save_async), at most one, and the
-        # host buffers its snapshots are copied into (kept between saves or given back)
-        self._async_save: BackgroundSave | None = None
-        self._superseded: BackgroundSave | None = None
-        # (pinned staging, checkpoint/pinned.py: kept, pinned ahead or at the save)
-        self._pinned_staging = PinnedStaging(
-            getattr(self.args, "save_async_keep_snapshot", None), local_ranks=local_ranks_from_env()
-        )
-        self._snapshot_buffers = self._pinned_staging.buffers
+        # Save and resume: which checkpoint, fallback, rank shares, background writes and their
+        # pinned staging, JIT supersession (checkpointing.py).
+        self._checkpoints = CheckpointManager(self)
         self.preempted = False
         self._position = _DataPosition()
         self._data_iter: Iterator[Any] | None = None
@@ -334,13 +268,6 @@ class Trainer(
         self.in_padding_batch = False
         # An iterable dataset's own position, loaded from a checkpoint, applied at the epoch start.
         self._dataset_state: dict[str, Any] | None = None
-        # How the checkpoint to resume from was asked for (_resolve_resume): what a corrupt one
-        # falls back to. "latest": resume_from_checkpoint=True; "latest_env": $..._RESUME_FROM
-        # =latest; "env_path": a path from the operator; "path": a path the caller gave.
-        self._resume_mode: str | None = None
-        # After a resume from an older checkpoint than the newest complete one: its step (the
-        # saves of later steps keep complete checkpoints there, _kept_checkpoint).
-        self._keep_complete_after: int | None = None
         self._num_batches: int | None = None  # micro-batches per epoch (when known up front)
         self._epoch_length_known = False
         # create_scheduler() built the schedule (rebuilt per train() call, as transformers does).
@@ -456,7 +383,7 @@ class Trainer(
             )
             # save_on_each_node: refuse shared storage before any step is spent (a collective)
             per_node.check_storage_not_shared(self.args, self.accelerator.local_process_index)
-            checkpoint = self._resolve_resume(resume_from_checkpoint)
+            checkpoint = self._checkpoints.resolve(resume_from_checkpoint)
             output = self._train(checkpoint)
             if self.preempted and 0 < self.state.max_steps <= self.state.global_step:
                 # The stop landed on the last step: training is finished, not interrupted, so the
@@ -567,139 +494,11 @@ class Trainer(
                 stream.flush()
         os._exit(code)
 
-    # -- resume resolution -------------------------------------------------------------------------
-    def _resolve_resume(self, resume: bool | str | None) -> CheckpointInfo | None:
-        self._resume_mode = None
-        resume, from_env = requested_resume(resume)
-        if resume is None or resume is False:
-            return None
-        output_dir = str(self.args.output_dir)
-        if resume is True:
-            self._resume_mode = "latest_env" if from_env else "latest"
-        else:
-            self._resume_mode = "env_path" if from_env else "path"
-        if per_node.each_node_active(self.args):
-            # Each node resumes from its own copy; all ranks agree on the step (a collective).
-            return per_node.resolve_resume(
-                output_dir,
-                resume,
-                from_env=from_env,
-                local_rank=self.accelerator.local_process_index,
-            )
-        return resolve_in_store(output_dir, resume, from_env=from_env)
-
+    # -- resume (the how: checkpointing.py) -------------------------------------------------------
     def _load_resume_checkpoint(self, info: CheckpointInfo) -> CheckpointInfo | None:
-        """Load ``info``; when it turns out corrupt on any rank, mark it, fall back to the newest
-        complete checkpoint before it and load that, every rank agreeing (fallback.py). Returns
-        what was loaded. A path the caller asked for never falls back: CheckpointCorruptError."""
-        fresh = self._resume_start_state()
-        each_node = per_node.each_node_active(self.args)
-        local_rank = self.accelerator.local_process_index
-        while True:
-            error: Exception | None = None
-            try:
-                self._load_checkpoint(info)
-            except Exception as exc:
-                error = exc
-            kind, message = fallback.outcome_of(error)
-            agreed, outcomes = fallback.settle(
-                kind, message, info.path, each_node=each_node, local_rank=local_rank
-            )
-            if agreed == fallback.OK:
-                return info
-            if agreed == fallback.ERROR:
-                if error is not None:
-                    raise error
-                raise ResumeError(
-                    f"cannot resume from {info.path}: {fallback.describe(outcomes, fallback.ERROR)}"
-                )
-            cause = fallback.describe(outcomes, fallback.CORRUPT)
-            marker = None
-            if fallback.marks_here(outcomes, each_node=each_node, local_rank=local_rank):
-                marker = fallback.mark(info.path, cause)
-            may_fall_back = self._resume_mode != "path"
-            self._restore_resume_start_state(fresh)
-            logger.error(
-                "checkpoint %s is corrupt: %s; marked corrupt%s, it is never resumed from again%s",
-                info.path,
-                cause,
-                f" ({marker})" if marker else "",
-                "; falling back to the previous complete checkpoint" if may_fall_back else "",
-            )
-            if not may_fall_back:
-                raise CheckpointCorruptError(
-                    f"cannot resume from {info.path}: it is corrupt ({cause}); it was asked for "
-                    "by path, so no other checkpoint is substituted: pass an earlier "
-                    "checkpoint, or resume_from_checkpoint=True for the newest complete one"
-                )
-            older = self._older_complete(info, each_node)
-            if older is None:
-                # The model already holds weights of the corrupt checkpoint: starting from
-                # scratch needs a fresh process. With every checkpoint marked, the next attempt
-                # ("latest") starts from scratch; a path gets an error again.
-                raise CheckpointCorruptError(
-                    f"cannot resume: {info.path} is corrupt ({cause}) and no complete "
-                    "checkpoint precedes it; it is marked, so a new run resuming from 'latest' "
-                    "starts from scratch"
-                )
-            logger.error("falling back to %s (step %d)", older.path, older.step)
-            info = older
-
-    def _older_complete(self, failed: CheckpointInfo, each_node: bool) -> CheckpointInfo | None:
-        """The newest complete checkpoint before ``failed``, the same on every rank."""
-        if each_node:
-            return per_node.resolve_resume(
-                str(self.args.output_dir),
-                True,
-                from_env=True,  # none left: None (the caller reports it)
-                local_rank=self.accelerator.local_process_index,
-                below=failed.step,
-            )
-        older = CheckpointStore(parent_of(failed.path)).latest_complete(below=failed.step)
-        step = fallback.agree_step(older.step if older is not None else None)
-        return older if step is not None else None
-
-    def _newer_complete_kept(self, loaded: CheckpointInfo | None) -> int | None:
-        """After a resume from a path: the loaded step when complete checkpoints newer than it
-        are in the output dir (a caller's explicit path to an older one), whose steps' saves
-        then keep them (:meth:`_kept_checkpoint`); else None. The ranks agree (one all-reduce,
-        only after a resume from a path), so that every rank takes the same path at a save."""
-        if loaded is None or self._resume_mode not in ("path", "env_path"):
-            return None  # "latest" loaded the newest complete one (or the one before a corrupt)
-        store = CheckpointStore(str(self.args.output_dir))
-        # only the directories of later steps are inspected (usually none)
-        later = [n for n in store.names() if (parse_step(n) or -1) > loaded.step]
-        newer = [i for i in (store.inspect(n) for n in later) if i.complete]
-        if not collectives.agree_to_stop(bool(newer)):
-            return None
-        if newer:
-            logger.warning(
-                "resumed from %s as asked, although %s (step %d) is complete and newer: its "
-                "steps are trained again, and the save of a step that has a complete checkpoint "
-                "keeps that checkpoint (never replaced); to branch off, use another output_dir",
-                loaded.path,
-                newer[-1].path,
-                newer[-1].step,
-            )
-        return loaded.step
-
-    def _kept_checkpoint(self, step: int) -> CheckpointInfo | None:
-        """The complete checkpoint of ``step`` already in the output dir that this save must
-        not replace (a run resumed from an older one), or None: save as usual. Every rank looks
-        at its own view of the directory; it is kept only when every rank sees it complete."""
-        if self._keep_complete_after is None or step <= self._keep_complete_after:
-            return None
-        info = CheckpointStore(str(self.args.output_dir)).inspect(checkpoint_name(step))
-        if collectives.agree_to_stop(not info.complete):
-            return None
-        logger.warning(
-            "not saving step %d: %s is complete already (attempt %s) and newer than the "
-            "checkpoint this run resumed from; it is kept, never replaced",
-            step,
-            info.path,
-            info.attempt,
-        )
-        return info
+        """Load ``info``, falling back to the previous complete checkpoint when it is corrupt on
+        any rank (:meth:`CheckpointManager.load_with_fallback`); returns what was loaded."""
+        return self._checkpoints.load_with_fallback(info)
 
     def _resume_start_state(self) -> dict[str, Any]:
         """What loading a checkpoint changes besides the model (which the next load overwrites),
@@ -1011,11 +810,10 @@ class Trainer(
         self.last_checkpoint = None
         # What was loaded (a fallback may load an earlier one): the termination message says it.
         self._resumed_from: CheckpointInfo | None = None
-        self._keep_complete_after = None
         if checkpoint is not None:
             self._resumed_from = self._load_resume_checkpoint(checkpoint)
             self._load_callback_state()
-            self._keep_complete_after = self._newer_complete_kept(self._resumed_from)
+        self._checkpoints.note_resumed(self._resumed_from)
         self.state.preemptible["attempt"] = attempt_from_env()
         if self.state.global_step >= self.state.max_steps:
             # Resumed from the final checkpoint (e.g. preempted right after it): nothing to do.
@@ -1060,7 +858,7 @@ class Trainer(
                     if self.preempted:
                         break  # the step was dropped at a micro-batch boundary and saved
                     self._after_step()
-                self._finish_async_save()
+                self._checkpoints.finish()
             # As transformers: the summary goes through log() (on_log, trackers) before the best
             # model is loaded and on_train_end is called.
             output = self._train_output(self._train_start)
@@ -1068,7 +866,7 @@ class Trainer(
                 self._load_best_model_at_end()
             self._event("on_train_end")
         finally:
-            self._abandon_async_save()
+            self._checkpoints.abandon()
             self.is_in_train = False
             if self.metrics is not None:
                 self.metrics.close()
@@ -1518,10 +1316,10 @@ class Trainer(
         if self.control.should_evaluate:
             # Sets should_save when save_strategy="best" and the metric improved.
             self._evaluate_during_training()
-        self._poll_async_save()
+        self._checkpoints.poll()
         if self.control.should_save and self._periodic_save_becomes_jit():
             self.control.should_save = False
-        if self.control.should_save and self._stop_while_async_save_pending():
+        if self.control.should_save and self._checkpoints.stop_while_pending():
             # The JIT stop (should_stop, next) saves this step and supersedes the write in flight.
             self.control.should_save = False
         if self.control.should_save:
@@ -1529,11 +1327,8 @@ class Trainer(
         self.control.should_log = False
         self.control.should_save = False
         if str(getattr(self.args.save_strategy, "value", self.args.save_strategy)) == "steps":
-            self._pinned_staging.maybe_pin_ahead(
-                self.state.global_step,
-                self.state.save_steps,
-                self.step_timer.to_model().ema,
-                writing=self._async_save is not None,
+            self._checkpoints.maybe_pin_ahead(
+                self.state.global_step, self.state.save_steps, self.step_timer.to_model().ema
             )
         self._publish_metrics()
 
@@ -1691,130 +1486,15 @@ class Trainer(
         With save_async a periodic save (``jit=False``) only snapshots the state and returns the
         in-flight checkpoint (incomplete until committed at a later step boundary); a JIT save
         first settles a write in flight (waits for it when it is of this step, else cancels it)
-        and the time that takes counts as part of the JIT save's measured time."""
-        started = time.perf_counter()
-        waited = self._settle_async_save(jit=jit)
-        if jit:
-            self._pinned_staging.on_stop()  # kept snapshot memory, given back when short
-        step = self.state.global_step
-        if self.last_checkpoint is not None and self.last_checkpoint.step == step:
-            return self.last_checkpoint
-        kept = self._kept_checkpoint(step)
-        if kept is not None:
-            self.last_checkpoint = kept
-            return kept
-        if not jit and self._save_async_active():
-            return self._start_async_save()
-        writer = self._new_checkpoint_writer(step)
-        try:
-            writer.begin()
-            self._stamp(f"writing {'the JIT ' if jit else ''}checkpoint-{step}")
-            writer.write_entries(self._checkpoint_entries(writer.is_coordinator, jit))
-            info = writer.commit(self._manifest_extra())
-        except Exception:
-            # e.g. ENOSPC: its partial directory, newer than every complete checkpoint, would
-            # hold the space (rotation keeps what may still be being written)
-            writer.discard()
-            raise
-        seconds = info.save_seconds if info.save_seconds is not None else None
-        if seconds is None:
-            seconds = time.perf_counter() - started
-        self._remove_superseded(writer.is_coordinator)
-        self._after_checkpoint_commit(info, seconds + waited)
-        return info
-
-    def _new_checkpoint_writer(self, step: int) -> Any:
-        barriers = [0]
-
-        def barrier() -> None:
-            # entering a barrier is progress: a rank that never gets here is the one the others
-            # wait for (peers.py: hung_ranks)
-            barriers[0] += 1
-            self._stamp(f"barrier {barriers[0]} of checkpoint-{step}")
-            collectives.barrier()
-
-        return CheckpointWriter(
-            str(self.args.output_dir),
-            step,
-            rank=collectives.rank(),
-            world_size=collectives.world_size(),
-            barrier=barrier,
-            # save_on_each_node: every node's main process writes a full copy on its own disk
-            **per_node.writer_options(self.args),
-        )
+        and the time that takes counts as part of the JIT save's measured time
+        (:meth:`CheckpointManager.save`)."""
+        return self._checkpoints.save(jit)
 
     def _checkpoint_entries(
         self, main: bool, jit: bool, *, snapshot: bool = False
     ) -> list[tuple[str, Any, bool]]:
-        """The files of a checkpoint, in write order: (name, data, per_rank). ``data`` is bytes,
-        a TensorFile (written as it is serialised), or a callable returning bytes (our record,
-        built when written: it holds the JIT save's SIGTERM-to-exit time). ``snapshot``: for a
-        background write, every tensor is copied to host memory and every record built now, so
-        training may go on changing the originals."""
-        entries: list[tuple[str, Any, bool]] = []
-        rank, world = collectives.rank(), collectives.world_size()
-        # DDP: the replicated model and optimizer state is split across the ranks by bytes,
-        # each writing its share at once (shares.py); one copy per node keeps whole files.
-        share = world > 1 and self._fsdp is None and not per_node.each_node_active(self.args)
-        groups: list[ShareGroup] = []
-        # The model as transformers saves it (a PreTrainedModel opens with from_pretrained, a
-        # PEFT model's checkpoint holds the adapter only) and the processing class's files.
-        processing = self._processing_class_to_save()
-        weights = model_weights(self.model) if share else None
-        if weights is not None:
-            groups.append(ShareGroup(MODEL_STEM, weights.tensors, weights.metadata))
-        if self._fsdp is not None:
-            # every rank: its own pieces of the sharded model and optimizer state (fsdp.py)
-            entries += [(n, d, False) for n, d in self._fsdp_entries(main, jit)]
-        if main:
-            if self._fsdp is None and weights is None:
-                # the weights stay tensors: written as they are serialised, no file in memory
-                entries += [(n, d, False) for n, d in model_file_entries(self.model, processing)]
-            else:
-                entries += [(n, d, False) for n, d in side_files(self.model, processing)]
-        if not self.args.save_only_model:
-            assert self.optimizer is not None and self.lr_scheduler is not None
-            if self._fsdp is None and (main or share):
-                tensors, meta = optimizer_state_to_tensors(self.optimizer.state_dict())
-                if share:
-                    extra = {OPTIMIZER_META_KEY: meta}
-                    groups.append(ShareGroup(OPTIMIZER_STEM, tensors, index_extra=extra))
-                else:
-                    file = TensorFile(tensors, {OPTIMIZER_META_KEY: meta})
-                    entries.append((OPTIMIZER_NAME, file, False))
-            if main:
-                entries.append((SCHEDULER_NAME, _json_bytes(self.lr_scheduler.state_dict()), False))
-            rng_tensors, rng_meta = self._checkpoint_rng_state()
-            entries.append((rng_file_name(rank, world), TensorFile(rng_tensors, rng_meta), True))
-            if self._is_iterable():
-                dataset_state = iterable_dataset_state(
-                    self.train_dataset, self.args.dataloader_num_workers
-                )
-                if dataset_state is not None:
-                    entries.append(
-                        (dataset_state_file_name(rank, world), _json_bytes(dataset_state), True)
-                    )
-        if share:
-            # Each rank plans its share alone: the plans must be the same (one small all-gather
-            # of their digests), or no index could be trusted (a tensor on one rank only).
-            self._stamp(f"agreeing on the share plan of checkpoint-{self.state.global_step}")
-            agree_on_plan(groups, world, per_node.gather_objects)
-        entries += [(n, d, False) for n, d in share_entries(groups, rank, world, coordinator=main)]
-        # Every rank records the best checkpoint, so every rank loads it at the end.
-        self._before_checkpoint_write()
-        if main:
-            entries.append((TRAINING_ARGS_NAME, _json_bytes(self.args.to_dict()), False))
-            # trainer_state.json holds transformers' TrainerState fields only (its Trainer loads
-            # the file with TrainerState(**json)); our record is a file of its own.
-            state = self.state.to_dict()
-            state.pop(PREEMPTIBLE_KEY, None)
-            entries.append((TRAINER_STATE_NAME, _json_bytes(state), False))
-            record = lambda: _json_bytes(self._preemptible_record(jit, snapshot))  # noqa: E731
-            entries.append((RUNTIME_STATE_NAME, record() if snapshot else record, False))
-        if snapshot:
-            buffers = self._snapshot_buffers
-            entries = [(n, snapshot_entry(n, d, buffers), r) for n, d, r in entries]
-        return entries
+        """The files of a checkpoint, in write order (CheckpointManager.entries)."""
+        return self._checkpoints.entries(main, jit, snapshot=snapshot)
 
     def _after_checkpoint_commit(
         self, info: CheckpointInfo, seconds: float, *, blocking: bool = True
@@ -1839,151 +1519,19 @@ class Trainer(
         self._publish_metrics()
         self._record_post_commit(time.perf_counter() - post_commit)
 
-    # -- asynchronous periodic checkpoints (save_async) --------------------------------------------
-    def _save_async_active(self) -> bool:
-        """save_async, resolved: None means on under the operator for a plain single process."""
-        return resolve_save_async(
-            self.args,
-            operator=under_operator(),
-            world_size=collectives.world_size(),
-            fsdp=self._fsdp is not None,
-        )
+    # -- the checkpoint manager's state (read by tests and benchmarks) ----------------------------
+    @property
+    def _async_save(self) -> BackgroundSave | None:
+        """The periodic checkpoint a writer thread is writing (save_async), or None."""
+        return self._checkpoints.in_flight
 
-    def _start_async_save(self) -> CheckpointInfo:
-        """Snapshot the state (the training stall) and hand it to a writer thread."""
-        if self._async_save is not None:
-            raise CheckpointError("a background checkpoint is already in flight")
-        started = time.perf_counter()
-        step = self.state.global_step
-        writer = self._new_checkpoint_writer(step)
-        # Sentinel first. Several ranks create it together (a barrier) here; one rank lets the
-        # writer thread create it before its first file.
-        alone = writer.world_size == 1
-        if not alone:
-            writer.begin()
-        self._pinned_staging.before_snapshot()
-        entries = self._checkpoint_entries(writer.is_coordinator, False, snapshot=True)
-        self._async_save = BackgroundSave(writer, entries, begin=alone)
-        stall = time.perf_counter() - started
-        self._pinned_staging.after_snapshot(stall)
-        logger.info(
-            "checkpoint %s: state copied in %.3f s, written in the background", writer.path, stall
-        )
-        return CheckpointInfo(
-            path=writer.path,
-            name=writer.name,
-            step=step,
-            complete=False,
-            reason="being written in the background (save_async)",
-            size_bytes=0,
-            manifest=None,
-            attempt=writer.attempt,
-        )
+    @property
+    def _pinned_staging(self) -> PinnedStaging:
+        return self._checkpoints.staging
 
-    def _poll_async_save(self) -> None:
-        """At a step boundary: commit the background checkpoint once every rank wrote its files
-        (one all-reduce per step while a write is in flight, none otherwise)."""
-        save = self._async_save
-        if save is None:
-            return
-        if collectives.agree_to_stop(not save.done()):
-            return  # some rank is still writing
-        self._commit_async_save()
-
-    def _stop_while_async_save_pending(self) -> bool:
-        """A periodic save is due while a background write is still in flight (at most one):
-        wait for it, all ranks agreeing every ``_ASYNC_POLL_SECONDS``, but not past a SIGTERM.
-        True when a JIT stop became due meanwhile: the caller skips the periodic save and the
-        stop that follows writes this step, cancelling the older write instead of waiting for
-        it. False once every rank's write is done (committed by the save that follows). The
-        last step waits as before: the end of training commits what is in flight."""
-        save = self._async_save
-        if save is None or self.control.should_training_stop:
-            return False
-        while True:
-            latch = self.sigterm_latch
-            wants_jit = bool(self.args.enable_jit_checkpoint and latch and latch.should_act())
-            # 2: some rank must stop; 1: some rank is still writing; 0: every rank is done.
-            state = collectives.agree_max(2 if wants_jit else (0 if save.done() else 1))
-            if state == 2:
-                return True
-            if state == 0:
-                return False
-            save.wait(_ASYNC_POLL_SECONDS)
-
-    def _commit_async_save(self) -> None:
-        save = self._async_save
-        assert save is not None
-        save.wait()
-        self._async_save = None
-        self._pinned_staging.after_write(save.seconds)
-        failed = collectives.agree_to_stop(save.error is not None)
-        if failed:
-            # every rank's writer thread has ended (each waited, then they agreed)
-            save.writer.discard(every_rank_done=True)
-            if save.error is not None:
-                raise save.error
-            raise CheckpointError(
-                f"the background write of {save.writer.path} failed on another rank"
-            )
-        committing = time.perf_counter()
-        info = save.writer.commit(self._manifest_extra())
-        self._after_checkpoint_commit(
-            info, save.seconds + time.perf_counter() - committing, blocking=False
-        )
-
-    def _settle_async_save(self, *, jit: bool) -> float:
-        """Before a save: at most one write in flight. A periodic save waits for the one in
-        flight and commits it; a JIT save does the same when it is of the same step, and
-        otherwise cancels it (the newer state supersedes it; its directory, incomplete, is
-        removed once the JIT checkpoint is committed). Returns the seconds spent."""
-        save = self._async_save
-        if save is None:
-            return 0.0
-        started = time.perf_counter()
-        if jit and save.step != self.state.global_step:
-            save.cancel()
-            self._async_save = None
-            self._superseded = save
-            logger.warning(
-                "JIT checkpoint of step %d supersedes the background checkpoint %s (cancelled; "
-                "removed once the JIT checkpoint is committed)",
-                self.state.global_step,
-                save.writer.path,
-            )
-        else:
-            self._commit_async_save()
-        return time.perf_counter() - started
-
-    def _remove_superseded(self, coordinator: bool) -> None:
-        """After the JIT checkpoint is committed: the coordinator removes the directory of the
-        background write it cancelled (an abandoned write older than a complete checkpoint;
-        every rank's writer thread ended before the JIT save began). A crash before this point
-        leaves it incomplete, which resume skips."""
-        save, self._superseded = self._superseded, None
-        if save is None or not coordinator:
-            return
-        writer = save.writer
-        try:
-            if not inspect_checkpoint(writer.root, writer.name).complete:
-                remove_checkpoint(writer.root, writer.name, writer.attempt)
-                writer.root.fsync_dir("")
-        except Exception as exc:  # the JIT checkpoint is committed: never fail the stop here
-            logger.warning("could not remove the superseded checkpoint %s: %s", writer.path, exc)
-
-    def _finish_async_save(self) -> None:
-        """End of training: the checkpoint in flight is committed before train() returns."""
-        if self._async_save is not None:
-            self._commit_async_save()
-
-    def _abandon_async_save(self) -> None:
-        """train() is leaving: on an error, stop the writer thread (its checkpoint stays
-        incomplete; no collective is attempted on a failing run); free the snapshot buffers."""
-        save, self._async_save = self._async_save, None
-        if save is not None:
-            save.cancel()
-            save.writer.discard()  # this rank's thread has ended; one rank: the directory
-        self._pinned_staging.clear()
+    @property
+    def _snapshot_buffers(self) -> SnapshotBuffers:
+        return self._checkpoints.snapshot_buffers
 
     def _processing_class_to_save(self) -> Any:
         """The processing class, else the data collator's tokenizer (as transformers saves)."""
@@ -2011,25 +1559,9 @@ class Trainer(
         target = output_dir or str(self.args.output_dir)
         # fsdp: every rank takes part in gathering the full weights; the main process writes them.
         gathered = self._gathered_model_tensors()
-        if not per_node.is_checkpoint_writer(
-            self.args,
-            is_main_process=self.accelerator.is_main_process,
-            is_local_main_process=self.accelerator.is_local_main_process,
-        ):
-            collectives.barrier()
-            self._push_after_save_model(_internal_call)
-            return None
-        storage = Storage(target)
-        storage.makedirs("")
-        for name, data in model_file_entries(
-            self.model, self._processing_class_to_save(), gathered=gathered
-        ):
-            write_entry(storage, name, data)
-        storage.write_json(TRAINING_ARGS_NAME, self.args.to_dict())
-        storage.fsync_dir("")
-        collectives.barrier()
+        wrote = self._checkpoints.save_model(target, gathered)
         self._push_after_save_model(_internal_call)
-        return target
+        return target if wrote else None
 
     def _push_after_save_model(self, internal: bool) -> None:
         # As transformers: a user's save_model() with push_to_hub also pushes (every rank
@@ -2141,39 +1673,15 @@ class Trainer(
         return self.accelerator.is_local_main_process
 
     def _load_checkpoint(self, info: CheckpointInfo) -> None:
-        """Restore model, optimizer, scheduler, RNG, state and data position from ``info``."""
-        reader = CheckpointReader(info.path)
-        has = reader.has
+        """Restore model, optimizer, scheduler, RNG, state and data position from ``info``
+        (checkpointing.py; the progress and data position through the two hooks below)."""
+        self._checkpoints.load(info)
 
-        # fsdp: model (and optimizer) from every rank's shards; False: optimizer not in them.
-        sharded_optimizer = self._load_model_shards(info) if self._fsdp is not None else None
-        if sharded_optimizer is None and not has_model_files(self.model, has):
-            raise ResumeError(
-                f"cannot resume from {info.path}: it holds no weights this model can load "
-                "(model.safetensors, its shards, or a PEFT adapter; pickled weights are not read)"
-            )
-        # DDP: a rank-shared save is read once over the ranks, each its share (share_resume.py)
-        shared = None
-        if sharded_optimizer is None and collectives.is_distributed():
-            saved_world = (info.manifest or {}).get("world_size")
-            shared = load_shared(reader, self.model, saved_world)
-        if sharded_optimizer is None and (shared is None or not shared.model_loaded):
-            # memory-mapped: copied from the file's pages into the parameters (checksums are
-            # computed on helper threads meanwhile; reader.wait_verified below)
-            load_model_files(
-                self.model,
-                reader.load_bytes,
-                has,
-                info.path,
-                load=reader.load_tensors_and_metadata,
-            )
-        state = reader.load_json(TRAINER_STATE_NAME)
-        # Our record; checkpoints of earlier versions kept it in trainer_state.json; a
-        # transformers.Trainer checkpoint has none.
-        if has(RUNTIME_STATE_NAME):
-            record = dict(reader.load_json(RUNTIME_STATE_NAME) or {})
-        else:
-            record = dict(state.get(PREEMPTIBLE_KEY) or {})
+    def _restore_progress(
+        self, state: dict[str, Any], record: dict[str, Any], info: CheckpointInfo
+    ) -> None:
+        """A checkpoint's progress and timings (its trainer_state.json and our record), applied
+        while it is loaded."""
         restored = TrainerState.from_dict(state)
         # Keep this run's plan (max_steps may have been raised), take the progress from the file.
         self.state.global_step = restored.global_step
@@ -2198,59 +1706,11 @@ class Trainer(
             self.save_timer.record(info.save_seconds, blocking=blocking)
         self.sigterm_to_exit = [float(x) for x in record.get("sigterm_to_exit_seconds") or []]
 
-        assert self.optimizer is not None and self.lr_scheduler is not None
-        rank, world = collectives.rank(), collectives.world_size()
-        rng_name = rng_file_name(rank, world)
-        optimizer_saved = (
-            has(OPTIMIZER_NAME) or has(OPTIMIZER_INDEX_NAME)
-            if sharded_optimizer is None
-            else sharded_optimizer
-        )
-        if optimizer_saved and has(SCHEDULER_NAME):
-            if sharded_optimizer is None:
-                optimizer_state = (
-                    shared.optimizer
-                    if shared is not None and shared.optimizer is not None
-                    else reader.load_optimizer()
-                )
-                assert optimizer_state is not None
-                self.optimizer.load_state_dict(optimizer_state)
-            self.lr_scheduler.load_state_dict(reader.load_json(SCHEDULER_NAME))
-        elif sharded_optimizer is None and has(HF_OPTIMIZER_NAME) and has(HF_SCHEDULER_NAME):
-            # A transformers.Trainer checkpoint (or one of ours exported for it).
-            where = f"{info.path}/{HF_OPTIMIZER_NAME}"
-            self.optimizer.load_state_dict(torch_load(reader.load_bytes(HF_OPTIMIZER_NAME), where))
-            where = f"{info.path}/{HF_SCHEDULER_NAME}"
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # torch's "save optimizer too" note
-                scheduler_state = torch_load(reader.load_bytes(HF_SCHEDULER_NAME), where)
-            self.lr_scheduler.load_state_dict(scheduler_state)
-        else:
-            logger.warning(
-                "%s has no optimizer/scheduler state (saved with save_only_model?): the optimizer "
-                "starts fresh and the schedule is fast-forwarded to step %d; the run will not be "
-                "identical to an uninterrupted one",
-                info.path,
-                self.state.global_step,
-            )
-            with warnings.catch_warnings():
-                # "lr_scheduler.step() before optimizer.step()": intended when fast-forwarding.
-                warnings.simplefilter("ignore", UserWarning)
-                # (a metric-driven schedule has no per-step position to fast-forward)
-                for _ in range(0 if self._metric_schedule else self.state.global_step):
-                    self.lr_scheduler.step()
-        hf_rng_name = hf_rng_file_name(rank, world)
-        if has(rng_name):
-            restore_rng_state(reader.load_tensors(rng_name), reader.load_metadata(rng_name))
-        elif has(hf_rng_name):
-            where = f"{info.path}/{hf_rng_name}"
-            load_hf_rng_state(torch_load(reader.load_bytes(hf_rng_name), where))
-        else:
-            logger.warning("%s has no %s: RNG state not restored", info.path, rng_name)
-        dataset_state_name = dataset_state_file_name(rank, world)
-        if self._is_iterable() and has(dataset_state_name) and not self.args.ignore_data_skip:
-            self._dataset_state = reader.load_json(dataset_state_name)
-
+    def _restore_data_position(
+        self, record: dict[str, Any], info: CheckpointInfo
+    ) -> tuple[int, int]:
+        """A checkpoint's data position, re-sharded to this run's layout; returns (epoch, batch
+        of the epoch)."""
         position = record.get("data_position") or self._position_from_step()
         layout = self._data_layout()
         # A new number of ranks or batch size is re-sharded exactly or refused (resharding.py).
@@ -2307,16 +1767,7 @@ class Trainer(
             self._position.epoch += 1
             self._position.batch = 0
             self._position.started = False
-        # Nothing trains on the state before its checksums matched the manifest.
-        reader.wait_verified()
-        self.last_checkpoint = info
-        logger.info(
-            "resumed from %s: step %d, epoch %d, batch %d of the epoch",
-            info.path,
-            self.state.global_step,
-            self._position.epoch,
-            self._position.batch,
-        )
+        return self._position.epoch, self._position.batch
 
     def _load_callback_state(self) -> None:
         """restore_callback_states_from_checkpoint: rebuild each stateful callback (and the
@@ -2390,7 +1841,7 @@ class Trainer(
             else None,
             stop_requested=bool(self.sigterm_latch and self.sigterm_latch.triggered),
         )
-        for key, value in self._pinned_staging.metrics().items():
+        for key, value in self._checkpoints.staging.metrics().items():
             self.metrics.set(key, value)
 
     def _write_termination(

@@ -66,3 +66,23 @@ def test_no_import_circle_inside_trainer_runtime() -> None:
 def test_cycle_finder_sees_a_circle() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        node = todo.pop()
+        for nxt in graph.get(node, ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_the_checkpoint_manager_never_reaches_the_trainer() -> None:
+    """The Trainer asks checkpointing.py to save or load; the manager sees the Trainer only as
+    its CheckpointHost protocol (issue 38 item 6)."""
+    graph = import_graph()
+    assert "trainer_runtime.trainer" in reachable(graph, "trainer_runtime.seq2seq")  # the probe
+    assert "trainer_runtime.trainer" not in reachable(graph, "trainer_runtime.checkpointing")
