@@ -141,6 +141,8 @@ def render_workload(
             "name": spec.priority_class,
         }
         workload_spec["priority"] = priority
+    # Kueue reads the template's requests, node selector, affinity and tolerations; the rest
+    # (attempt-specific env and annotations of ``params``) is kept as the record of what runs.
     template = render.render_pod_template(meta, spec, params)
     workload_spec["podSets"] = [_pod_set(template, max_nodes, min_nodes)]
     return {
@@ -181,9 +183,8 @@ def render_replacement(
     bigger = [s for s in bigger if current_nodes < s <= max_nodes]
     if not bigger:
         raise ValueError(f"no size in ({current_nodes}, {max_nodes}] to grow to")
-    _check_sizes(bigger[0], max_nodes)
     meta = old["metadata"]
-    annotations = {k: v for k, v in (meta.get("annotations") or {}).items()}
+    annotations = dict(meta.get("annotations") or {})
     slice_index = int(annotations.get(ANNOTATION_SLICE, "1")) + 1
     annotations[ANNOTATION_SLICE] = str(slice_index)
     annotations[ANNOTATION_REPLACEMENT_FOR] = f"{meta['namespace']}/{meta['name']}"
