@@ -19,6 +19,16 @@ from preemptible_operator.models import (
 from preemptible_operator.phases import Decision, PhaseInputs, next_phase
 from preemptible_operator.render import AttemptParams, render_job, render_service
 from preemptible_operator.resume import ResumeChoice, resume_checkpoint
+from preemptible_operator.workload import (
+    Admission,
+    Eviction,
+    admitted_size,
+    clear_reservation_patch,
+    eviction,
+    finished_patch,
+    render_replacement,
+    render_workload,
+)
 
 __all__ = [
     "API_VERSION",
@@ -26,8 +36,10 @@ __all__ = [
     "KIND",
     "PLURAL",
     "VERSION",
+    "Admission",
     "AttemptParams",
     "Decision",
+    "Eviction",
     "GraceDecision",
     "Interruption",
     "PhaseInputs",
@@ -35,12 +47,18 @@ __all__ = [
     "ResumeChoice",
     "TrainingJobSpec",
     "TrainingJobStatus",
+    "admitted_size",
     "classify_interruption",
+    "clear_reservation_patch",
+    "eviction",
+    "finished_patch",
     "grace_sufficiency",
     "next_grace",
     "next_phase",
     "pod_finished",
     "render_job",
+    "render_replacement",
     "render_service",
+    "render_workload",
     "resume_checkpoint",
 ]
