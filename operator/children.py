@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from preemptible_operator import render
 from preemptible_operator.classify import job_condition, pod_finished
 from preemptible_operator.conditions import Reason
 from preemptible_operator.render import CONTAINER_NAME, JOB_COMPLETION_INDEX_ANNOTATION
@@ -24,6 +25,7 @@ __all__ = [
     "api_message",
     "attempt_pods_finished",
     "create_refusal",
+    "held_pods",
     "job_terminal",
     "jobs_to_delete",
     "kept_failed_attempt",
@@ -316,3 +318,13 @@ def restarted_pods(
             live.append((index, created, pod))
     # RFC 3339 times of one apiserver compare as strings; a missing time never counts as later.
     return [p for i, created, p in live if i in ended and created > ended[i]]
+
+
+def held_pods(pods_by_attempt: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Pods of any attempt that still hold the attempt-record finalizer."""
+    return [
+        p
+        for pods in pods_by_attempt.values()
+        for p in pods
+        if render.ATTEMPT_FINALIZER in (p["metadata"].get("finalizers") or [])
+    ]

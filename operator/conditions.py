@@ -20,6 +20,7 @@ __all__ = [
     "RUNNING",
     "SUCCEEDED",
     "SUSPENDED",
+    "Event",
     "Reason",
     "find_condition",
     "lifecycle_conditions",
@@ -233,3 +234,7 @@ def lifecycle_conditions(
             c, SUSPENDED, "False", Reason.RESUMED, "spec.suspend is false", now, generation
         )
     return c
+
+
+Event = tuple[str, str, str]
+"""(type, reason, message) of an Event on the TrainingJob."""

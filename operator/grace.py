@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
+from preemptible_operator import conditions as cond
+from preemptible_operator import models
+from preemptible_operator.conditions import Event, Reason
 from preemptible_operator.models import GracePeriodSpec, Timings
 from trainer_runtime.grace import GracePolicy, GraceRecommendation, recommend_grace
 
 __all__ = [
     "GraceDecision",
+    "GraceOutcome",
+    "cap_grace",
+    "grace_status",
     "grace_sufficiency",
     "next_grace",
     "policy_from_spec",
@@ -107,3 +114,83 @@ def grace_sufficiency(current: int | None, decision: GraceDecision) -> tuple[boo
         f"({decision.reason}); a pod's grace cannot change while it runs, so the next attempt "
         f"gets {decision.seconds} s"
     )
+
+
+def cap_grace(decision: GraceDecision, cap: int | None) -> GraceDecision:
+    """``decision`` with its seconds clamped to the operator's ``--max-grace-seconds``."""
+    if cap is None or decision.seconds <= cap:
+        return decision
+    return dataclasses.replace(
+        decision,
+        seconds=cap,
+        reason=f"{decision.reason}; capped at {cap} s by the operator (--max-grace-seconds)",
+    )
+
+
+@dataclass(frozen=True)
+class GraceOutcome:
+    """status.gracePeriod's recommendation and condition GracePeriodSufficient."""
+
+    grace_period: models.GraceStatus
+    conditions: list[models.Condition]
+    event: Event | None
+    """A Warning when the grace turns (or stays, for a new reason) insufficient."""
+    recommended: int
+    """The next attempt's grace (also exported as a metric)."""
+
+
+def grace_status(
+    status: models.TrainingJobStatus,
+    spec: models.TrainingJobSpec,
+    max_grace_seconds: int | None,
+    now: str,
+    generation: int | None,
+) -> GraceOutcome:
+    """The next attempt's grace from the measurements so far, and whether the current (or last)
+    attempt's grace sufficed: a kill at the grace deadline or a deadline too short to start a
+    JIT save say no whatever the measurements."""
+    last = (status.attempts or [])[-1] if status.attempts else None
+    killed_grace = last.grace_seconds if last and last.killed and last.end_time else None
+    decision = cap_grace(
+        next_grace(spec.grace_period, status.timings, killed_grace), max_grace_seconds
+    )
+    gp = (status.grace_period or models.GraceStatus()).model_copy()
+    gp.recommended = decision.seconds
+    gp.reason = decision.reason
+    gp.inputs = decision.inputs or None
+    current = gp.current
+    if last is not None and last.end_time is None:
+        ok, message = grace_sufficiency(current, decision)
+        reason = Reason.GRACE_SUFFICIENT if ok else Reason.GRACE_TOO_SHORT
+    elif last is not None and last.reason == Reason.DEADLINE_TOO_SHORT:
+        ok, reason = False, Reason.DEADLINE_TOO_SHORT
+        message = (
+            f"attempt {last.attempt} did not start its JIT save: it could not finish before "
+            f"the deadline ({last.message}); the grace is not raised past what the node "
+            "gives: save more often (status.checkpointInterval, spec.checkpoint.interval: auto)"
+        )
+    elif last is not None and last.killed:
+        ok, reason = False, Reason.GRACE_KILLED
+        message = (
+            f"attempt {last.attempt} was SIGKILLed at its {last.grace_seconds} s grace "
+            f"deadline; the next attempt gets {decision.seconds} s"
+        )
+    else:
+        ok, message = grace_sufficiency(current, decision)
+        reason = Reason.GRACE_SUFFICIENT if ok else Reason.GRACE_TOO_SHORT
+    if decision.required is None and ok:
+        reason = Reason.NOT_MEASURED
+    before = cond.find_condition(status.conditions, cond.GRACE_PERIOD_SUFFICIENT)
+    after = cond.set_condition(
+        status.conditions,
+        cond.GRACE_PERIOD_SUFFICIENT,
+        "True" if ok else "False",
+        reason,
+        message,
+        now,
+        generation,
+    )
+    event: Event | None = None
+    if not ok and (before is None or before.status != "False" or before.reason != reason):
+        event = ("Warning", reason, message)
+    return GraceOutcome(gp, after, event, decision.seconds)

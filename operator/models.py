@@ -165,8 +165,8 @@ def _schema_rules(schema: dict[str, Any], model: type) -> None:
 
 class _Model(BaseModel):
     """camelCase on the wire, snake_case in Python; unknown fields are an error in the spec (the
-    CRD prunes them anyway; an operator older than its CRD drops them with a note: decide.py's
-    parse_spec_tolerant); the status models keep them (``_Status``).
+    CRD prunes them anyway; an operator older than its CRD drops them with a note:
+    pass_spec.parse_spec_tolerant); the status models keep them (``_Status``).
     ``rules`` are checked after the fields and emitted as the CRD's CEL validations."""
 
     model_config = ConfigDict(

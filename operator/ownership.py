@@ -9,11 +9,22 @@ uid annotation when their Job is already gone.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from preemptible_operator import models, render
 from preemptible_operator.render import ANNOTATION_TJ_UID
 
-__all__ = ["controller_uid", "owned_by", "pod_owned", "tj_uid_of"]
+__all__ = [
+    "Children",
+    "by_attempt",
+    "controller_uid",
+    "left_by_earlier_incarnation",
+    "owned_by",
+    "owned_children",
+    "pod_owned",
+    "tj_uid_of",
+]
 
 
 def controller_uid(obj: Mapping[str, Any]) -> str | None:
@@ -43,3 +54,47 @@ def pod_owned(pod: Mapping[str, Any], tj_uid: str | None, job_uids: Collection[s
     if recorded is not None:
         return recorded == tj_uid
     return controller_uid(pod) in job_uids
+
+
+def by_attempt(objs: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """Objects by the attempt number of their label (unlabelled ones left out)."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for obj in objs:
+        raw = (obj["metadata"].get("labels") or {}).get(render.LABEL_ATTEMPT, "")
+        if raw.isdigit():
+            out.setdefault(int(raw), []).append(obj)
+    return out
+
+
+@dataclass(frozen=True)
+class Children:
+    """The TrainingJob's children among those labelled with its name."""
+
+    jobs: dict[int, dict[str, Any]]
+    """Its Jobs by attempt."""
+    pods_by_attempt: dict[int, list[dict[str, Any]]]
+    foreign_pods: list[dict[str, Any]]
+    """Pods labelled with its name that are not its own: an earlier incarnation's."""
+
+
+def owned_children(
+    uid: str | None, jobs: list[dict[str, Any]], pods: list[dict[str, Any]]
+) -> Children:
+    """Children are ours only by owner uid: a TrainingJob re-created under the same name must
+    never adopt the previous incarnation's Jobs or pods (still being deleted)."""
+    owned_jobs = [j for j in jobs if owned_by(j, uid)]
+    job_uids = {j["metadata"].get("uid") for j in owned_jobs}
+    ours = [p for p in pods if pod_owned(p, uid, job_uids)]
+    return Children(
+        jobs={n: js[0] for n, js in by_attempt(owned_jobs).items()},
+        pods_by_attempt=by_attempt(ours),
+        foreign_pods=[p for p in pods if not pod_owned(p, uid, job_uids)],
+    )
+
+
+def left_by_earlier_incarnation(existing: dict[str, Any], tj_name: str) -> bool:
+    """A child name is taken by an object owned by a TrainingJob of the same name (another
+    uid): a deleted incarnation's, which garbage collection removes (waited for, never a
+    refusal)."""
+    refs = existing["metadata"].get("ownerReferences") or []
+    return any(r.get("kind") == models.KIND and r.get("name") == tj_name for r in refs)

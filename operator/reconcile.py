@@ -34,6 +34,7 @@ from preemptible_operator.children import (
     Refusal,
     api_message,
     create_refusal,
+    held_pods,
     jobs_to_delete,
     pods_to_end,
 )
@@ -42,49 +43,26 @@ from preemptible_operator.classify import (
     pod_finished,
 )
 from preemptible_operator.conditions import Reason
-from preemptible_operator.decide import (
-    DEACTIVATE_ON_RECORD,
-    Snapshot,
-    action_status,
-    adopted_params,
-    attempt_created_message,
-    awaits_pods,
-    by_attempt,
-    cap_grace,
-    clear_refused,
-    current_record,
-    deactivation_patch,
-    deadline_wake,
-    earlier_attempts_active,
-    find_record,
-    grace_status,
-    held_pods,
-    interruption_of,
-    left_by_earlier_incarnation,
-    no_pods_wait,
-    outcomes,
-    owned_children,
-    parse_spec_tolerant,
-    pass_spec,
-    phase_change_event,
-    phase_conditions,
-    phase_inputs,
-    plan_attempt,
-    pods_refusal,
-    refusal_outcome,
-    rejected_message,
-    running_pods,
-    shown_phase,
-    spec_of_job,
-    start_attempt,
-    starts_now,
-    status_message,
-    unreachable_condition,
-    wake_after,
-)
+from preemptible_operator.deactivation import DEACTIVATE_ON_RECORD, deactivation_patch
+from preemptible_operator.grace import cap_grace, grace_status
 from preemptible_operator.interval import interval_status
 from preemptible_operator.node_notice import NodeNotice, node_notice, pod_notice_patch
-from preemptible_operator.ownership import owned_by, tj_uid_of
+from preemptible_operator.observation import (
+    Snapshot,
+    earlier_attempts_active,
+    interruption_of,
+    phase_inputs,
+    running_pods,
+    starts_now,
+)
+from preemptible_operator.ownership import (
+    by_attempt,
+    left_by_earlier_incarnation,
+    owned_by,
+    owned_children,
+    tj_uid_of,
+)
+from preemptible_operator.pass_spec import parse_spec_tolerant, pass_spec, spec_of_job
 from preemptible_operator.phases import (
     Decision,
     PhaseInputs,
@@ -100,8 +78,34 @@ from preemptible_operator.recording import (
     apply_snapshot,
     record_attempt_end,
 )
+from preemptible_operator.refusals import (
+    awaits_pods,
+    clear_refused,
+    no_pods_wait,
+    pods_refusal,
+    refusal_outcome,
+)
 from preemptible_operator.scrape import RuntimeMetrics, scrape
+from preemptible_operator.show import (
+    action_status,
+    phase_change_event,
+    phase_conditions,
+    rejected_message,
+    shown_phase,
+    status_message,
+)
+from preemptible_operator.start import (
+    adopted_params,
+    attempt_created_message,
+    current_record,
+    find_record,
+    outcomes,
+    plan_attempt,
+    start_attempt,
+)
 from preemptible_operator.timestamps import now_rfc3339, parse_rfc3339
+from preemptible_operator.unreachable import unreachable_condition
+from preemptible_operator.wake import deadline_wake, wake_after
 
 __all__ = [
     "Cached",
@@ -509,7 +513,8 @@ class Reconciler:
         self, namespace: str, name: str, cached: Cached | None, scrape_metrics: bool = True
     ) -> PassResult:
         """Observe (``_observe``: one immutable Snapshot), decide (the pure functions of
-        decide.py, phases.next_phase, recording.py), act (``_act``: the API calls of the one
+        observation.py, start.py, refusals.py, show.py, wake.py, phases.next_phase,
+        recording.py), act (``_act``: the API calls of the one
         decided action), show and write the status once (``_show``, ``_write_and_post``) and
         say when the next pass is due (``_schedule``)."""
         obs = self._observe(namespace, name, cached, scrape_metrics=scrape_metrics)
@@ -721,7 +726,7 @@ class Reconciler:
         deadline_left: float | None,
         result: PassResult,
     ) -> PassResult:
-        """When the next pass is due (decide.wake_after, the periodic timer, the deadline), or
+        """When the next pass is due (wake.wake_after, the periodic timer, the deadline), or
         the TrainingJob deleted once its TTL after finishing passed."""
         meta = obs.obj["metadata"]
         namespace, name = meta["namespace"], meta["name"]
@@ -1224,7 +1229,7 @@ class Reconciler:
         generation: int | None,
         result: PassResult,
     ) -> None:
-        """Condition NodeUnreachable (decide.unreachable_condition) applied to ``status``."""
+        """Condition NodeUnreachable (unreachable.unreachable_condition) applied to ``status``."""
         status.conditions, event = unreachable_condition(
             obs, spec, status.conditions, recorded, now, generation, self.clock()
         )
@@ -1346,7 +1351,7 @@ class Reconciler:
         generation: int | None,
         result: PassResult,
     ) -> None:
-        """The grace recommendation and condition (decide.grace_status) applied to ``status``."""
+        """The grace recommendation and condition (grace.grace_status) applied to ``status``."""
         grace = grace_status(status, spec, self.config.max_grace_seconds, now, generation)
         status.grace_period = grace.grace_period
         status.conditions = grace.conditions

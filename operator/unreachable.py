@@ -14,9 +14,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from preemptible_operator import conditions as cond
+from preemptible_operator import models
+from preemptible_operator.conditions import Event, Reason
+from preemptible_operator.observation import Snapshot
 from preemptible_operator.timestamps import parse_rfc3339
 
-__all__ = ["OUT_OF_SERVICE_TAINT", "StuckNodes", "stuck_on_unreachable_nodes"]
+__all__ = [
+    "OUT_OF_SERVICE_TAINT",
+    "StuckNodes",
+    "stuck_on_unreachable_nodes",
+    "unreachable_condition",
+]
 
 OUT_OF_SERVICE_TAINT = "node.kubernetes.io/out-of-service"
 
@@ -83,3 +92,52 @@ def stuck_on_unreachable_nodes(
         pods=tuple(sorted(p for _, p, _ in stuck)),
         since=min(d for _, _, d in stuck),
     )
+
+
+def unreachable_condition(
+    snap: Snapshot,
+    spec: models.TrainingJobSpec,
+    conditions: list[models.Condition] | None,
+    recorded: bool,
+    now: str,
+    generation: int | None,
+    now_s: float,
+) -> tuple[list[models.Condition] | None, Event | None]:
+    """Condition NodeUnreachable (and one Warning Event when it turns True) while a pod of the
+    current attempt is stuck on a NotReady node past spec.unreachableNode's bound; False once
+    none is (no condition at all for a job that never had one stuck)."""
+    stuck = None
+    if snap.pods and not recorded:
+        stuck = stuck_on_unreachable_nodes(
+            snap.pods,
+            snap.node_ready,
+            snap.node_not_ready_since,
+            now_s,
+            spec.unreachable_node.escalate_after_seconds,
+        )
+    before = cond.find_condition(conditions, cond.NODE_UNREACHABLE)
+    if stuck is not None:
+        message = stuck.message(now_s)
+        after = cond.set_condition(
+            conditions,
+            cond.NODE_UNREACHABLE,
+            "True",
+            Reason.OUT_OF_SERVICE_NEEDED,
+            message,
+            now,
+            generation,
+        )
+        if before is None or before.status != "True":
+            return after, ("Warning", Reason.OUT_OF_SERVICE_NEEDED, message)
+        return after, None
+    if before is not None and before.status == "True":
+        return cond.set_condition(
+            conditions,
+            cond.NODE_UNREACHABLE,
+            "False",
+            Reason.NODES_REACHABLE,
+            "no pod of the attempt is stuck on a NotReady node",
+            now,
+            generation,
+        ), None
+    return conditions, None

@@ -72,8 +72,8 @@ META = {"name": "tj", "namespace": "ns", "uid": "uid-1"}
 
 
 def make_snapshot(**overrides: Any) -> Any:
-    """A reconcile pass's snapshot (decide.Snapshot): a valid spec, no attempt yet."""
-    from preemptible_operator.decide import Snapshot
+    """A reconcile pass's snapshot (observation.Snapshot): a valid spec, no attempt yet."""
+    from preemptible_operator.observation import Snapshot
 
     fields: dict[str, Any] = {
         "obj": {"metadata": {**META, "generation": 1}},

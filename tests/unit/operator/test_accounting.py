@@ -18,7 +18,7 @@ from preemptible_operator.accounting import (
 )
 from preemptible_operator.classify import Interruption
 from preemptible_operator.conditions import Reason
-from preemptible_operator.decide import phase_inputs
+from preemptible_operator.observation import phase_inputs
 from preemptible_operator.phases import next_phase
 from tests.unit.operator.builders import make_snapshot, make_spec
 

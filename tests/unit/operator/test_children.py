@@ -16,6 +16,7 @@ from preemptible_operator.children import (
     api_message,
     attempt_pods_finished,
     create_refusal,
+    held_pods,
     jobs_to_delete,
     kept_failed_attempt,
     pods_refused,
@@ -539,3 +540,12 @@ def test_render_job_keeps_what_children_relies_on(spec_fields: dict[str, Any]) -
     assert ATTEMPT_FINALIZER in pod["metadata"]["finalizers"]
     assert CONTAINER_NAME in [c["name"] for c in pod["spec"]["containers"]]
     assert js["suspend"] is bool(spec.queue_name)  # Kueue admits it by unsuspending
+
+
+def test_held_pods() -> None:
+    held = make_pod("held")
+    held["metadata"]["finalizers"] = ["other", render.ATTEMPT_FINALIZER]
+    released = make_pod("released")
+    released["metadata"]["finalizers"] = ["other"]
+    got = held_pods({1: [released, held], 2: [make_pod("bare")]})
+    assert [p["metadata"]["name"] for p in got] == ["held"]

@@ -6,8 +6,12 @@ from typing import Any
 
 import pytest
 
-from preemptible_operator.grace import grace_sufficiency, next_grace, policy_from_spec
+from preemptible_operator import conditions as conds
+from preemptible_operator import models
+from preemptible_operator.conditions import Reason
+from preemptible_operator.grace import grace_status, grace_sufficiency, next_grace, policy_from_spec
 from preemptible_operator.models import GracePeriodSpec, Timings
+from tests.unit.operator.builders import make_spec
 
 AUTO = GracePeriodSpec(initialSeconds=60, min=10, max=600, headroom=0.0, exitMargin=0)
 
@@ -98,3 +102,106 @@ def test_policy_from_spec_maps_every_field() -> None:
         policy.kill_wait,
         policy.exit_margin,
     ) == (7, 2, 9, 0.5, 1.5, 4)
+
+
+T0_RFC = "2026-05-28T20:26:40Z"
+
+
+def _record(**fields: Any) -> models.AttemptRecord:
+    return models.AttemptRecord(**{"attempt": 1, "job_name": "tj-a1", **fields})
+
+
+GRACE = [
+    # (id, attempts, timings, current grace, cap, status, reason, recommended, event)
+    ("no-attempt", [], None, None, None, "True", Reason.NOT_MEASURED, 300, False),
+    (
+        "running-covered",
+        [_record(grace_seconds=120)],
+        models.Timings(step_seconds_max=2.0, save_seconds_max=5.0),
+        120,
+        None,
+        "True",
+        Reason.GRACE_SUFFICIENT,
+        None,
+        False,
+    ),
+    (
+        "running-short",
+        [_record(grace_seconds=5)],
+        models.Timings(step_seconds_max=20.0, save_seconds_max=50.0),
+        5,
+        None,
+        "False",
+        Reason.GRACE_TOO_SHORT,
+        None,
+        True,
+    ),
+    (
+        "killed-at-grace",
+        [_record(grace_seconds=30, killed=True, end_time=T0_RFC)],
+        None,
+        30,
+        None,
+        "False",
+        Reason.GRACE_KILLED,
+        60,
+        True,
+    ),
+    (
+        "killed-capped",
+        [_record(grace_seconds=30, killed=True, end_time=T0_RFC)],
+        None,
+        30,
+        40,
+        "False",
+        Reason.GRACE_KILLED,
+        40,
+        True,
+    ),
+    (
+        "deadline-too-short",
+        [_record(end_time=T0_RFC, reason=Reason.DEADLINE_TOO_SHORT, message="10 s left")],
+        None,
+        30,
+        None,
+        "False",
+        Reason.DEADLINE_TOO_SHORT,
+        None,
+        True,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("attempts", "timings", "current", "cap", "ok", "reason", "recommended", "event"),
+    [c[1:] for c in GRACE],
+    ids=[c[0] for c in GRACE],
+)
+def test_grace_status(
+    attempts: list[models.AttemptRecord],
+    timings: models.Timings | None,
+    current: int | None,
+    cap: int | None,
+    ok: str,
+    reason: str,
+    recommended: int | None,
+    event: bool,
+) -> None:
+    status = models.TrainingJobStatus(
+        attempts=attempts or None,
+        timings=timings,
+        grace_period=models.GraceStatus(current=current),
+    )
+    before = status.model_copy(deep=True)
+    got = grace_status(status, make_spec(), cap, T0_RFC, 1)
+    assert status == before  # pure: the status passed in is not changed
+    found = conds.find_condition(got.conditions, conds.GRACE_PERIOD_SUFFICIENT)
+    assert found is not None and (found.status, found.reason) == (ok, reason)
+    assert got.grace_period.current == current
+    assert got.grace_period.recommended == got.recommended
+    if recommended is not None:
+        assert got.recommended == recommended
+    assert (got.event is not None and got.event[:2] == ("Warning", reason)) is event
+    # The same outcome again: no second Event.
+    status.conditions = got.conditions
+    assert grace_status(status, make_spec(), cap, T0_RFC, 1).event is None

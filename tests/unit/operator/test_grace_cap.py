@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from preemptible_operator.grace import GraceDecision
-from preemptible_operator.reconcile import cap_grace, jittered
+from preemptible_operator.grace import GraceDecision, cap_grace
+from preemptible_operator.reconcile import jittered
 
 
 @pytest.mark.parametrize(

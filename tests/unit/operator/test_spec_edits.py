@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from preemptible_operator import render
-from preemptible_operator.reconcile import parse_spec_tolerant, spec_of_job
+from preemptible_operator.pass_spec import parse_spec_tolerant, spec_of_job
 from tests.unit.operator.builders import META, make_spec
 
 BASE: dict[str, Any] = {
