@@ -131,11 +131,13 @@ def _with_deadline(key: str, call: Callable[[], _T], timeout: float) -> _T:
         except BaseException as exc:  # handed to the waiting pass, never lost in the thread
             box["error"] = exc
         finally:
-            done.set()
+            # Out of _in_flight before the waiter wakes: a look right after this one must not
+            # find this thread still alive (in this block) and be refused as overlapping.
             with _in_flight_lock:
                 if _in_flight.get(key) is threading.current_thread():
                     del _in_flight[key]
                     _overdue.discard(key)
+            done.set()
 
     with _in_flight_lock:
         earlier = _in_flight.get(key)

@@ -354,3 +354,30 @@ def test_recording_an_attempt_over_hung_storage_ends_in_time(
     assert r._storage.snapshot(view, ("u1", 1)) is None
     assert time.monotonic() - began < 0.1
     assert probe.calls["exists"] == 1
+
+
+class _SlowForReaders:
+    """The module's lock, slow to take in a reader thread: the reader is descheduled at the end
+    of its read, as on a loaded machine."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        if threading.current_thread().name == "checkpoint-read":
+            time.sleep(0.2)
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_a_look_right_after_a_finished_one_is_not_refused_as_overlapping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _checkpoint(tmp_path, 4, complete=True)
+    monkeypatch.setattr(checkpoint_store, "_in_flight_lock", _SlowForReaders())
+    view = CheckpointView("/c", PathMap((("/c", str(tmp_path)),)))
+    for _ in range(3):
+        snap = view.snapshot(timeout=5.0)
+        assert snap is not None and snap.latest_complete is not None, "refused as overlapping"
