@@ -22,6 +22,7 @@ checkpoints, and :func:`export_transformers_state` writes them next to ours on r
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -265,9 +266,15 @@ def load_model_files(
         _load_adapter(model, read, has, where)
         return
 
+    # A loader that can read straight into the model's tensors (CheckpointReader's, local) gets
+    # them: no fresh memory, and load_state_dict's copies become no-ops (same data).
+    into = None
+    if load is not None and "into" in inspect.signature(load).parameters:
+        into = dict(model.state_dict())
+
     def tensors_of(name: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         if load is not None:
-            return load(name)
+            return load(name, into=into) if into is not None else load(name)  # type: ignore[call-arg]
         data = read(name)
         return dict(st_load(data)), _metadata(data)
 
