@@ -259,8 +259,10 @@ def load_model_files(
     tensor they share storage with, so nothing may be missing or unexpected.
 
     ``load``: returns a safetensors file's (tensors, metadata) without reading it into bytes
-    first (e.g. :meth:`CheckpointReader.load_tensors_and_metadata`, memory-mapped); the weights
-    are then copied straight from the file's pages into the model's parameters.
+    first (e.g. :meth:`CheckpointReader.load_tensors_and_metadata`). One that takes an ``into``
+    keyword gets the model's state_dict and reads each tensor straight into the parameter or
+    buffer it fits (one sequential pass; the load then copies nothing); any other is called with
+    the file name only and its tensors are copied into the model.
     """
     if is_peft_model(model):
         _load_adapter(model, read, has, where)
