@@ -57,6 +57,7 @@ __all__ = [
     "export_transformers_state",
     "has_model_files",
     "hf_rng_file_name",
+    "in_place_targets",
     "is_peft_model",
     "is_pretrained_model",
     "load_hf_rng_state",
@@ -244,6 +245,14 @@ def has_model_files(model: nn.Module, has: Has) -> bool:
     return has(MODEL_NAME) or has(WEIGHTS_INDEX_NAME)
 
 
+def in_place_targets(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The model's state_dict to read a checkpoint straight into, or None: only when every
+    tensor is in host memory. A model on an accelerator keeps the memory-mapped load (its file's
+    tensors would otherwise take fresh host memory before being copied to the device)."""
+    state = dict(model.state_dict())
+    return state if all(t.device.type == "cpu" for t in state.values()) else None
+
+
 def load_model_files(
     model: nn.Module,
     read: Read,
@@ -272,7 +281,7 @@ def load_model_files(
     # them: no fresh memory, and load_state_dict's copies become no-ops (same data).
     into = None
     if load is not None and "into" in inspect.signature(load).parameters:
-        into = dict(model.state_dict())
+        into = in_place_targets(model)
 
     def tensors_of(name: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         if load is not None:

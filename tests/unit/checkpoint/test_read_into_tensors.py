@@ -173,3 +173,12 @@ def test_our_reader_loads_the_model_in_place_and_verifies(tmp_path: Path) -> Non
     with pytest.raises(ResumeError, match="corrupt"):
         reader.wait_verified()
     assert os.path.exists(path)
+
+
+def test_a_model_off_the_host_keeps_the_mapped_load() -> None:
+    from trainer_runtime.checkpoint.hf_format import in_place_targets
+
+    model = _Tied()
+    assert in_place_targets(model) is not None
+    model.register_buffer("elsewhere", torch.empty(3, device="meta"))
+    assert in_place_targets(model) is None
