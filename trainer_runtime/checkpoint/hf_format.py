@@ -22,6 +22,7 @@ checkpoints, and :func:`export_transformers_state` writes them next to ours on r
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -56,6 +57,7 @@ __all__ = [
     "export_transformers_state",
     "has_model_files",
     "hf_rng_file_name",
+    "in_place_targets",
     "is_peft_model",
     "is_pretrained_model",
     "load_hf_rng_state",
@@ -243,6 +245,14 @@ def has_model_files(model: nn.Module, has: Has) -> bool:
     return has(MODEL_NAME) or has(WEIGHTS_INDEX_NAME)
 
 
+def in_place_targets(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The model's state_dict to read a checkpoint straight into, or None: only when every
+    tensor is in host memory. A model on an accelerator keeps the memory-mapped load (its file's
+    tensors would otherwise take fresh host memory before being copied to the device)."""
+    state = dict(model.state_dict())
+    return state if all(t.device.type == "cpu" for t in state.values()) else None
+
+
 def load_model_files(
     model: nn.Module,
     read: Read,
@@ -258,16 +268,24 @@ def load_model_files(
     tensor they share storage with, so nothing may be missing or unexpected.
 
     ``load``: returns a safetensors file's (tensors, metadata) without reading it into bytes
-    first (e.g. :meth:`CheckpointReader.load_tensors_and_metadata`, memory-mapped); the weights
-    are then copied straight from the file's pages into the model's parameters.
+    first (e.g. :meth:`CheckpointReader.load_tensors_and_metadata`). One that takes an ``into``
+    keyword gets the model's state_dict and reads each tensor straight into the parameter or
+    buffer it fits (one sequential pass; the load then copies nothing); any other is called with
+    the file name only and its tensors are copied into the model.
     """
     if is_peft_model(model):
         _load_adapter(model, read, has, where)
         return
 
+    # A loader that can read straight into the model's tensors (CheckpointReader's, local) gets
+    # them: no fresh memory, and load_state_dict's copies become no-ops (same data).
+    into = None
+    if load is not None and "into" in inspect.signature(load).parameters:
+        into = in_place_targets(model)
+
     def tensors_of(name: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         if load is not None:
-            return load(name)
+            return load(name, into=into) if into is not None else load(name)  # type: ignore[call-arg]
         data = read(name)
         return dict(st_load(data)), _metadata(data)
 

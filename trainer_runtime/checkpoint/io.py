@@ -77,6 +77,7 @@ from trainer_runtime.checkpoint.safetensors_stream import (
     header_of,
     read_header,
     read_into_buffer,
+    read_into_tensors,
     tensors_from_buffer,
     write_safetensors,
 )
@@ -959,7 +960,11 @@ class CheckpointReader:
         return self.storage._path(filename) if self.storage.is_local else None
 
     def load_tensors_and_metadata(
-        self, filename: str, *, owned: bool = False
+        self,
+        filename: str,
+        *,
+        owned: bool = False,
+        into: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """A safetensors file's tensors and ``__metadata__``, without reading it into bytes.
 
@@ -970,13 +975,33 @@ class CheckpointReader:
         a helper thread for a mapped file; block by block as they arrive for a read one);
         :meth:`wait_verified` raises ResumeError on a mismatch. Object stores: downloaded and
         checked inline.
+
+        ``into`` (local storage): tensors to read the file's tensors of the same name straight
+        into (e.g. the model's own state_dict; :func:`read_into_tensors`), in one sequential pass
+        that also feeds the checksum; the returned dict holds those very tensors, so loading
+        them into the model copies nothing. Tensors that do not fit get new memory.
         """
         path = self._local_path(filename)
         if path is None:
             return self._load_remote(filename)
         expected = self._expected(filename)
         try:
-            if not owned:
+            if into is not None:
+                hasher = new_hasher(expected[0]) if expected else None
+                size = os.path.getsize(path)
+                with open(path, "rb", buffering=0) as fh:
+                    # one stream in file order: let the kernel read ahead far (cold files)
+                    os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    header, tensors = read_into_tensors(
+                        fh.fileno(), size, into, hasher.update if hasher else None
+                    )
+                read_stats.add(size)
+                if hasher is not None:
+                    assert expected is not None
+                    done_: Future[str] = Future()
+                    done_.set_result(hasher.hexdigest())
+                    self._checks.append((filename, done_, expected))
+            elif not owned:
                 tensors = dict(_st_load_file(path))
                 # mapped, not read through the seam: counted once (the copies into the
                 # parameters and the checksum touch the same pages)

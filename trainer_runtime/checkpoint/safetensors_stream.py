@@ -45,6 +45,7 @@ __all__ = [
     "read_header",
     "read_header_range",
     "read_into_buffer",
+    "read_into_tensors",
     "tensor_entries",
     "tensors_from_buffer",
     "write_safetensors",
@@ -334,6 +335,95 @@ def read_into_buffer(
                 raise
     fh.seek(start + size)
     return buf
+
+
+def _fits(dest: torch.Tensor | None, entry: TensorEntry) -> bool:
+    """Whether the file's bytes of ``entry`` can be read straight into ``dest``'s memory: a
+    plain dense CPU tensor of the same dtype and shape, laid out contiguously."""
+    return (
+        dest is not None
+        and type(dest) in (torch.Tensor, torch.nn.Parameter)
+        and dest.layout == torch.strided
+        and dest.device.type == "cpu"
+        and dest.dtype == entry.dtype
+        and tuple(dest.shape) == entry.shape
+        and dest.is_contiguous()
+        and not dest.is_conj()
+        and not dest.is_neg()
+        and dest.numel() * dest.element_size() == entry.end - entry.begin
+    )
+
+
+def read_into_tensors(
+    fd: int,
+    size: int,
+    into: Mapping[str, torch.Tensor],
+    on_block: Callable[[memoryview], None] | None = None,
+    *,
+    block: int = READ_BLOCK_BYTES,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Read a whole safetensors file (``size`` bytes of ``fd``) in one sequential pass, each
+    tensor's bytes straight into the tensor of the same name in ``into`` where it fits
+    (:func:`_fits`: same dtype and shape, contiguous, on the CPU), else into a new tensor.
+
+    Returns the header and every tensor of the file by name (the ``into`` tensor itself where it
+    was read into). ``on_block`` gets every byte of the file once, in file order (header, tensor
+    bytes, any gap or tail), e.g. a checksum. The reads are large and in order, so a cold file
+    streams at the disk's rate through the kernel's readahead, and no page of fresh memory is
+    touched for a tensor that has a destination (a memory-mapped file is faulted in page by
+    page and then copied). A tensor named twice in ``into`` through tied storage is written
+    twice with the same bytes.
+    """
+    if size < 8:
+        raise CheckpointError("not a safetensors file: shorter than 8 bytes")
+
+    def read(offset: int, view: memoryview) -> None:
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done : done + block]], offset + done)
+            if not n:
+                raise CheckpointError(f"file ended at byte {offset + done} of {size}")
+            if on_block is not None:
+                on_block(view[done : done + n])
+            done += n
+
+    raw = bytearray(8)
+    read(0, memoryview(raw))
+    (length,) = struct.unpack("<Q", bytes(raw))
+    if not 2 <= length <= min(100 << 20, size - 8):
+        raise CheckpointError(f"not a safetensors file: header length {length}")
+    text = bytearray(length)
+    read(8, memoryview(text))
+    try:
+        header = json.loads(bytes(text))
+    except ValueError as exc:
+        raise CheckpointError(f"not a safetensors file: its header is not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError("not a safetensors file: its header is not a JSON object")
+    base = 8 + length
+    entries = sorted(tensor_entries(header, base).items(), key=lambda kv: kv[1].begin)
+    out: dict[str, torch.Tensor] = {}
+    pos = base
+    for name, entry in entries:
+        if entry.begin < pos:
+            raise CheckpointError(f"tensor {name!r} overlaps the tensor before it")
+        if entry.end > size:
+            raise CheckpointError(f"tensor {name!r} ends at byte {entry.end}, after the file")
+        if entry.begin > pos:  # a gap: read (and passed to on_block) but not kept
+            read(pos, memoryview(bytearray(entry.begin - pos)))
+        dest = into.get(name)
+        if not _fits(dest, entry):
+            dest = torch.empty(entry.shape, dtype=entry.dtype)
+        assert dest is not None
+        if entry.end > entry.begin:
+            with torch.no_grad():
+                flat = dest.detach().reshape(-1).view(torch.uint8)
+            read(entry.begin, memoryview(flat.numpy()).cast("B"))
+        out[name] = dest
+        pos = entry.end
+    if pos < size:  # bytes after the last tensor: part of the file (and of its checksum)
+        read(pos, memoryview(bytearray(size - pos)))
+    return header, out
 
 
 def tensors_from_buffer(
