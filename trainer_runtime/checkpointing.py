@@ -397,8 +397,9 @@ class CheckpointManager:
             saved_world = (info.manifest or {}).get("world_size")
             shared = load_shared(reader, host.model, saved_world)
         if sharded_optimizer is None and (shared is None or not shared.model_loaded):
-            # memory-mapped: copied from the file's pages into the parameters (checksums are
-            # computed on helper threads meanwhile; reader.wait_verified below)
+            # a model wholly in host memory is read in one pass straight into its parameters,
+            # checksummed as it is read (hf_format.read_into_tensors); otherwise copied from the
+            # file's mapped pages, checksummed on helper threads (reader.wait_verified below)
             load_model_files(
                 host.model,
                 reader.load_bytes,
