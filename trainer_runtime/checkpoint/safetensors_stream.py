@@ -387,20 +387,7 @@ def read_into_tensors(
                 on_block(view[done : done + n])
             done += n
 
-    raw = bytearray(8)
-    read(0, memoryview(raw))
-    (length,) = struct.unpack("<Q", bytes(raw))
-    if not 2 <= length <= min(100 << 20, size - 8):
-        raise CheckpointError(f"not a safetensors file: header length {length}")
-    text = bytearray(length)
-    read(8, memoryview(text))
-    try:
-        header = json.loads(bytes(text))
-    except ValueError as exc:
-        raise CheckpointError(f"not a safetensors file: its header is not JSON ({exc})") from exc
-    if not isinstance(header, dict):
-        raise CheckpointError("not a safetensors file: its header is not a JSON object")
-    base = 8 + length
+    header, base = read_header_range(read, limit=min(100 << 20, size - 8))
     entries = sorted(tensor_entries(header, base).items(), key=lambda kv: kv[1].begin)
     out: dict[str, torch.Tensor] = {}
     pos = base
