@@ -55,6 +55,7 @@ __all__ = [
     "CheckpointRef",
     "CheckpointSpec",
     "Condition",
+    "ElasticSpec",
     "EnvVar",
     "FailurePolicyAction",
     "FailurePolicyRule",
@@ -491,6 +492,29 @@ class UnreachableNodeSpec(_Model):
     partitioned one whose pods still write checkpoints."""
 
 
+class ElasticSpec(_Model):
+    """Run each attempt on any number of pods in [minNodes, maxNodes] that Kueue can admit now,
+    keeping the global batch of spec.numNodes pods (issue 40, docs/elastic.md). The operator
+    then creates one Kueue Workload for the TrainingJob (pod set count maxNodes, minCount
+    minNodes) that keeps its place in the queue across attempts, starts each attempt with the
+    admitted count, and grows back at a checkpoint when more quota frees up and the restart pays
+    within growCooldownSeconds. Needs spec.queueName."""
+
+    min_nodes: int = Field(ge=1)
+    """Fewest pods an attempt may start with (>= 1)."""
+    max_nodes: int | None = Field(default=None, ge=1)
+    """Most pods an attempt may run on. Default: spec.numNodes."""
+    gradient_accumulation_steps: int = Field(default=1, ge=1)
+    """The training script's gradient accumulation at spec.numNodes pods (its
+    --gradient_accumulation_steps). The global batch is per-device batch x processes per pod x
+    numNodes x this; a size n keeps it only when n divides numNodes x this, and the attempt then
+    accumulates numNodes x this / n micro-batches. The runtime refuses to start when the
+    script's own value disagrees."""
+    grow_cooldown_seconds: int = Field(default=600, ge=0)
+    """Grow at most once per this many seconds, and only when the measured restart (JIT save,
+    pod start, resume) is repaid within it at the larger size."""
+
+
 class TrainingJobSpec(_Model):
     """Desired state of a TrainingJob."""
 
@@ -577,6 +601,9 @@ class TrainingJobSpec(_Model):
     window maxRestarts counts failures in. Preemptions and suspensions never reach it."""
     unreachable_node: UnreachableNodeSpec = Field(default_factory=UnreachableNodeSpec)
     """When to ask an administrator to act on a NotReady node that holds an attempt's pod."""
+    elastic: ElasticSpec | None = None
+    """Elastic size: attempts on fewer (or more) pods than numNodes when that is what Kueue can
+    admit now, the global batch kept (issue 40). Unset: every attempt runs on numNodes pods."""
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Matches('"{queueName}"' + _LABEL_VALUE_RULE, field="queueName", pattern=_LABEL_VALUE),
@@ -722,6 +749,8 @@ class AttemptRecord(_Status):
     """The spec.failurePolicy rule a failed attempt matched (its name, else rules[<index>])."""
     failure_action: FailurePolicyAction | None = None
     """What the failure policy decided for a failed attempt: FailJob, Restart or Ignore."""
+    nodes: int | None = None
+    """Pods the attempt ran on (spec.numNodes, or the size Kueue admitted for an elastic job)."""
 
 
 class Progress(_Status):
@@ -847,6 +876,9 @@ class TrainingJobStatus(_Status):
     """Current (latest) attempt number."""
     attempts: list[AttemptRecord] | None = None
     """Every attempt, oldest first."""
+    nodes: str | None = None
+    """Pods of the current attempt over the most it may run on (e.g. 3/4; 4/4 for a job
+    without spec.elastic): the NODES printer column."""
     progress: Progress | None = None
     """Training progress."""
     timings: Timings | None = None
