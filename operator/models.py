@@ -25,12 +25,15 @@ from pydantic.alias_generators import to_camel
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from preemptible_operator.spec_rules import (
+    MAX_ELASTIC_NODES,
     ExcludesItems,
     IntOrWord,
+    KeepsGlobalBatch,
     Matches,
     NeedsItems,
     NotAbove,
     NotOneOf,
+    Requires,
     Rule,
     Within,
     WordNeedsKey,
@@ -44,6 +47,7 @@ __all__ = [
     "GPU_RESOURCE",
     "GROUP",
     "KIND",
+    "MAX_ELASTIC_NODES",
     "MAX_GRACE_SECONDS",
     "PLURAL",
     "RESERVED_ENV",
@@ -501,9 +505,11 @@ class ElasticSpec(_Model):
     within growCooldownSeconds. Needs spec.queueName."""
 
     min_nodes: int = Field(ge=1)
-    """Fewest pods an attempt may start with (>= 1)."""
-    max_nodes: int | None = Field(default=None, ge=1)
-    """Most pods an attempt may run on. Default: spec.numNodes."""
+    """Fewest pods an attempt may start with (>= 1; at most maxNodes, or numNodes when maxNodes
+    is unset)."""
+    max_nodes: int | None = Field(default=None, ge=1, le=MAX_ELASTIC_NODES)
+    """Most pods an attempt may run on (at most 1024). Default: spec.numNodes. The range
+    [minNodes, maxNodes] must hold a size that keeps the global batch."""
     gradient_accumulation_steps: int = Field(default=1, ge=1)
     """The training script's gradient accumulation at spec.numNodes pods (its
     --gradient_accumulation_steps). The global batch is per-device batch x processes per pod x
@@ -513,6 +519,15 @@ class ElasticSpec(_Model):
     grow_cooldown_seconds: int = Field(default=600, ge=0)
     """Grow at most once per this many seconds, and only when the measured restart (JIT save,
     pod start, resume) is repaid within it at the larger size."""
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        NotAbove(
+            "minNodes ({minNodes}) must not exceed maxNodes ({maxNodes}); lower minNodes or "
+            "raise maxNodes",
+            low="minNodes",
+            high="maxNodes",
+        ),
+    )
 
 
 class TrainingJobSpec(_Model):
@@ -632,6 +647,26 @@ class TrainingJobSpec(_Model):
             field="numProcPerNode",
             other="command",
             unless=1,
+        ),
+        # spec.elastic against the fields around it (its own minNodes <= maxNodes: ElasticSpec)
+        Requires(
+            "elastic needs queueName: Kueue decides each attempt's size (a Workload admitted "
+            "with minNodes..maxNodes pods), so set queueName to a Kueue LocalQueue",
+            field="elastic",
+            other="queueName",
+        ),
+        NotAbove(
+            "elastic.minNodes ({elastic.minNodes}) must not exceed numNodes ({numNodes}) while "
+            "elastic.maxNodes is unset (it defaults to numNodes); lower minNodes or set maxNodes",
+            low="elastic.minNodes",
+            high="numNodes",
+            unless="elastic.maxNodes",
+        ),
+        KeepsGlobalBatch(
+            nodes="numNodes",
+            min_nodes="elastic.minNodes",
+            max_nodes="elastic.maxNodes",
+            accumulation="elastic.gradientAccumulationSteps",
         ),
     )
 

@@ -9,6 +9,8 @@ live here; bounds of a single number or string length are plain schema keywords 
 
 Messages are templates: ``{field}`` is the field's value (wire name, camelCase). Python formats
 it with ``str``; CEL with ``%s`` of ``format``, which prints ints and strings the same way.
+A field of a nested object is named by its dotted path (``elastic.minNodes``): a rule over a
+nested object and the fields around it belongs to the model that holds both.
 """
 
 from __future__ import annotations
@@ -18,13 +20,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from trainer_runtime.elastic import sizes_keeping_global_batch
+
 __all__ = [
+    "MAX_ELASTIC_NODES",
     "ExcludesItems",
     "IntOrWord",
+    "KeepsGlobalBatch",
     "Matches",
     "NeedsItems",
     "NotAbove",
     "NotOneOf",
+    "Requires",
     "Rule",
     "Within",
     "WordNeedsKey",
@@ -35,7 +42,7 @@ __all__ = [
 
 CelReason = Literal["FieldValueInvalid", "FieldValueForbidden"]
 
-_PLACEHOLDER = re.compile(r"\{([A-Za-z][A-Za-z0-9]*)\}")
+_PLACEHOLDER = re.compile(r"\{([A-Za-z][A-Za-z0-9.]*)\}")
 
 
 def cel_string(text: str) -> str:
@@ -45,7 +52,18 @@ def cel_string(text: str) -> str:
 
 def render_message(template: str, values: Mapping[str, Any]) -> str:
     """The message as Python shows it: each ``{field}`` replaced by ``str(value)``."""
-    return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), template)
+    return _PLACEHOLDER.sub(lambda m: str(lookup(values, m.group(1))), template)
+
+
+def lookup(values: Mapping[str, Any], path: str) -> Any:
+    """The value at a wire name or a dotted path into nested objects (None when absent)."""
+    if path in values:
+        return values[path]
+    head, _, rest = path.partition(".")
+    if not rest:
+        return None
+    inner = _wire(values.get(head))
+    return lookup(inner, rest) if isinstance(inner, Mapping) else None
 
 
 def cel_message(template: str) -> str:
@@ -61,10 +79,21 @@ def cel_message(template: str) -> str:
     return f"{cel_string(literal)}.format([{args}])"
 
 
+def _has_terms(path: str) -> list[str]:
+    # has() of a nested field needs its parents present (else the access is an error, not false).
+    parts = path.split(".")
+    return [f"has(self.{'.'.join(parts[: i + 1])})" for i in range(len(parts))]
+
+
+def _has(path: str) -> str:
+    return " && ".join(_has_terms(path))
+
+
 def _present(fields: Iterable[str]) -> str:
     # A field the object leaves out has no rule to break (defaults are applied before validation;
     # optional fields without a default may really be absent).
-    return " && ".join(f"has(self.{f})" for f in fields)
+    terms = [term for f in fields for term in _has_terms(f)]
+    return " && ".join(dict.fromkeys(terms))
 
 
 @dataclass(frozen=True)
@@ -94,7 +123,7 @@ class Rule:
 
     def violation(self, values: Mapping[str, Any]) -> str | None:
         """The message when ``values`` (wire name -> value) break the rule, else None."""
-        if any(values.get(f) is None for f in self.fields) or self.holds(values):
+        if any(lookup(values, f) is None for f in self.fields) or self.holds(values):
             return None
         return render_message(self.message, values)
 
@@ -127,11 +156,18 @@ class NotAbove(Rule):
     def field_path(self) -> str | None:
         return self.low
 
+    unless: str = ""
+    """A field whose presence makes the rule moot (e.g. ``elastic.maxNodes``, which replaces
+    ``high`` as the bound when set); empty: none."""
+
     def holds(self, values: Mapping[str, Any]) -> bool:
-        return bool(values[self.low] <= values[self.high])
+        if self.unless and lookup(values, self.unless) is not None:
+            return True
+        return bool(lookup(values, self.low) <= lookup(values, self.high))
 
     def cel_condition(self) -> str:
-        return f"self.{self.low} <= self.{self.high}"
+        check = f"self.{self.low} <= self.{self.high}"
+        return f"({_has(self.unless)}) || {check}" if self.unless else check
 
 
 @dataclass(frozen=True)
@@ -304,3 +340,127 @@ class ExcludesItems(FieldRule):
     def cel_condition(self) -> str:
         listed = ", ".join(str(v) for v in self.values)
         return f"!self.{self.field}.exists(v, v in [{listed}])"
+
+
+@dataclass(frozen=True)
+class Requires(FieldRule):
+    """When the field is present, the string field ``other`` is set and not empty."""
+
+    other: str = ""
+
+    @property
+    def field_path(self) -> str | None:
+        return self.other  # what is missing
+
+    def holds(self, values: Mapping[str, Any]) -> bool:
+        return bool(lookup(values, self.other))
+
+    def cel_condition(self) -> str:
+        return f"{_has(self.other)} && size(self.{self.other}) > 0"
+
+
+# The most nodes an elastic range may name (spec.elastic.maxNodes' schema maximum): CEL has no
+# range(), so the sizes the global-batch rule tries are a literal list of 1..this, which keeps
+# the rule's cost fixed and small. (The `lists` library's range() is not in every apiserver the
+# chart supports.)
+MAX_ELASTIC_NODES = 1024
+_SIZES = "[" + ", ".join(str(n) for n in range(1, MAX_ELASTIC_NODES + 1)) + "]"
+
+
+@dataclass(frozen=True)
+class KeepsGlobalBatch(Rule):
+    """Some size in ``[min_nodes, max_nodes]`` (``max_nodes`` absent: ``nodes``) keeps the global
+    batch of ``nodes`` nodes accumulating ``accumulation`` micro-batches: it divides
+    ``nodes x accumulation`` (``trainer_runtime.elastic``). The message lists the range, the
+    product and every size up to ``MAX_ELASTIC_NODES`` that divides it. ``message`` is unused:
+    the values it shows are computed (the same way in Python and CEL), so the class words it."""
+
+    message: str = ""
+    nodes: str = ""
+    min_nodes: str = ""
+    max_nodes: str = ""
+    accumulation: str = ""
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return (self.min_nodes, self.nodes, self.accumulation)
+
+    @property
+    def field_path(self) -> str | None:
+        return self.min_nodes.rpartition(".")[0] or None  # the object the range lies in
+
+    _TEXT = (
+        "the range {min_name}..{max_name} ({max_name} default {nodes_name}) = [{min}, {max}] "
+        "holds no size that keeps the global batch of {nodes_name} ({nodes}) x {acc_name} ({acc}) "
+        "= {total} node micro-batches per optimizer step: a size must divide {total}; sizes that "
+        "do: {sizes}; widen the range to include one, or change {acc_name}"
+    )
+
+    def _words(self, **values: Any) -> str:
+        names = {
+            "min_name": self.min_nodes,
+            "max_name": self.max_nodes.rpartition(".")[2],
+            "nodes_name": self.nodes,
+            "acc_name": self.accumulation,
+        }
+        return self._TEXT.format(**names, **values)
+
+    def _bounds(self, values: Mapping[str, Any]) -> tuple[int, int, int, int]:
+        low = lookup(values, self.min_nodes)
+        nodes = lookup(values, self.nodes)
+        high = lookup(values, self.max_nodes)
+        return low, nodes if high is None else high, nodes, lookup(values, self.accumulation)
+
+    def holds(self, values: Mapping[str, Any]) -> bool:
+        low, high, nodes, accumulation = self._bounds(values)
+        if low > high:
+            return True  # an empty range is another rule's message
+        return bool(sizes_keeping_global_batch(nodes, accumulation, low, high))
+
+    def violation(self, values: Mapping[str, Any]) -> str | None:
+        if any(lookup(values, f) is None for f in self.fields) or self.holds(values):
+            return None
+        low, high, nodes, accumulation = self._bounds(values)
+        total = nodes * accumulation
+        works = sizes_keeping_global_batch(nodes, accumulation, 1, min(total, MAX_ELASTIC_NODES))
+        return self._words(
+            min=low,
+            max=high,
+            nodes=nodes,
+            acc=accumulation,
+            total=total,
+            sizes="[" + ", ".join(map(str, works)) + "]",  # as CEL's format prints a list
+        )
+
+    def _cel_parts(self) -> tuple[str, str, str, str]:
+        low, nodes, acc = (f"self.{f}" for f in (self.min_nodes, self.nodes, self.accumulation))
+        high = f"({_has(self.max_nodes)} ? self.{self.max_nodes} : {nodes})"
+        return low, high, nodes, f"({nodes} * {acc})"
+
+    def cel_condition(self) -> str:
+        low, high, nodes, total = self._cel_parts()
+        # numNodes itself always divides the product: a range holding it needs no search (and
+        # the only ranges past MAX_ELASTIC_NODES hold it: maxNodes is bounded by it).
+        return (
+            f"{low} > {high} || ({low} <= {nodes} && {nodes} <= {high}) || "
+            f"{_SIZES}.exists(n, n >= {low} && n <= {high} && {total} % n == 0)"
+        )
+
+    def to_cel(self) -> dict[str, Any]:
+        out = super().to_cel()
+        low, high, nodes, total = self._cel_parts()
+        exprs = {
+            "min": low,
+            "max": high,
+            "nodes": nodes,
+            "acc": f"self.{self.accumulation}",
+            "total": total,
+            "sizes": f"{_SIZES}.filter(n, {total} % n == 0)",
+        }
+        # One format argument per placeholder, in the order the text shows them.
+        order = [m for m in re.findall(r"\{([a-z_]+)\}", self._TEXT) if m in exprs]
+        template = self._words(**{k: "\0" for k in exprs})
+        literal = cel_string(template.replace("%", "%%").replace("\0", "%s"))
+        out["message"] = self._words(**{k: f"<{k}>" for k in exprs})
+        out["messageExpression"] = f"{literal}.format([{', '.join(exprs[k] for k in order)}])"
+        return out

@@ -16,6 +16,16 @@ from tests.operator.harness import TJClient, toy_training_job
 
 pytestmark = [pytest.mark.cluster]
 
+
+def _elastic(low: int, high: int | None = None, steps: int | None = None) -> dict[str, Any]:
+    elastic: dict[str, Any] = {"minNodes": low}
+    if high is not None:
+        elastic["maxNodes"] = high
+    if steps is not None:
+        elastic["gradientAccumulationSteps"] = steps
+    return {"elastic": elastic}
+
+
 # (spec overrides, the field the apiserver names): every rule kind and every bound kind.
 INVALID: list[tuple[dict[str, Any], str]] = [
     ({"gracePeriod": {"min": 100, "max": 50}}, "spec.gracePeriod.min"),
@@ -64,6 +74,19 @@ INVALID: list[tuple[dict[str, Any], str]] = [
         "spec.failurePolicy.rules[0].onExitCodes[0]",
     ),
     ({"failurePolicy": {"restartWindowSeconds": 0}}, "spec.failurePolicy.restartWindowSeconds"),
+    # spec.elastic (issue 40): the range, its default, the queue, the global batch, the bounds
+    ({"queueName": "q", "numNodes": 4, **_elastic(3, 2)}, "spec.elastic.minNodes"),
+    ({"queueName": "q", "numNodes": 2, **_elastic(3)}, "spec.elastic.minNodes"),
+    ({"queueName": "q", **_elastic(0)}, "spec.elastic.minNodes"),
+    ({"queueName": "q", "numNodes": 4, **_elastic(1, 1025)}, "spec.elastic.maxNodes"),
+    ({"numNodes": 4, **_elastic(1)}, "spec.queueName"),
+    ({"queueName": "", "numNodes": 4, **_elastic(1)}, "spec.queueName"),
+    ({"queueName": "q", "numNodes": 4, **_elastic(3, 3, steps=2)}, "spec.elastic"),
+    ({"queueName": "q", "numNodes": 3000, **_elastic(1001, 1024)}, "spec.elastic"),
+    (
+        {"queueName": "q", "numNodes": 4, **_elastic(2), "numProcPerNode": "auto"},
+        "spec.numProcPerNode",
+    ),
 ]
 VALID: list[dict[str, Any]] = [
     {},
@@ -100,6 +123,28 @@ VALID: list[dict[str, Any]] = [
             ],
         },
         "unreachableNode": {"escalateAfterSeconds": 0},
+    },
+    {"queueName": "q", "numNodes": 4, **_elastic(1)},
+    {"queueName": "q", "numNodes": 4, **_elastic(4, 4)},
+    {
+        "queueName": "q",
+        "numNodes": 4,
+        "elastic": {
+            "minNodes": 2,
+            "maxNodes": 1024,
+            "gradientAccumulationSteps": 2,
+            "growCooldownSeconds": 0,
+        },
+    },
+    {"queueName": "q", "numNodes": 3, **_elastic(2, 2, steps=2)},  # 2 divides 3 x 2
+    {"queueName": "q", "numNodes": 4, **_elastic(8, 8, steps=2)},  # above numNodes
+    {"queueName": "q", "numNodes": 2000, **_elastic(1500)},  # past the list of sizes CEL tries
+    {
+        "queueName": "q",
+        "numNodes": 2,
+        **_elastic(1),
+        "numProcPerNode": "auto",
+        "resourcesPerNode": {"limits": {"nvidia.com/gpu": 8}},
     },
 ]
 

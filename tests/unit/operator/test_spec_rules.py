@@ -114,14 +114,35 @@ def test_render_message_uses_str() -> None:
 
 
 def _models_with_rules() -> list[type[models.BaseModel]]:
-    return [m for m in (models.GracePeriodSpec, models.EnvVar, models.TrainingJobSpec) if m.rules]
+    return [
+        m
+        for m in (models.GracePeriodSpec, models.EnvVar, models.ElasticSpec, models.TrainingJobSpec)
+        if m.rules
+    ]
+
+
+def _wire_fields(model: type[models.BaseModel]) -> set[str]:
+    """Wire names of the model's fields, and dotted paths into its nested models."""
+    names = set()
+    for name, info in model.model_fields.items():
+        wire = info.alias or name
+        names.add(wire)
+        for nested in getattr(info.annotation, "__args__", (info.annotation,)):
+            if isinstance(nested, type) and issubclass(nested, models.BaseModel):
+                names |= {f"{wire}.{inner}" for inner in _wire_fields(nested)}
+    return names
 
 
 @pytest.mark.parametrize("model", _models_with_rules(), ids=lambda m: m.__name__)
 def test_every_rule_names_fields_of_its_model(model: type[models.BaseModel]) -> None:
-    wire = {info.alias or name for name, info in model.model_fields.items()}
+    wire = _wire_fields(model)
     for rule in model.rules:  # type: ignore[attr-defined]
-        assert set(rule.fields) <= wire, (model.__name__, rule)
+        named = set(rule.fields) | {
+            value
+            for key in ("unless", "other", "max_nodes")
+            if isinstance(value := getattr(rule, key, ""), str) and value
+        }
+        assert named <= wire, (model.__name__, rule)
 
 
 @pytest.mark.parametrize(
@@ -130,6 +151,7 @@ def test_every_rule_names_fields_of_its_model(model: type[models.BaseModel]) -> 
         (("spec",), models.TrainingJobSpec),
         (("spec", "gracePeriod"), models.GracePeriodSpec),
         (("spec", "env", "[]"), models.EnvVar),
+        (("spec", "elastic"), models.ElasticSpec),
     ],
 )
 def test_the_crd_carries_each_models_rules_where_the_model_is(
