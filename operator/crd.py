@@ -47,6 +47,13 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "description": "Step of the newest complete checkpoint",
     },
     {"name": "Attempt", "type": "integer", "jsonPath": ".status.attempt"},
+    {
+        "name": "Nodes",
+        "type": "string",
+        "jsonPath": ".status.nodes",
+        "description": "Pods of the current attempt over the most it may run on (e.g. 3/4; "
+        "spec.elastic lets an attempt run on fewer)",
+    },
     {"name": "Preemptions", "type": "integer", "jsonPath": ".status.preemptions"},
     {
         "name": "Grace",

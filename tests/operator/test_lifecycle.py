@@ -48,6 +48,7 @@ def test_runs_to_success(
         "STEP",
         "CHECKPOINT",
         "ATTEMPT",
+        "NODES",
         "PREEMPTIONS",
         "GRACE",
         "SAVE-EVERY",

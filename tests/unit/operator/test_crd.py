@@ -57,6 +57,7 @@ def test_crd_shape_printer_columns_status_and_short_name() -> None:
         "Step",
         "Checkpoint",
         "Attempt",
+        "Nodes",
         "Preemptions",
         "Grace",
         "Save-Every",
