@@ -13,6 +13,7 @@ from preemptible_operator.spec_rules import (
     NeedsItems,
     NotAbove,
     NotOneOf,
+    Requires,
     Rule,
     Within,
     WordNeedsKey,
@@ -288,3 +289,37 @@ def test_within_checks_and_emits_both_bounds(
     assert (rule.violation({field: value}) is not None) is broken
     assert rule.violation({field: None}) is None  # an absent optional field breaks nothing
     assert rule.schema_keywords() == {"minimum": rule.minimum, "maximum": rule.maximum}
+
+
+NESTED = NotAbove("o.low ({o.low}) above top ({top})", low="o.low", high="top", unless="o.high")
+NEEDS_QUEUE = Requires("o needs q", field="o", other="q")
+
+
+@pytest.mark.parametrize(
+    ("rule", "values", "message"),
+    [
+        (NESTED, {"o": {"low": 2}, "top": 3}, None),
+        (NESTED, {"o": {"low": 4}, "top": 3}, "o.low (4) above top (3)"),
+        (NESTED, {"o": _Res({"x": 1}), "top": 3}, None),  # a nested model without the field
+        (NESTED, {"o": {"low": 4, "high": 9}, "top": 3}, None),  # the other bound replaces top
+        (NESTED, {"o": None, "top": 3}, None),
+        (NEEDS_QUEUE, {"o": {"low": 1}, "q": "team"}, None),
+        (NEEDS_QUEUE, {"o": {"low": 1}, "q": None}, "o needs q"),
+        (NEEDS_QUEUE, {"o": {"low": 1}, "q": ""}, "o needs q"),
+        (NEEDS_QUEUE, {"o": None, "q": None}, None),
+    ],
+)
+def test_violation_of_rules_over_nested_fields(
+    rule: Rule, values: dict[str, Any], message: str | None
+) -> None:
+    assert rule.violation(values) == message
+
+
+def test_cel_of_a_nested_rule_tests_each_parent_once() -> None:
+    out = NESTED.to_cel()
+    assert out["rule"] == (
+        "!(has(self.o) && has(self.o.low) && has(self.top)) || "
+        "((has(self.o) && has(self.o.high)) || self.o.low <= self.top)"
+    )
+    assert out["messageExpression"] == "'o.low (%s) above top (%s)'.format([self.o.low, self.top])"
+    assert out["fieldPath"] == ".o.low"
