@@ -146,34 +146,39 @@ def test_stock_trainer_shrinks_and_grows_with_every_steps_samples_and_the_traini
 ) -> None:
     ref_out, ref_work = tmp_path / "ref", tmp_path / "ref-w"
     ref_work.mkdir()
+    # The reference runs alongside the elastic attempts (its own output dir and port): the
+    # machine's cores are busy with process start-up (imports) either way.
     reference = Attempt(ref_out, ref_work, 1, REFERENCE_NODES, {})
+    out, work = tmp_path / "out", tmp_path / "w"
+    work.mkdir()
+    combined: dict[int, list[int]] = {}
+    try:
+        # (ranks, SIGTERM once this step ended): stops inside the first and the second epoch
+        plan = [(2, 2), (3, 5), (1, None)]
+        for number, (ranks, sigterm_after) in enumerate(plan, start=1):
+            extra = ("--step-sleep", "0.3") if sigterm_after else ()
+            attempt = Attempt(out, work, number, ranks, ELASTIC_ENV, *extra)
+            if sigterm_after is not None:
+                attempt.wait_for(f"STEP {sigterm_after}\n")
+                attempt.procs[0].send_signal(signal.SIGTERM)
+            codes = attempt.wait()
+            want = EXIT_PREEMPTED if sigterm_after is not None else 0
+            assert codes == [want] * ranks, f"exit codes {codes}\n{attempt.tails()}"
+            log = attempt.log()
+            assert f"gradient_accumulation_steps {ACCUMULATION} -> {6 // ranks}" in log, log[-3000:]
+            stopped = attempt.termination().step if sigterm_after else MAX_STEPS
+            assert stopped is not None
+            samples = attempt.step_samples()
+            combined.update({s: rows for s, rows in samples.items() if s <= stopped})
+    except BaseException:
+        reference.kill()  # no process of this test outlives it
+        raise
     assert reference.wait() == [0, 0], reference.tails()
     expected = reference.step_samples()
     assert sorted(expected) == list(range(1, MAX_STEPS + 1)), expected
     assert all(len(rows) == 12 for rows in expected.values()), "a global batch is 12 rows"
     for epoch in (range(1, 5), range(5, 9)):  # every row of each epoch exactly once
         assert sorted(r for s in epoch for r in expected[s]) == list(range(48))
-
-    out, work = tmp_path / "out", tmp_path / "w"
-    work.mkdir()
-    combined: dict[int, list[int]] = {}
-    # (ranks, SIGTERM once this step ended): stops inside the first and the second epoch
-    plan = [(2, 2), (3, 5), (1, None)]
-    for number, (ranks, sigterm_after) in enumerate(plan, start=1):
-        extra = ("--step-sleep", "0.3") if sigterm_after else ()
-        attempt = Attempt(out, work, number, ranks, ELASTIC_ENV, *extra)
-        if sigterm_after is not None:
-            attempt.wait_for(f"STEP {sigterm_after}\n")
-            attempt.procs[0].send_signal(signal.SIGTERM)
-        codes = attempt.wait()
-        want = EXIT_PREEMPTED if sigterm_after is not None else 0
-        assert codes == [want] * ranks, f"exit codes {codes}\n{attempt.tails()}"
-        log = attempt.log()
-        assert f"gradient_accumulation_steps {ACCUMULATION} -> {6 // ranks}" in log, log[-3000:]
-        stopped = attempt.termination().step if sigterm_after else MAX_STEPS
-        assert stopped is not None
-        samples = attempt.step_samples()
-        combined.update({s: rows for s, rows in samples.items() if s <= stopped})
     # Every optimizer step trained on exactly the reference's rows, whatever the size.
     assert combined == expected
     final = _weights(out / f"checkpoint-{MAX_STEPS}")
