@@ -15,6 +15,7 @@ _EXPORTS: dict[str, str] = {
     "PreemptibleCallback": "callback",
     "attach": "callback",
     "attach_preemptible": "callback",
+    "apply_elastic": "elastic",
     "resolve_resume": "callback",
     "install": "hook",
     "uninstall": "hook",

@@ -77,6 +77,7 @@ from trainer_runtime.errors import (
     ConfigurationError,
     ResumeError,
 )
+from trainer_runtime.hf.elastic import apply_elastic
 from trainer_runtime.hf.stops import (
     EvaluationAbandoned,
     best_copy,
@@ -804,10 +805,13 @@ class PreemptibleCallback(TrainerCallback):
         self._pending_eval = None
         self._resumed_local = None
         try:
+            # an elastic attempt keeps the global batch at the size it got, or is refused here
+            apply_elastic(self._require_trainer())
             resolved = self._resolve(resume_from_checkpoint)
         except BaseException as exc:
-            # a bad output dir (scheme, bucket, credentials) or checkpoint: the attempt fails
-            # before training, with the reason in the termination message
+            # an elastic size or data shape that cannot keep the global batch, a bad output dir
+            # (scheme, bucket, credentials) or checkpoint: the attempt fails before training,
+            # with the reason in the termination message
             if operator and not isinstance(exc, SystemExit | KeyboardInterrupt):
                 self._terminate("failed", message=f"{type(exc).__name__}: {exc}")
             raise
