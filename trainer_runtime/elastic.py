@@ -6,7 +6,7 @@ same: ``per_device_train_batch_size x processes per node x nodes x gradient_accu
 Processes per node and the per-device batch do not change with the size, so a size ``n`` keeps
 the global batch exactly when ``n`` divides ``reference_nodes x accumulation``; the attempt then
 accumulates ``reference_nodes x accumulation / n`` micro-batches per optimizer step. Design:
-docs/elastic.md (the operator side is not built yet).
+docs/elastic.md (the operator applies it: operator/elastic_attempt.py).
 """
 
 from __future__ import annotations
