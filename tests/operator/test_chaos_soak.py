@@ -240,7 +240,11 @@ def test_chaos_soak(
                         labels=kueue.job_labels(kueue.high_priority),
                         suspend=True,
                     )
-                    wait_for("high Job created", lambda h=high: _create(batch, tj.ns, h), 60)
+                    if not _create(batch, tj.ns, high):
+                        # The apiserver is restarting: it arrives as soon as it can.
+                        actions.append((t + 1, kind, arg))
+                        actions.sort(key=lambda a: a[0])
+                        continue
                     stats["arrivals"] += 1
                     log.say(f"high-priority Job high-{arg} (1 CPU) arrived")
                 elif kind == "apiserver":
@@ -293,7 +297,8 @@ def test_chaos_soak(
         attempts = status["attempts"]
         _check_attempts(tj, name, status)
         _check_no_overlap(node_agent, tj.ns, name, lost_pods, lost_node_deleted)
-        checked = _check_lost_steps(checkpoint_root / "events", name, attempts)
+        on_lost = {int(m.group(1)) for p in lost_pods if (m := re.match(rf"{name}-a(\d+)-", p))}
+        checked = _check_lost_steps(checkpoint_root / "events", name, attempts, on_lost)
         ours = _weights(checkpoint_root / name / f"checkpoint-{STEPS}")
         assert sorted(ours) == sorted(ref) and all(torch.equal(ours[k], ref[k]) for k in ref), (
             f"{name}: final weights differ from the uninterrupted run"
@@ -301,7 +306,8 @@ def test_chaos_soak(
         reasons = [f"{a['outcome']}/{a.get('reason')}" for a in attempts[:-1]]
         summary.append(
             f"{name}: {len(attempts)} attempts, preemptions {status.get('preemptions', 0)} "
-            f"{reasons}, lostSteps {status.get('lostSteps', 0)} (events {checked})"
+            f"{reasons}, lostSteps {status.get('lostSteps', 0)} (events {checked[0]}"
+            + (f", {checked[1]} not seen on the lost node)" if checked[1] else ")")
         )
 
     # Deleting releases every finalizer: nothing of the jobs is left.
@@ -331,7 +337,7 @@ def test_chaos_soak(
 
 def _create(batch: Any, namespace: str, body: dict[str, Any]) -> bool:
     try:
-        batch.create_namespaced_job(namespace, body)
+        batch.create_namespaced_job(namespace, body, _request_timeout=10)
     except ApiException as exc:
         if exc.status == 409:
             return True
@@ -393,11 +399,16 @@ def _segments(events_dir: Path, name: str) -> dict[int, list[Any]]:
     return out
 
 
-def _check_lost_steps(events_dir: Path, name: str, attempts: list[dict[str, Any]]) -> int:
+def _check_lost_steps(
+    events_dir: Path, name: str, attempts: list[dict[str, Any]], on_lost_node: set[int]
+) -> tuple[int, int]:
     """Each ended attempt's lostSteps against its processes' step events: the steps finished
-    beyond the step the next attempt's process began at (its train_begin). Returns the total."""
+    beyond the step the next attempt's process began at (its train_begin). Exact with a
+    termination message; an estimate within goodput's tolerance without one, except on the lost
+    node: nothing tells the operator when that process died, so its estimate stops at the last
+    scraped step and may only undercount. Returns the events' total and that undercount."""
     segments = _segments(events_dir, name)
-    total = 0
+    total = undercount = 0
     for i, a in enumerate(attempts[:-1]):
         later = [s for b in attempts[i + 1 :] for s in segments.get(b["attempt"], [])]
         resumed = later[0].start_step if later else (attempts[i + 1].get("startStep") or 0)
@@ -409,8 +420,11 @@ def _check_lost_steps(events_dir: Path, name: str, attempts: list[dict[str, Any]
             events_lost, status_lost, bool(a.get("lostStepsEstimated"))
         )
         detail = json.dumps({"attempt": a, "ends": [s.end_step for s in ours], "next": resumed})
-        if a.get("lostStepsEstimated"):
+        if a.get("lostStepsEstimated") and a["attempt"] in on_lost_node:
+            assert status_lost <= events_lost, f"{name}: {check} {detail}"
+            undercount += events_lost - status_lost
+        elif a.get("lostStepsEstimated"):
             assert check["within_tolerance"], f"{name}: {check} {detail}"
         else:
             assert status_lost == events_lost, f"{name}: {check} {detail}"
-    return total
+    return total, undercount
