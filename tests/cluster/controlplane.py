@@ -80,6 +80,26 @@ class ControlPlane:
                 process.stop()
         self._processes.clear()
 
+    def restart_apiserver(self) -> float:
+        """Stop kube-apiserver (SIGTERM, by PID) and start it again on the same port with the same
+        flags; etcd keeps the state. Returns the seconds it was unreachable (chaos tests)."""
+        t0 = time.monotonic()
+        (index,) = [i for i, p in enumerate(self._processes) if p.name == "kube-apiserver"]
+        old = self._processes[index]
+        old.stop()
+        new = ManagedProcess(
+            old.name, old.argv, old.log, env=client_environment(), cwd=self.workdir
+        )
+        self._processes[index] = new
+        admin = (self.pki_dir / "admin.crt", self.pki_dir / "admin.key")
+        wait_until(
+            "kube-apiserver /readyz after a restart",
+            lambda: http_ok(f"{self.server}/readyz", ca=self.ca.cert_path, cert=admin),  # type: ignore[union-attr]
+            timeout=START_TIMEOUT,
+            check=new.check_alive,
+        )
+        return time.monotonic() - t0
+
     def processes(self) -> list[ManagedProcess]:
         return list(self._processes)
 

@@ -1472,6 +1472,11 @@ class NodeAgent:
                 self._finalized.discard(uid)
                 return
             if worker is not None:
+                if worker.finished and pod.get("status", {}).get("phase") not in _TERMINAL:
+                    # Its last report was lost (the apiserver was down then): report again, as
+                    # kubelet's status manager resyncs, or the pod would look Running forever.
+                    with contextlib.suppress(Exception):
+                        worker._report()
                 if deleting:
                     if worker.finished:
                         self.delete_now(pod)
@@ -1599,7 +1604,14 @@ class NodeAgent:
             self.log.info("pod %s/%s: removed", meta["namespace"], meta["name"])
         except ApiException as exc:
             if exc.status not in (404, 409):
+                with self.lock:
+                    self._finalized.discard(meta["uid"])  # retried at the next event or listing
                 self.log.warning("delete %s/%s: %s", meta["namespace"], meta["name"], exc)
+        except Exception as exc:
+            # The apiserver is unreachable (restarting): try again at the next event or listing.
+            with self.lock:
+                self._finalized.discard(meta["uid"])
+            self.log.warning("delete %s/%s: %r", meta["namespace"], meta["name"], exc)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,13 +6,14 @@ from the node agent in place of cluster DNS) and train with real torch processes
   next attempt: each time both ranks stop at the same step, one complete JIT checkpoint, the
   next attempt resumes with no lost steps, and the final weights are bit-identical to an
   uninterrupted 2-node run (which also shows it trains to completion);
-- a real failure of one rank (exit 1) fails the attempt promptly;
-- node loss: one stand-in node stops renewing its Lease (and its pods lose the network).
+- a real failure of one rank (exit 1) fails the attempt promptly.
+
+Node loss (a stand-in node stops renewing its Lease, its processes die; the next attempt waits
+until the Node is deleted) is part of the chaos soak, tests/operator/test_chaos_soak.py.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -200,54 +201,3 @@ def test_a_real_failure_of_one_rank_fails_the_attempt_promptly(
     # The healthy rank did not sit until the grace deadline (90 s) in the stop vote.
     finished = [run.exited_at for _, run in runs if run and run.exited_at]
     assert len(finished) == 2 and max(finished) - min(finished) < 30, (codes, finished)
-
-
-def test_node_loss_waits_for_the_lost_pod_then_resumes_from_the_last_complete_checkpoint(
-    control_plane: ControlPlane,
-    netns_agent: NodeAgent,
-    tj: TJClient,
-    operator: OperatorProcess,
-    checkpoint_root: Path,
-) -> None:
-    body = _two_nodes(
-        "nl", checkpoint_root, max_steps=40, step_sleep=0.25, save_steps=5,
-        grace={"initialSeconds": 8, "min": 5, "max": 30},
-    )  # fmt: skip
-    tj.create(body)
-    describe = _describe(tj, operator, "nl")
-    wait_for(
-        "nl past its first checkpoint",
-        lambda: ((tj.status("nl").get("lastCompleteCheckpoint") or {}).get("step") or 0) >= 5,
-        on_timeout=describe,
-    )
-    (lost,) = [r for r in _attempt_records(netns_agent, tj.ns, "nl", 1) if "-a1-1-" in r.name]
-    core = kubernetes.client.CoreV1Api(control_plane.api_client())
-
-    def node_not_ready() -> bool:
-        ready = [c for c in core.read_node(lost.node).status.conditions if c.type == "Ready"]
-        return bool(ready) and ready[0].status != "True"
-
-    # The machine under rank 1 dies: its Lease is no longer renewed, nothing is reported.
-    netns_agent.kill_node(lost.node)
-    try:
-        wait_for(f"{lost.node} NotReady (Lease expired)", node_not_ready, timeout=150)
-        # The control plane cannot know that the pod stopped: as long as it is there, on a
-        # node that may come back, no pod of attempt 2 may run next to it.
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            assert not tj.pods("nl", 2), "attempt 2 started next to the lost pod\n" + describe()
-            time.sleep(0.5)
-        # The provider confirms the machine is gone: it deletes the Node; the pod GC removes
-        # the pods bound to it and the operator may go on.
-        core.delete_node(lost.node)
-        status = wait_for(
-            "nl finished", lambda: tj.phase_is("nl", "Succeeded", "Failed"), on_timeout=describe
-        )
-    finally:
-        netns_agent.restore_node(lost.node)
-    assert status["phase"] == "Succeeded", describe()
-    first, second = status["attempts"][:2]
-    assert first["reason"] == "NodeLost", describe()
-    assert second["resumeFrom"] == first["checkpoint"], describe()
-    assert first["lostSteps"] == first["endStep"] - second["startStep"] >= 0, describe()
-    assert status.get("lostSteps", 0) == first["lostSteps"], describe()
