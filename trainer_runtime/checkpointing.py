@@ -404,7 +404,7 @@ class CheckpointManager:
             and fault_in_alongside()
         ):
             # the optimizer file's buffer is allocated and faulted in on a helper thread while
-            # the model file is read (CheckpointReader.prepare_owned); only with a spare core
+            # the model file is read (CheckpointReader.prepare_owned); only with a second core
             reader.prepare_owned(OPTIMIZER_NAME)
         if sharded_optimizer is None and (shared is None or not shared.model_loaded):
             # a model wholly in host memory is read in one pass straight into its parameters,

@@ -64,7 +64,7 @@ READ_THREADS = 2
 # fault_in: pages faulted in per madvise call (a stop is seen between calls)
 FAULT_IN_CHUNK = 32 << 20
 # fault_in_alongside: CPUs a process needs before a helper faults in beside a read
-FAULT_IN_MIN_CPUS = 4
+FAULT_IN_MIN_CPUS = 2
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -332,9 +332,9 @@ def fault_in(
 def fault_in_alongside(cpus: int | None = None) -> bool:
     """Whether to fault a buffer in on a helper thread while another thread reads: only with
     at least :data:`FAULT_IN_MIN_CPUS` CPUs to run on (``cpus``; default: this process's
-    affinity). The helper does the same faults the read would do, in parallel, so it gains
-    only with a spare core: on the project's 2-core VM, shared with other jobs, it slowed the
-    model file's read it overlapped (cold resume A/B, docs/checkpoints.md)."""
+    affinity). The helper does the faults the read would do, in parallel, so it gains only
+    with a second core (on the project's 2-core VM, shared with other jobs, it gained in the
+    pooled cold-resume A/B and lost in one of its two runs; docs/checkpoints.md)."""
     if cpus is None:
         try:
             cpus = len(os.sched_getaffinity(0))
