@@ -78,7 +78,7 @@ from trainer_runtime.checkpoint.model_state import (
 from trainer_runtime.checkpoint.pinned import PinnedStaging, local_ranks_from_env
 from trainer_runtime.checkpoint.resume_choice import parent_of, requested_resume, resolve_in_store
 from trainer_runtime.checkpoint.rng import restore_rng_state
-from trainer_runtime.checkpoint.safetensors_stream import TensorFile
+from trainer_runtime.checkpoint.safetensors_stream import TensorFile, fault_in_alongside
 from trainer_runtime.checkpoint.share_resume import load_shared
 from trainer_runtime.checkpoint.shares import ShareGroup, agree_on_plan, share_entries
 from trainer_runtime.checkpoint.storage import Storage
@@ -396,6 +396,16 @@ class CheckpointManager:
         if sharded_optimizer is None and collectives.is_distributed():
             saved_world = (info.manifest or {}).get("world_size")
             shared = load_shared(reader, host.model, saved_world)
+        if (
+            sharded_optimizer is None
+            and (shared is None or shared.optimizer is None)
+            and has(OPTIMIZER_NAME)
+            and has(SCHEDULER_NAME)
+            and fault_in_alongside()
+        ):
+            # the optimizer file's buffer is allocated and faulted in on a helper thread while
+            # the model file is read (CheckpointReader.prepare_owned); only with a second core
+            reader.prepare_owned(OPTIMIZER_NAME)
         if sharded_optimizer is None and (shared is None or not shared.model_loaded):
             # a model wholly in host memory is read in one pass straight into its parameters,
             # checksummed as it is read (hf_format.read_into_tensors); otherwise copied from the

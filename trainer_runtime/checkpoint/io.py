@@ -74,6 +74,7 @@ from trainer_runtime.checkpoint.model_state import OPTIMIZER_INDEX_NAME, OPTIMIZ
 from trainer_runtime.checkpoint.safetensors_stream import (
     Cancelled,
     TensorFile,
+    fault_in,
     header_of,
     read_header,
     read_into_buffer,
@@ -942,6 +943,9 @@ class CheckpointReader:
         # object stores: files to check that no whole-file load has checked yet
         self._remote_pending: set[str] = set()
         self._pool: ThreadPoolExecutor | None = None
+        # owned loads' host buffers, faulted in ahead on a helper until read (prepare_owned)
+        self._prepared: dict[str, torch.Tensor] = {}
+        self._faulting: list[tuple[threading.Event, Future[bool]]] = []
 
     @property
     def step(self) -> int:
@@ -951,6 +955,37 @@ class CheckpointReader:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-verify")
         return self._pool
+
+    def prepare_owned(self, filename: str) -> None:
+        """Allocate the host buffer a later ``load_tensors_and_metadata(filename, owned=True)``
+        reads into and start faulting its pages in on a helper thread (:func:`fault_in`, last
+        page first): for the optimizer file while the model file is read (the first touch of
+        800 MB of fresh memory took 0.23-0.40 s of a resume at 100M parameters). The load reads
+        into it front to back while the helper is still at work (it never writes the bytes).
+        Local storage only; the buffer is used only if the file still has that size when it is
+        read, and dropped at :meth:`wait_verified` if it was never used. Costs no extra memory:
+        the load allocates the same bytes, only earlier."""
+        path = self._local_path(filename)
+        if path is None or filename in self._prepared:
+            return
+        try:
+            size = os.path.getsize(path)
+            buf = torch.empty(size, dtype=torch.uint8)
+        except (OSError, RuntimeError):
+            return  # the load reports it (a missing file, no memory)
+        stop = threading.Event()
+        self._prepared[filename] = buf
+        self._faulting.append((stop, self._helpers().submit(fault_in, buf, stop)))
+
+    def _prepared_buffer(self, filename: str, size: int) -> torch.Tensor | None:
+        buf = self._prepared.pop(filename, None)
+        return buf if buf is not None and buf.numel() == size else None
+
+    def _stop_faulting(self) -> None:
+        faulting, self._faulting = self._faulting, []
+        for stop, future in faulting:
+            stop.set()
+            future.result()  # the helper holds the buffer until it returns
 
     def _expected(self, filename: str) -> tuple[str, str] | None:
         """(algorithm, digest) the manifest lists for ``filename``; None: nothing to check."""
@@ -1021,8 +1056,14 @@ class CheckpointReader:
                 # read the next ones (the hash releases the GIL)
                 hasher = new_hasher(expected[0]) if expected else None
                 size = os.path.getsize(path)
-                with open(path, "rb", buffering=0) as fh:
-                    buf = read_into_buffer(fh, size, hasher.update if hasher else None)
+                prepared = filename in self._prepared
+                out = self._prepared_buffer(filename, size)
+                try:
+                    with open(path, "rb", buffering=0) as fh:
+                        buf = read_into_buffer(fh, size, hasher.update if hasher else None, out=out)
+                finally:
+                    if prepared:
+                        self._stop_faulting()  # what it did not reach, the read faulted
                 read_stats.add(size)
                 header, base = header_of(memoryview(buf.numpy()))
                 tensors = tensors_from_buffer(buf, header, base)
@@ -1094,6 +1135,8 @@ class CheckpointReader:
                 future = self._helpers().submit(self._remote_digest, filename, expected[0])
                 self._checks.append((filename, future, expected))
         self._remote_pending.clear()
+        self._prepared.clear()  # never loaded: its memory goes
+        self._stop_faulting()
         checks, self._checks = self._checks, []
         try:
             for filename, future, (algorithm, expected) in checks:
