@@ -914,6 +914,9 @@ class TrainingJobStatus(_Status):
     nodes: str | None = None
     """Pods of the current attempt over the most it may run on (e.g. 3/4; 4/4 for a job
     without spec.elastic): the NODES printer column."""
+    workload: str | None = None
+    """The Kueue Workload the job holds its place in the queue with (spec.elastic jobs only: the
+    operator creates it; a grow replaces it by the next slice, <name>-w<k>)."""
     progress: Progress | None = None
     """Training progress."""
     timings: Timings | None = None

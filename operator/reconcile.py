@@ -594,6 +594,8 @@ class Reconciler:
         if spec is not None and record is not None and record.nodes is not None:
             # From the attempt's record: a pass that adopted the Job shows it too.
             status.nodes = nodes_shown(record.nodes, spec)
+        if spec is not None and spec.elastic is not None and obs.workload is not None:
+            status.workload = obs.workload["metadata"]["name"]
         if status.attempt:
             metrics.ATTEMPT.labels(namespace, name).set(status.attempt)
 

@@ -108,6 +108,7 @@ def test_elastic_job_starts_small_and_a_preemption_requeues_its_own_workload(
         )
         status = tj.status("el")
         assert status["nodes"] == "1/2" and status["attempts"][0]["nodes"] == 1
+        assert status["workload"] == workload_name, status
         scaled = [m for r, m in tj.events("el") if r == "ScaledDown"]
         assert scaled and "2 -> 1 pod(s): Kueue admitted 1" in scaled[0], tj.events("el")
 
