@@ -138,6 +138,14 @@ class Reason:
     """The attempt's Job was suspended and resumed while the operator did not watch (a Kueue
     eviction and re-admission): its new pods restarted from its old checkpoint. The attempt
     ends as preempted; the next one resumes from the newest checkpoint."""
+    # elastic capacity (issue 40, docs/elastic.md)
+    SCALED_DOWN = "ScaledDown"
+    """An elastic attempt starts on fewer pods than the previous one (or than spec.numNodes)."""
+    SCALED_UP = "ScaledUp"
+    """An elastic attempt starts on more pods than the previous one."""
+    QUOTA_UNUSED = "AdmittedQuotaUnused"
+    """Kueue admitted more pods than the largest size that keeps the global batch: the rest of
+    the admitted quota stays reserved but unused for this attempt."""
 
 
 PREEMPTION_REASONS = frozenset(

@@ -20,7 +20,7 @@ from typing import Any
 import kopf
 import kubernetes
 
-from preemptible_operator import heap, metrics, models, projection, render, trim
+from preemptible_operator import heap, metrics, models, projection, render, trim, workload
 from preemptible_operator.reconcile import (
     KUEUE_GROUP,
     KUEUE_JOB_UID_LABEL,
@@ -238,6 +238,33 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
             if _workload_seen.get(uid) != essence:
                 _workload_seen[uid] = essence
                 _wake(namespace, projection.training_job_of(body))
+
+        @kopf.on.event(
+            KUEUE_GROUP,
+            "workloads",
+            registry=registry,
+            labels={render.LABEL_TRAINING_JOB: kopf.PRESENT},
+            annotations={workload.ANNOTATION_SLICE: kopf.PRESENT},
+            id="elastic_workloads",
+        )
+        async def _elastic_workload_event(
+            type: str | None,
+            namespace: str,
+            uid: str,
+            labels: dict[str, str],
+            body: kopf.Body,
+            **_: Any,
+        ) -> None:
+            # An elastic TrainingJob's own Workload (docs/elastic.md): its admission starts the
+            # attempt, its eviction stops it. The pass reads it by name; this only wakes it.
+            if type == "DELETED":
+                _workload_seen.pop(uid, None)
+                _wake(namespace, labels.get(render.LABEL_TRAINING_JOB))
+                return
+            essence = projection.workload_essence(body)
+            if _workload_seen.get(uid) != essence:
+                _workload_seen[uid] = essence
+                _wake(namespace, labels.get(render.LABEL_TRAINING_JOB))
 
     @kopf.daemon(
         models.GROUP,

@@ -20,6 +20,7 @@ from typing import Any
 from preemptible_operator import models, node_notice, render
 from preemptible_operator.classify import DEACTIVATED_BY_OPERATOR_ANNOTATION
 from preemptible_operator.victims import BOOST_ANNOTATION
+from preemptible_operator.workload import ANNOTATION_SLICE
 
 __all__ = [
     "ACCESS_FILE",
@@ -82,11 +83,19 @@ NAMESPACED_RULES: list[dict[str, Any]] = [
     # Events on an attempt's Job tell why its pods are refused (quota, Pod Security Admission).
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "list"]},
     # Kueue Workloads: watched (a cache by job-uid label) to tell eviction from failure,
-    # patched to deactivate (spec.active=false) an interrupted attempt.
+    # patched to deactivate (spec.active=false) an interrupted attempt. An elastic TrainingJob's
+    # own Workload (docs/elastic.md): created, and deleted when the job is suspended.
     {
         "apiGroups": ["kueue.x-k8s.io"],
         "resources": ["workloads"],
-        "verbs": ["get", "list", "watch", "patch"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    },
+    # Its status: the reservation released once an evicted attempt stopped (the same Workload
+    # requeues), Finished when the training ends: what Kueue's job integration writes.
+    {
+        "apiGroups": ["kueue.x-k8s.io"],
+        "resources": ["workloads/status"],
+        "verbs": ["patch"],
     },
 ]
 
@@ -103,7 +112,14 @@ CLUSTER_RULES: list[dict[str, Any]] = [
     },
     # Priority class values bound the checkpoint-aware priority boost (priority_classes.py):
     # a boost never lifts a Workload level with the next higher class.
-    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloadpriorityclasses"], "verbs": ["list"]},
+    # get: an elastic job's Workload carries its class's value (Kueue does not fill it in).
+    {
+        "apiGroups": ["kueue.x-k8s.io"],
+        "resources": ["workloadpriorityclasses"],
+        "verbs": ["get", "list"],
+    },
+    # The admitted ResourceFlavors' node labels and tolerations go onto an elastic attempt's pods.
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["resourceflavors"], "verbs": ["get"]},
     {"apiGroups": ["scheduling.k8s.io"], "resources": ["priorityclasses"], "verbs": ["list"]},
 ]
 
@@ -171,6 +187,7 @@ def user_roles(prefix: str = "preemptible") -> list[dict[str, Any]]:
 _LABEL = render.LABEL_TRAINING_JOB
 _FINALIZER = render.ATTEMPT_FINALIZER
 _NOTICE = node_notice.ANNOTATION_NODE_NOTICE
+_SLICE = ANNOTATION_SLICE
 
 
 def _unchanged(*fields: str) -> str:
@@ -230,8 +247,8 @@ POLICY_MATCH_CONSTRAINTS: dict[str, Any] = {
         {
             "apiGroups": ["kueue.x-k8s.io"],
             "apiVersions": ["*"],
-            "resources": ["workloads"],
-            "operations": ["UPDATE", "DELETE"],
+            "resources": ["workloads", "workloads/status"],
+            "operations": ["CREATE", "UPDATE", "DELETE"],
         },
         # The main resource only: status and finalizers are subresources, not matched.
         {
@@ -320,9 +337,29 @@ POLICY_VALIDATIONS: list[dict[str, str]] = [
     # only deactivation (spec.active may go to false, nothing else in spec changes) and the
     # operator's two annotations (its deactivation mark, the priority boost, a whole number in
     # [0, operator.priorityBoost.max]); never a delete.
+    # An elastic TrainingJob's own Workload (docs/elastic.md, the slice annotation marks it):
+    # created, its status written, deleted, only when labelled and owned by a TrainingJob, and
+    # an update keeps its labels and owners.
     {
         "expression": (
-            "request.resource.resource != 'workloads' || (request.operation == 'UPDATE' && "
+            "request.resource.resource != 'workloads' || "
+            f"!('{_SLICE}' in variables.target.metadata.?annotations.orValue({{}})) || "
+            "(variables.labelled && variables.ownedByTrainingJob && "
+            "(request.operation != 'UPDATE' || " + _unchanged("labels", "ownerReferences") + "))"
+        ),
+        "message": (
+            f"the preemptible operator may only write Workloads carrying {_SLICE} when they are "
+            f"labelled {_LABEL} and owned by a {models.KIND}, their labels and owners unchanged"
+        ),
+        "reason": "Forbidden",
+    },
+    {
+        "expression": (
+            "request.resource.resource != 'workloads' || "
+            f"('{_SLICE}' in variables.target.metadata.?annotations.orValue({{}}) && "
+            f"(request.operation != 'UPDATE' || '{_SLICE}' in "
+            "oldObject.metadata.?annotations.orValue({}))) || "
+            "(request.subResource == '' && request.operation == 'UPDATE' && "
             "oldObject.metadata.?ownerReferences.orValue([]).exists(r, "
             "r.kind == 'Job' && r.apiVersion == 'batch/v1' && "
             f"r.name.matches('{_ATTEMPT_JOB_NAME}')) && "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -27,6 +28,7 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 
 from preemptible_operator import metrics, models, render
+from preemptible_operator import workload as wl
 from preemptible_operator.boost import boost_patch, plan_boost
 from preemptible_operator.budget import periodic_delay, spread_interval
 from preemptible_operator.checkpoint_store import CheckpointView, PathMap, StorageReads
@@ -44,6 +46,16 @@ from preemptible_operator.classify import (
 )
 from preemptible_operator.conditions import Reason
 from preemptible_operator.deactivation import DEACTIVATE_ON_RECORD, deactivation_patch
+from preemptible_operator.elastic_attempt import (
+    ElasticGate,
+    admitted_flavors,
+    elastic_sizes,
+    nodes_shown,
+    reservation_held,
+    size_event,
+    start_gate,
+    workload_finished,
+)
 from preemptible_operator.grace import cap_grace, grace_status
 from preemptible_operator.interval import interval_status
 from preemptible_operator.node_notice import NodeNotice, node_notice, pod_notice_patch
@@ -327,6 +339,23 @@ class Reconciler:
             return (items[0] if items else None), version
         return None, None
 
+    def _get_elastic_workload(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._json(
+                self.custom.get_namespaced_custom_object(
+                    wl.KUEUE_GROUP,
+                    wl.KUEUE_VERSION,
+                    namespace,
+                    wl.WORKLOAD_PLURAL,
+                    wl.workload_name(name),
+                    _preload_content=False,
+                )
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
     def _node_ready(self, pods: list[dict[str, Any]]) -> dict[str, bool]:
         ready: dict[str, bool] = {}
         now = time.monotonic()
@@ -448,7 +477,10 @@ class Reconciler:
         if chosen.note:
             log.warning("%s/%s: %s", namespace, name, chosen.note)
         workload, version = (None, None)
-        if spec is not None and spec.queue_name:
+        if spec is not None and spec.elastic is not None and self.config.kueue:
+            # The TrainingJob's own Workload (one for all its attempts), read by name.
+            workload, version = self._get_elastic_workload(namespace, name), wl.KUEUE_VERSION
+        elif spec is not None and spec.queue_name:
             workload, version = self._get_workload(namespace, job, cached)
         current_pods = pods.get(attempt, [])
         node_ready = self._node_ready(current_pods)
@@ -577,6 +609,17 @@ class Reconciler:
             },
         )
 
+        elastic: tuple[ElasticGate, wl.Admission | None] | None = None
+        if decision.action == "create_attempt" and self._elastic(spec):
+            assert spec is not None  # _elastic
+            elastic = self._elastic_gate(obs, spec, now)
+            if elastic[0].action != "start":
+                # No attempt Job before the TrainingJob's Workload is admitted.
+                decision = Decision("Queued", "none", Reason.QUEUED, elastic[0].message)
+                result.action, result.phase = decision.action, decision.phase
+                # Its Workload's events wake the pass; this is the safety net.
+                result.requeue_after = 0.5 if elastic[0].action != "wait" else 30.0
+
         # ------------------------------------------------------------------ act
         done = action_status(decision, status, obs.invalid, now, generation)
         status.conditions, status.completion_time = done.conditions, done.completion_time
@@ -594,6 +637,7 @@ class Reconciler:
             now,
             result,
             after_status,
+            elastic,
         )
 
         # ------------------------------------------------------------------ refusals
@@ -678,7 +722,12 @@ class Reconciler:
             status.attempts, dropped = bound_attempts(status.attempts)
             if dropped:
                 status.attempts_omitted = (status.attempts_omitted or 0) + dropped
-        if self.config.priority_boost and spec is not None and new_phase == "Running":
+        if (
+            self.config.priority_boost
+            and spec is not None
+            and spec.elastic is None  # the boost is for Kueue's Workloads of attempt Jobs
+            and new_phase == "Running"
+        ):
             after_status.append(lambda: self._update_priority_boost(obs, spec, status, record))
         return new_phase
 
@@ -773,6 +822,7 @@ class Reconciler:
         now: str,
         result: PassResult,
         after_status: list[Callable[[], None]],
+        elastic: tuple[ElasticGate, wl.Admission | None] | None = None,
     ) -> Refusal | None:
         """The decided action's API calls. What must wait for the status write (releasing pods,
         deleting an ended attempt's Jobs) goes to ``after_status``; a refused create is
@@ -801,7 +851,7 @@ class Reconciler:
                 result.requeue_after = 1.0  # the next pass releases their attempt finalizers
         elif action == "create_attempt" and spec is not None:
             return self._create_attempt(
-                obs, spec, status, record, recorded, decision.reason, now, result
+                obs, spec, status, record, recorded, decision.reason, now, result, elastic
             )
         elif action == "stop_attempt":
             self._stop_pods(obs.pods)
@@ -814,7 +864,13 @@ class Reconciler:
                 self._delete_job(job)
             result.requeue_after = 1.0
         elif action == "deactivate_workload":
-            self._deactivate_workload(namespace, obs.workload, obs.workload_version)
+            if self._elastic(spec):
+                # The TrainingJob's own Workload was evicted: the operator stops the attempt
+                # (JIT checkpoint), as Kueue's suspension of a Job it manages would; the
+                # reservation is released once the pods are gone (_elastic_gate).
+                self._stop_pods(obs.pods)
+            else:
+                self._deactivate_workload(namespace, obs.workload, obs.workload_version)
         elif action == "record_attempt" and spec is not None and record is not None:
             if interruption.reason in DEACTIVATE_ON_RECORD:
                 self._deactivate_workload(namespace, obs.workload, obs.workload_version)
@@ -831,6 +887,8 @@ class Reconciler:
             after_status.append(lambda: self._clean_up_later(namespace, name, pods, jobs))
             result.requeue_after = 0.0  # the next attempt at once
         elif action in ("finish", "cleanup"):
+            if self._elastic(spec):
+                self._end_elastic_workload(obs, decision, now)
             held = held_pods(obs.pods_by_attempt)
             if held:
                 after_status.append(lambda: self._release_pods(held))
@@ -892,9 +950,11 @@ class Reconciler:
         reason: str,
         now: str,
         result: PassResult,
+        elastic: tuple[ElasticGate, wl.Admission | None] | None = None,
     ) -> Refusal | None:
         """Create the attempt's Service and Job; a permanent refusal of either is returned
-        (nothing in ``status`` changed then), a temporary error raised."""
+        (nothing in ``status`` changed then), a temporary error raised. ``elastic``: the
+        admitted size of an elastic job's attempt (_elastic_gate)."""
         meta = obs.obj["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         attempt = next_attempt_number(obs.attempt, recorded)
@@ -908,7 +968,19 @@ class Reconciler:
             obs, spec, status, recorded, reported, storage, self.config.max_grace_seconds
         )
         params = plan.params
-        if spec.num_nodes > 1:
+        if elastic is not None:
+            gate, admission = elastic
+            assert gate.nodes is not None and admission is not None  # a "start" gate
+            params = dataclasses.replace(
+                params,
+                suspended=False,  # admitted already, and not Kueue's to unsuspend
+                nodes=gate.nodes,
+                elastic=True,
+                node_selector=admission.node_selector or None,
+                tolerations=admission.tolerations or None,
+            )
+        nodes = render.attempt_nodes(spec, params)
+        if nodes > 1:
             # Rendezvous (MASTER_ADDR) only: one pod needs no DNS name.
             refused = self._ensure_service(meta, spec)
             if refused is not None:
@@ -932,8 +1004,13 @@ class Reconciler:
             if not owned_by(existing, meta["uid"]):
                 return self._replace_foreign(existing, "Job", meta)
             params = adopted_params(existing, params)
+            nodes = render.attempt_nodes(spec, params)
         self._clean_up_later(namespace, name, plan.old_pods, plan.old_jobs)
         start_attempt(status, name, params, now)
+        started = find_record(status, params.attempt)
+        if started is not None and started.nodes is None:
+            started.nodes = nodes
+        status.nodes = nodes_shown(nodes, spec)
         metrics.GRACE_SECONDS.labels(namespace, name).set(params.grace_seconds)
         if created:
             # Posted now: the Job exists whatever happens to this pass's status write.
@@ -945,7 +1022,193 @@ class Reconciler:
             self._event(
                 obs.obj, "Normal", reason, attempt_created_message(name, params, plan.grace.reason)
             )
+            if elastic is not None:
+                self._elastic_events(obs, spec, plan.previous, nodes, *elastic)
         return None
+
+    # ------------------------------------------------------------------ elastic (issue 40)
+    def _elastic(self, spec: models.TrainingJobSpec | None) -> bool:
+        """Whether the pass plays Kueue's part for the TrainingJob's own Workload."""
+        return spec is not None and spec.elastic is not None and self.config.kueue
+
+    def _elastic_gate(
+        self, obs: Snapshot, spec: models.TrainingJobSpec, now: str
+    ) -> tuple[ElasticGate, wl.Admission | None]:
+        """The create path of an elastic job (elastic_attempt.start_gate), with its write: the
+        Workload created, or its reservation released (the previous attempt is gone)."""
+        meta = obs.obj["metadata"]
+        name = wl.workload_name(meta["name"])
+        workload = obs.workload
+        sizes = elastic_sizes(spec)
+        admission = None
+        if workload is not None and not workload_finished(workload):
+            admission = wl.admitted_size(workload, self._flavors(admitted_flavors(workload)))
+        gate = start_gate(workload, admission, sizes, name)
+        if gate.action == "create_workload":
+            self._create_workload(obs, spec, sizes)
+        elif gate.action == "clear_reservation":
+            assert workload is not None  # start_gate
+            self._clear_reservation(workload, now)
+        return gate, admission
+
+    def _flavors(self, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+        flavors: dict[str, dict[str, Any]] = {}
+        for flavor in names:
+            flavors[flavor] = self._json(
+                self.custom.get_cluster_custom_object(
+                    wl.KUEUE_GROUP,
+                    wl.KUEUE_VERSION,
+                    "resourceflavors",
+                    flavor,
+                    _preload_content=False,
+                )
+            )
+        return flavors
+
+    def _create_workload(
+        self, obs: Snapshot, spec: models.TrainingJobSpec, sizes: tuple[int, ...]
+    ) -> None:
+        """Create the TrainingJob's Workload (count: the largest size, minCount: the smallest
+        that keeps the global batch); AlreadyExists is done (a deterministic name)."""
+        meta = obs.obj["metadata"]
+        priority = None
+        if spec.priority_class:
+            # Kueue's webhook does not resolve the class on a Workload its owner creates.
+            priority = int(
+                self._json(
+                    self.custom.get_cluster_custom_object(
+                        wl.KUEUE_GROUP,
+                        wl.KUEUE_VERSION,
+                        "workloadpriorityclasses",
+                        spec.priority_class,
+                        _preload_content=False,
+                    )
+                ).get("value", 0)
+            )
+        params = render.AttemptParams(
+            attempt=max(1, obs.attempt),
+            grace_seconds=spec.grace_period.seconds or spec.grace_period.initial_seconds,
+            resume_from="",
+            suspended=False,
+            nodes=sizes[-1],
+            elastic=True,
+        )
+        body = wl.render_workload(
+            meta, spec, params, min_nodes=sizes[0], max_nodes=sizes[-1], priority=priority
+        )
+        try:
+            self.custom.create_namespaced_custom_object(
+                wl.KUEUE_GROUP, wl.KUEUE_VERSION, meta["namespace"], wl.WORKLOAD_PLURAL, body
+            )
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+
+    def _patch_workload_status(
+        self, workload: dict[str, Any], build: Callable[[dict[str, Any]], dict[str, Any] | None]
+    ) -> None:
+        """A merge patch of the Workload's status, conditional on its resourceVersion: on a
+        409 (Kueue wrote meanwhile) re-read and build it again; 404: gone, nothing to do."""
+        meta = workload["metadata"]
+        for _ in range(5):
+            patch = build(workload)
+            if patch is None:
+                return
+            try:
+                self.custom.patch_namespaced_custom_object_status(
+                    wl.KUEUE_GROUP,
+                    wl.KUEUE_VERSION,
+                    meta["namespace"],
+                    wl.WORKLOAD_PLURAL,
+                    meta["name"],
+                    patch,
+                    _content_type=wl.MERGE_PATCH,
+                )
+                return
+            except ApiException as exc:
+                if exc.status == 404:
+                    return
+                if exc.status != 409:
+                    raise
+            fresh = self._get_elastic_workload(
+                meta["namespace"], (meta.get("labels") or {}).get(render.LABEL_TRAINING_JOB, "")
+            )
+            if fresh is None or fresh["metadata"].get("uid") != meta.get("uid"):
+                return
+            workload = fresh
+        raise RuntimeError(f"Workload {meta['name']}: status write conflicted 5 times")
+
+    def _clear_reservation(self, workload: dict[str, Any], now: str) -> None:
+        """The owner's requeue write (workload.clear_reservation_patch): the same Workload
+        queues again in its old place."""
+
+        def build(current: dict[str, Any]) -> dict[str, Any] | None:
+            if wl.eviction(current) is None or not reservation_held(current):
+                return None  # Kueue admitted it again, or released it itself
+            return wl.clear_reservation_patch(current, now)
+
+        self._patch_workload_status(workload, build)
+
+    def _end_elastic_workload(self, obs: Snapshot, decision: Decision, now: str) -> None:
+        """The training ended: Finished on its Workload (Kueue releases the quota). Suspended
+        by the user: the Workload goes (it would hold its quota) and a new one is created when
+        the job resumes."""
+        workload = obs.workload
+        if workload is None:
+            return
+        meta = workload["metadata"]
+        if decision.phase == "Suspended":
+            try:
+                self.custom.delete_namespaced_custom_object(
+                    wl.KUEUE_GROUP,
+                    wl.KUEUE_VERSION,
+                    meta["namespace"],
+                    wl.WORKLOAD_PLURAL,
+                    meta["name"],
+                    body=kubernetes.client.V1DeleteOptions(
+                        preconditions=kubernetes.client.V1Preconditions(uid=meta.get("uid"))
+                    ),
+                )
+            except ApiException as exc:
+                if exc.status not in (404, 409):
+                    raise
+            return
+        if decision.phase not in ("Succeeded", "Failed"):
+            return
+        succeeded = decision.phase == "Succeeded"
+
+        def build(current: dict[str, Any]) -> dict[str, Any] | None:
+            if workload_finished(current):
+                return None
+            return wl.finished_patch(
+                current, now, succeeded=succeeded, message=f"TrainingJob {decision.phase}"
+            )
+
+        self._patch_workload_status(workload, build)
+
+    def _elastic_events(
+        self,
+        obs: Snapshot,
+        spec: models.TrainingJobSpec,
+        previous: models.AttemptRecord | None,
+        nodes: int,
+        gate: ElasticGate,
+        admission: wl.Admission | None,
+    ) -> None:
+        admitted = admission.count if admission is not None else nodes
+        sizes = elastic_sizes(spec)
+        event = size_event(previous.nodes if previous else None, nodes, spec, admitted, sizes)
+        if event is not None:
+            self._event(obs.obj, *event)
+        if gate.unused:
+            self._event(
+                obs.obj,
+                "Normal",
+                Reason.QUOTA_UNUSED,
+                f"Kueue admitted {admitted} pod(s) but the attempt runs on {nodes} (the sizes "
+                f"that keep the global batch: {', '.join(map(str, sizes))}): {gate.unused} "
+                "admitted pod(s) stay reserved and unused until the next attempt",
+            )
 
     def _record_attempt(
         self,
@@ -1241,6 +1504,8 @@ class Reconciler:
     ) -> None:
         if workload is None or version is None:
             return
+        if wl.ANNOTATION_SLICE in (workload["metadata"].get("annotations") or {}):
+            return  # an elastic TrainingJob's own Workload requeues, never deactivated
         patch = deactivation_patch(workload)
         if patch is None:
             return

@@ -31,6 +31,7 @@ __all__ = [
     "LABEL_TRAINING_JOB",
     "MAX_NAME_LENGTH",
     "AttemptParams",
+    "attempt_nodes",
     "job_name",
     "merge_pod_template",
     "owner_reference",
@@ -90,6 +91,17 @@ class AttemptParams:
     """PREEMPTIBLE_ATTEMPT (resume.attempt_fence); None: the attempt number."""
     save_interval_seconds: int | None = None
     """spec.checkpoint.interval auto: the recommended seconds between saves for this attempt."""
+    nodes: int | None = None
+    """Pods of this attempt; None: spec.numNodes. An elastic attempt (spec.elastic) runs on
+    the size its Workload's admission allows (elastic_attempt.start_gate)."""
+    elastic: bool = False
+    """The attempt of an elastic job: its pods run what the TrainingJob's own Workload admitted,
+    so the Job carries no Kueue labels (Kueue must not manage it), and the runtime gets the
+    reference size and accumulation (protocol.ENV_ELASTIC_*) to keep the global batch."""
+    node_selector: dict[str, str] | None = None
+    """The admitted flavors' nodeLabels (an elastic attempt: the operator plays Kueue's part)."""
+    tolerations: list[dict[str, Any]] | None = None
+    """The admitted flavors' tolerations (likewise)."""
 
 
 def validate_name(name: str) -> str | None:
@@ -216,8 +228,16 @@ def _runtime_env(
         },
     ]
     env.extend(_deadline_env(spec, params))
+    if params.elastic and spec.elastic is not None:
+        env += [
+            {"name": protocol.ENV_ELASTIC_REFERENCE_NODES, "value": str(spec.num_nodes)},
+            {
+                "name": protocol.ENV_ELASTIC_ACCUMULATION,
+                "value": str(spec.elastic.gradient_accumulation_steps),
+            },
+        ]
     procs = shape.procs_per_node(spec)
-    nodes = spec.num_nodes
+    nodes = attempt_nodes(spec, params)
     if nodes == 1 and procs == 1:
         # One process needs no process group; LOCAL_RANK alone would make accelerate start one
         # (and wait on MASTER_ADDR).
@@ -456,6 +476,17 @@ def render_pod_template(
         "spec": pod_spec,
     }
     merged = merge_pod_template(template, spec.pod_template)
+    if params.node_selector:
+        # The admitted flavors' labels win, as Kueue's own integrations apply them.
+        merged["spec"]["nodeSelector"] = {
+            **(merged["spec"].get("nodeSelector") or {}),
+            **params.node_selector,
+        }
+    if params.tolerations:
+        tolerations = list(merged["spec"].get("tolerations") or [])
+        merged["spec"]["tolerations"] = tolerations + [
+            t for t in params.tolerations if t not in tolerations
+        ]
     # The TrainingJob's own keys go under both ours and podTemplate.metadata's.
     pod_meta = merged["metadata"]
     for key, inherited in zip(("labels", "annotations"), (labels, annotations), strict=True):
@@ -472,13 +503,20 @@ def _node_notice_volume() -> dict[str, Any]:
     }
 
 
+def attempt_nodes(spec: models.TrainingJobSpec, params: AttemptParams) -> int:
+    """The attempt's pod count: ``params.nodes`` (an elastic attempt) or spec.numNodes."""
+    return params.nodes if params.nodes is not None else spec.num_nodes
+
+
 def render_job(
     meta: dict[str, Any], spec: models.TrainingJobSpec, params: AttemptParams
 ) -> dict[str, Any]:
     """The attempt's Indexed Job (``<name>-a<N>``)."""
     name = meta["name"]
     user_labels, user_annotations = propagated_metadata(meta)
-    labels = {**user_labels, **_labels(name, params.attempt), **_kueue_labels(spec)}
+    labels = {**user_labels, **_labels(name, params.attempt)}
+    if not params.elastic:  # an elastic attempt runs what the TrainingJob's Workload admitted
+        labels.update(_kueue_labels(spec))
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -501,8 +539,8 @@ def render_job(
         },
         "spec": {
             "completionMode": "Indexed",
-            "completions": spec.num_nodes,
-            "parallelism": spec.num_nodes,
+            "completions": attempt_nodes(spec, params),
+            "parallelism": attempt_nodes(spec, params),
             # One attempt = one try; retries are new attempts decided by the operator.
             "backoffLimit": 0,
             # Never start a replacement while the old pod may still be writing its checkpoint.

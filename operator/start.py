@@ -55,6 +55,7 @@ def current_record(
         resume_from=ann.get(render.ANNOTATION_RESUME_FROM),
         start_step=_int_or_none(ann.get(render.ANNOTATION_START_STEP)),
         grace_seconds=_int_or_none(ann.get(render.ANNOTATION_GRACE)),
+        nodes=_completions(job),
     )
     status.attempts = [*(status.attempts or []), record]
     # The pass that created attempt 1 never wrote status.startTime either: the Job's creation
@@ -143,7 +144,17 @@ def adopted_params(existing: dict[str, Any], planned: render.AttemptParams) -> r
         suspended=planned.suspended,
         start_step=_int_or_none(ann.get(render.ANNOTATION_START_STEP)),
         fence=planned.fence,
+        # An elastic attempt's size is the Job's (the admission may have changed since).
+        nodes=_completions(existing) if planned.nodes is not None else None,
+        elastic=planned.elastic,
+        node_selector=planned.node_selector,
+        tolerations=planned.tolerations,
     )
+
+
+def _completions(job: dict[str, Any]) -> int | None:
+    value = (job.get("spec") or {}).get("completions")
+    return int(value) if value is not None else None
 
 
 def start_attempt(

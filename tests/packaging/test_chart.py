@@ -131,8 +131,9 @@ def test_namespaced_mode(helm: str, tmp_path: Path) -> None:
         {
             "apiGroups": ["kueue.x-k8s.io"],
             "resources": ["workloadpriorityclasses"],
-            "verbs": ["list"],
+            "verbs": ["get", "list"],
         },
+        {"apiGroups": ["kueue.x-k8s.io"], "resources": ["resourceflavors"], "verbs": ["get"]},
         {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
     ]
     args = _operator_container(objects)["args"]

@@ -40,7 +40,13 @@ def test_chart_copy_of_the_policy_and_user_roles_is_generated() -> None:
 # Every cluster-wide write the operator holds on objects that are not its own TrainingJobs, and
 # the admission operation it arrives as: the policy must see each of them.
 _WRITE_OPERATIONS = {"create": "CREATE", "update": "UPDATE", "patch": "UPDATE", "delete": "DELETE"}
-_GUARDED = {("", "pods"), ("", "services"), ("batch", "jobs"), ("kueue.x-k8s.io", "workloads")}
+_GUARDED = {
+    ("", "pods"),
+    ("", "services"),
+    ("batch", "jobs"),
+    ("kueue.x-k8s.io", "workloads"),
+    ("kueue.x-k8s.io", "workloads/status"),  # an elastic job's own Workload
+}
 
 
 @pytest.mark.parametrize(
