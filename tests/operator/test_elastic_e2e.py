@@ -99,6 +99,17 @@ def _past_attempt_one(status: dict[str, Any]) -> dict[str, Any] | None:
     return status if status.get("attempt", 1) >= 2 else None
 
 
+def _attempt_stopped(tj: TJClient, name: str, attempt: int) -> bool:
+    """Every container of the attempt's pods has exited (or its pod is gone)."""
+    for pod in tj.pods(name, attempt):
+        if pod.status.phase in ("Succeeded", "Failed"):
+            continue
+        states = pod.status.container_statuses or []
+        if not states or not all(s.state.terminated for s in states):
+            return False
+    return True
+
+
 def _pod_phases(tj: TJClient, name: str, attempt: int) -> list[str]:
     return [p.status.phase for p in tj.pods(name, attempt) if not p.metadata.deletion_timestamp]
 
@@ -150,11 +161,9 @@ def test_elastic_job_shrinks_at_once_grows_back_and_trains_every_sample_once(
             job = batch.read_namespaced_job_status("high", tj.ns)
             return bool(job.status.succeeded)
 
-        # The elastic job's JIT stop: its first attempt's pods all end.
+        # The elastic job's JIT stop: its first attempt's containers all exit.
         wait_for(
-            "el's first attempt stopped",
-            lambda: tj.status("el").get("attempt", 1) >= 2 or not _pod_phases(tj, "el", 1)
-            or all(p in ("Succeeded", "Failed") for p in _pod_phases(tj, "el", 1)),
+            "el's first attempt stopped", lambda: _attempt_stopped(tj, "el", 1),
             interval=0.2, on_timeout=describe,
         )  # fmt: skip
         mark("el attempt 1 stopped")
@@ -171,10 +180,17 @@ def test_elastic_job_shrinks_at_once_grows_back_and_trains_every_sample_once(
             interval=0.2, on_timeout=describe,
         )  # fmt: skip
         mark("el attempt 2: a step past the JIT checkpoint")
+        assert tj.status("el").get("nodes") == "2/3", describe()
         # Shrunk rather than waited: the preemptor still holds its quota.
         assert not high_done(), "the preemptor ended before the elastic job ran again"
         shrink_s = marks["el attempt 2: 2 pods running"] - marks["el attempt 1 stopped"]
-        print(f"[elastic-e2e] running again on 2 pods {shrink_s:.1f} s after the JIT stop")
+        step_s = (
+            marks["el attempt 2: a step past the JIT checkpoint"] - marks["el attempt 1 stopped"]
+        )
+        print(
+            f"[elastic-e2e] running again on 2 pods {shrink_s:.1f} s after the JIT stop "
+            f"(its first step {step_s:.1f} s after it)"
+        )
         assert shrink_s < HOLD, describe()
         # The non-elastic job waits for all 3 pods' quota, as today: its next attempt's Job
         # stays suspended by Kueue while 2 pods' quota would be free.
