@@ -21,7 +21,14 @@ arrival trace is replayed under each policy:
     victim order) and no interval: auto. transformers' own Trainer is not run here: its JIT save
     on SIGTERM is emulated by our runtime's (see docs/operator.md, "Goodput benchmark").
 
-All three keep the script's periodic schedule (``--save-steps``).
+(e) ours + elastic (issue 40): (a) with ``spec.elastic`` (minNodes 1, the job's own Workload
+    admitted at the size that fits, grown back at a checkpoint); needs ``--nodes`` of 2 or more.
+
+All of them keep the script's periodic schedule (``--save-steps``). ``--nodes N`` gives every
+TrainingJob N pods of 1 CPU and ``--accumulation A`` the same global batch in every policy;
+``--max-steps S`` makes the jobs finite, and each policy then waits for them and prints the time
+to finish, next to the useful node-seconds (seconds of kept steps, summed over the pods) within
+the trace's window.
 
 Per policy it prints: goodput (steps kept / steps computed), lost steps per preemption, GPU (here
 CPU slot) seconds held after SIGTERM, the preemptor's wait until its pod runs, preemptions per
@@ -35,7 +42,8 @@ summary) are table-tested in tests/unit/benchmarks/test_goodput.py.
 
     python -P benchmarks/goodput.py [--k 2] [--m 3] [--arrivals 6] [--duration 240] [--seed 1]
         [--hold 30] [--step-sleep 0.5] [--save-steps 20] [--save-sleep 0.1]
-        [--policies a,b,c]
+        [--policies a,b,c,e] [--nodes 1] [--accumulation 1] [--grow-cooldown 60]
+        [--max-steps S] [--finish-timeout 1800]
 
 docs/operator.md ("Goodput benchmark") records a run.
 """
