@@ -42,11 +42,11 @@ from trainer_runtime.protocol import ENV_ELASTIC_ACCUMULATION, ENV_ELASTIC_REFER
 pytestmark = [pytest.mark.cluster, pytest.mark.kueue, pytest.mark.slow]
 
 NODES, ACCUMULATION = 3, 2
-STEPS = 160
+STEPS = 320
 POD_CPU = "300m"  # 3 pods of each job fit the 2 CPU queue together (1800m)
 PREEMPTOR_CPU = "1200m"  # 1800 + 1200 > 2000, and preempting one job frees only 900m
 HOLD = 30  # seconds the preemptor's container sleeps
-COOLDOWN = 20  # growCooldownSeconds: short, the grow is what the test waits for
+COOLDOWN = 60  # growCooldownSeconds: a restart of up to 20 s pays 2 -> 3 pods (P <= C/3)
 TOY = [
     "--record-samples", "--gradient-accumulation-steps", str(ACCUMULATION),
     "--logging-steps", "1000", "--batch-size", "4", "--num-samples", "96", "--dropout", "0",
