@@ -143,6 +143,12 @@ class Reason:
     """An elastic attempt starts on fewer pods than the previous one (or than spec.numNodes)."""
     SCALED_UP = "ScaledUp"
     """An elastic attempt starts on more pods than the previous one."""
+    RESIZING = "Resizing"
+    """Kueue admitted a bigger slice of an elastic job's Workload: the attempt stops at a
+    checkpoint and the next one starts bigger (neither a preemption nor a failure)."""
+    GROW_REQUESTED = "GrowRequested"
+    """An elastic attempt runs below its largest size and a restart would pay: the operator
+    asks Kueue for a bigger replacement slice of its Workload."""
     QUOTA_UNUSED = "AdmittedQuotaUnused"
     """Kueue admitted more pods than the largest size that keeps the global batch: the rest of
     the admitted quota stays reserved but unused for this attempt."""

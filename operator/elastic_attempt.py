@@ -12,21 +12,35 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from preemptible_operator import models
+from preemptible_operator.classify import Interruption
 from preemptible_operator.conditions import Reason
-from preemptible_operator.workload import Admission, eviction
-from trainer_runtime.elastic import sizes_keeping_global_batch
+from preemptible_operator.timestamps import parse_rfc3339
+from preemptible_operator.workload import ANNOTATION_SLICE, Admission, eviction
+from trainer_runtime.elastic import restart_pays, sizes_keeping_global_batch
 
 __all__ = [
+    "UNMEASURED_START_SECONDS",
     "ElasticGate",
+    "Grow",
+    "Slices",
     "admitted_flavors",
     "attempt_size",
     "elastic_sizes",
+    "grow_plan",
     "nodes_shown",
+    "replaced",
     "reservation_held",
+    "resize_interruption",
     "size_event",
+    "slice_of",
+    "slices",
     "start_gate",
     "workload_finished",
 ]
+
+UNMEASURED_START_SECONDS = 120.0
+"""Pod start and resume assumed when the status has not measured them (conservative: a grow is
+planned only when even this pause pays)."""
 
 GateAction = Literal["create_workload", "clear_reservation", "wait", "start"]
 
@@ -164,3 +178,137 @@ def nodes_shown(nodes: int | None, spec: models.TrainingJobSpec) -> str | None:
     if spec.elastic is not None and spec.elastic.max_nodes is not None:
         most = spec.elastic.max_nodes
     return f"{nodes}/{most}"
+
+
+def slice_of(workload: Mapping[str, Any]) -> int:
+    """Which slice of its TrainingJob a Workload is (1 first, one more per grow)."""
+    raw = ((workload.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_SLICE, "1")
+    return int(raw) if str(raw).isdigit() else 1
+
+
+@dataclass(frozen=True)
+class Slices:
+    """An elastic TrainingJob's Workloads as one pass sees them."""
+
+    current: dict[str, Any] | None
+    """The one the current attempt runs under (the attempt Job's slice annotation), else the
+    newest that is not finished, else the newest."""
+    pending: tuple[dict[str, Any], ...]
+    """Newer slices than ``current`` not finished: a grow asked for."""
+    others: tuple[dict[str, Any], ...]
+    """Every other slice, finished or older."""
+
+
+def slices(workloads: list[dict[str, Any]], attempt_slice: int | None) -> Slices:
+    """Sort the TrainingJob's Workloads (``attempt_slice``: the running attempt's, None when no
+    attempt runs)."""
+    ordered = sorted(workloads, key=slice_of)
+    current = None
+    if attempt_slice is not None:
+        current = next((w for w in ordered if slice_of(w) == attempt_slice), None)
+    if current is None:
+        live = [w for w in ordered if not workload_finished(w)]
+        current = live[-1] if live else (ordered[-1] if ordered else None)
+    if current is None:
+        return Slices(None, (), ())
+    pending = tuple(
+        w for w in ordered if slice_of(w) > slice_of(current) and not workload_finished(w)
+    )
+    others = tuple(w for w in ordered if w is not current and w not in pending)
+    return Slices(current, pending, others)
+
+
+def replaced(workload: Mapping[str, Any]) -> bool:
+    """Kueue finished the Workload because a replacement slice was admitted (a grow)."""
+    for cond in (workload.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Finished" and cond.get("status") == "True":
+            return cond.get("reason") == "WorkloadSliceReplaced"
+    return False
+
+
+def resize_interruption(
+    workload: Mapping[str, Any] | None, interruption: Interruption, nodes: int | None
+) -> Interruption | None:
+    """An elastic attempt whose Workload Kueue replaced by a bigger slice: it stops at a
+    checkpoint (a JIT stop) and the next attempt starts at the new size. Recorded like a
+    suspension (outcome Suspended): neither a preemption nor a failure. None otherwise."""
+    # Like a suspension: the operator's own stop wins over what the stopped pods show (a kill
+    # at the grace deadline), except a training that finished first.
+    if workload is None or interruption.outcome == "Succeeded" or not replaced(workload):
+        return None
+    name = (workload.get("metadata") or {}).get("name")
+    return Interruption(
+        "Suspended",
+        Reason.RESIZING,
+        f"Kueue admitted a bigger slice replacing Workload {name}: stopping the attempt on "
+        f"{nodes or '?'} pod(s) at a checkpoint to restart at the new size",
+    )
+
+
+@dataclass(frozen=True)
+class Grow:
+    """A grow worth asking Kueue for now."""
+
+    target: int
+    pause_seconds: float
+    message: str
+
+
+def _same_size_since(attempts: list[models.AttemptRecord], nodes: int) -> float | None:
+    """When the attempts ending with the current one started running at ``nodes`` pods."""
+    since = None
+    for record in reversed(attempts):
+        if record.nodes != nodes:
+            break
+        at = parse_rfc3339(record.running_time)
+        if at is None:
+            break
+        since = at
+    return since
+
+
+def grow_plan(
+    spec: models.TrainingJobSpec,
+    status: models.TrainingJobStatus,
+    record: models.AttemptRecord | None,
+    now: float,
+) -> Grow | None:
+    """Whether to ask Kueue for more pods now (a replacement slice): the attempt runs (all its
+    pods started) below the largest size, its size is older than growCooldownSeconds, and the
+    restart pays within the cooldown (restart_pays) with the pause measured: the JIT save
+    (saveSecondsMax, else the attempt's grace), the pods' start and the resume (the attempt's
+    creation to all pods running, counted twice; UNMEASURED_START_SECONDS when unknown)."""
+    elastic = spec.elastic
+    if elastic is None or record is None or record.nodes is None or record.end_time:
+        return None
+    started = parse_rfc3339(record.running_time)
+    if started is None:
+        return None
+    sizes = elastic_sizes(spec)
+    bigger = [s for s in sizes if s > record.nodes]
+    if not bigger:
+        return None
+    since = _same_size_since(list(status.attempts or []), record.nodes) or started
+    cooldown = float(elastic.grow_cooldown_seconds)
+    if now - since < cooldown:
+        return None
+    timings = status.timings
+    save = None
+    if timings is not None:
+        save = timings.save_seconds_max or timings.save_seconds_last
+    if save is None:
+        save = float(record.grace_seconds or spec.grace_period.initial_seconds)
+    created = parse_rfc3339(record.start_time)
+    start = started - created if created is not None else UNMEASURED_START_SECONDS
+    pause = save + 2 * max(0.0, start)
+    # The next size up is the least a replacement asks for (its minCount).
+    target = bigger[0]
+    if not restart_pays(record.nodes, target, cooldown, pause):
+        return None
+    return Grow(
+        target,
+        pause,
+        f"asking Kueue for {target}-{sizes[-1]} pods (running on {record.nodes}): a restart "
+        f"of about {pause:.0f} s (save {save:.0f} s, start and resume {2 * start:.0f} s) pays "
+        f"within growCooldownSeconds ({cooldown:.0f} s)",
+    )

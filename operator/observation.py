@@ -25,6 +25,7 @@ from preemptible_operator.classify import (
     pod_finished,
 )
 from preemptible_operator.conditions import Reason
+from preemptible_operator.elastic_attempt import resize_interruption
 from preemptible_operator.failure_policy import counted_failures
 from preemptible_operator.phases import PhaseInputs, deadline_remaining, next_attempt_number
 from preemptible_operator.scrape import RuntimeMetrics
@@ -69,6 +70,9 @@ class Snapshot:
     """Pods labelled with this name that belong to an earlier incarnation and still run."""
     runtime_metrics: RuntimeMetrics | None = None
     """Rank 0's /metrics, read by periodic passes while the current attempt has running pods."""
+    pending_slices: tuple[dict[str, Any], ...] = ()
+    """An elastic job's newer Workload slices not finished (a grow asked of Kueue); ``workload``
+    is then the one its current attempt runs under (elastic_attempt.slices)."""
 
 
 def running_pods(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -151,6 +155,12 @@ def interruption_of(
         )
     if interruption.reason == Reason.WORKLOAD_DEACTIVATED and not spec.suspend:
         return InterruptionView(interruption, deactivated_by_other=True)
+    if spec.elastic is not None:
+        resized = resize_interruption(
+            snap.workload, interruption, record.nodes if record is not None else None
+        )
+        if resized is not None:
+            return InterruptionView(resized)
     if snap.job is None and snap.pods and not interruption.over:
         interruption = Interruption(
             "Preempted",

@@ -50,9 +50,12 @@ from preemptible_operator.elastic_attempt import (
     ElasticGate,
     admitted_flavors,
     elastic_sizes,
+    grow_plan,
     nodes_shown,
     reservation_held,
     size_event,
+    slice_of,
+    slices,
     start_gate,
     workload_finished,
 )
@@ -339,6 +342,23 @@ class Reconciler:
             return (items[0] if items else None), version
         return None, None
 
+    def _list_elastic_workloads(self, namespace: str, name: str) -> list[dict[str, Any]]:
+        data = self._json(
+            self.custom.list_namespaced_custom_object(
+                wl.KUEUE_GROUP,
+                wl.KUEUE_VERSION,
+                namespace,
+                wl.WORKLOAD_PLURAL,
+                label_selector=f"{render.LABEL_TRAINING_JOB}={name}",
+                _preload_content=False,
+            )
+        )
+        return [
+            w
+            for w in data.get("items", [])
+            if wl.ANNOTATION_SLICE in (w["metadata"].get("annotations") or {})
+        ]
+
     def _get_elastic_workload(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             return self._json(
@@ -347,7 +367,7 @@ class Reconciler:
                     wl.KUEUE_VERSION,
                     namespace,
                     wl.WORKLOAD_PLURAL,
-                    wl.workload_name(name),
+                    name,
                     _preload_content=False,
                 )
             )
@@ -477,9 +497,16 @@ class Reconciler:
         if chosen.note:
             log.warning("%s/%s: %s", namespace, name, chosen.note)
         workload, version = (None, None)
+        pending_slices: tuple[dict[str, Any], ...] = ()
         if spec is not None and spec.elastic is not None and self.config.kueue:
-            # The TrainingJob's own Workload (one for all its attempts), read by name.
-            workload, version = self._get_elastic_workload(namespace, name), wl.KUEUE_VERSION
+            # The TrainingJob's own Workloads (one for all its attempts, one more per grow).
+            current = find_record(status, attempt)
+            running_slice = None
+            if job is not None and (current is None or current.end_time is None):
+                running_slice = slice_of(job)
+            seen = slices(self._list_elastic_workloads(namespace, name), running_slice)
+            workload, version = seen.current, wl.KUEUE_VERSION
+            pending_slices = seen.pending
         elif spec is not None and spec.queue_name:
             workload, version = self._get_workload(namespace, job, cached)
         current_pods = pods.get(attempt, [])
@@ -519,6 +546,7 @@ class Reconciler:
             previous_pods=previous,
             rejected=rejected,
             runtime_metrics=runtime_metrics,
+            pending_slices=pending_slices,
         )
 
     # ------------------------------------------------------------------------------ the pass
@@ -639,6 +667,15 @@ class Reconciler:
             after_status,
             elastic,
         )
+
+        if (
+            self._elastic(spec)
+            and decision.phase == "Running"
+            and decision.action == "none"
+            and not recorded
+        ):
+            assert spec is not None  # _elastic
+            self._maybe_grow(obs, spec, status, record, result)
 
         # ------------------------------------------------------------------ refusals
         if decision.action == "create_attempt" and refusal is None:
@@ -869,6 +906,9 @@ class Reconciler:
                 # (JIT checkpoint), as Kueue's suspension of a Job it manages would; the
                 # reservation is released once the pods are gone (_elastic_gate).
                 self._stop_pods(obs.pods)
+                # A grow asked for meanwhile is dropped: the same Workload requeues instead.
+                for pending in obs.pending_slices:
+                    self._delete_workload(pending)
             else:
                 self._deactivate_workload(namespace, obs.workload, obs.workload_version)
         elif action == "record_attempt" and spec is not None and record is not None:
@@ -986,6 +1026,9 @@ class Reconciler:
             if refused is not None:
                 return refused
         job_body = render.render_job(meta, spec, params)
+        if elastic is not None and obs.workload is not None:
+            # Which of the TrainingJob's Workloads this attempt runs under (slices()).
+            job_body["metadata"]["annotations"][wl.ANNOTATION_SLICE] = str(slice_of(obs.workload))
         try:
             self.batch.create_namespaced_job(namespace, job_body)
             created = True
@@ -1037,8 +1080,8 @@ class Reconciler:
         """The create path of an elastic job (elastic_attempt.start_gate), with its write: the
         Workload created, or its reservation released (the previous attempt is gone)."""
         meta = obs.obj["metadata"]
-        name = wl.workload_name(meta["name"])
         workload = obs.workload
+        name = workload["metadata"]["name"] if workload else wl.workload_name(meta["name"])
         sizes = elastic_sizes(spec)
         admission = None
         if workload is not None and not workload_finished(workload):
@@ -1130,9 +1173,7 @@ class Reconciler:
                     return
                 if exc.status != 409:
                     raise
-            fresh = self._get_elastic_workload(
-                meta["namespace"], (meta.get("labels") or {}).get(render.LABEL_TRAINING_JOB, "")
-            )
+            fresh = self._get_elastic_workload(meta["namespace"], meta["name"])
             if fresh is None or fresh["metadata"].get("uid") != meta.get("uid"):
                 return
             workload = fresh
@@ -1156,22 +1197,10 @@ class Reconciler:
         workload = obs.workload
         if workload is None:
             return
-        meta = workload["metadata"]
+        for pending in obs.pending_slices:  # a grow nobody needs any more
+            self._delete_workload(pending)
         if decision.phase == "Suspended":
-            try:
-                self.custom.delete_namespaced_custom_object(
-                    wl.KUEUE_GROUP,
-                    wl.KUEUE_VERSION,
-                    meta["namespace"],
-                    wl.WORKLOAD_PLURAL,
-                    meta["name"],
-                    body=kubernetes.client.V1DeleteOptions(
-                        preconditions=kubernetes.client.V1Preconditions(uid=meta.get("uid"))
-                    ),
-                )
-            except ApiException as exc:
-                if exc.status not in (404, 409):
-                    raise
+            self._delete_workload(workload)
             return
         if decision.phase not in ("Succeeded", "Failed"):
             return
@@ -1185,6 +1214,67 @@ class Reconciler:
             )
 
         self._patch_workload_status(workload, build)
+
+    def _delete_workload(self, workload: dict[str, Any]) -> None:
+        meta = workload["metadata"]
+        try:
+            self.custom.delete_namespaced_custom_object(
+                wl.KUEUE_GROUP,
+                wl.KUEUE_VERSION,
+                meta["namespace"],
+                wl.WORKLOAD_PLURAL,
+                meta["name"],
+                body=kubernetes.client.V1DeleteOptions(
+                    preconditions=kubernetes.client.V1Preconditions(uid=meta.get("uid"))
+                ),
+            )
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                raise
+
+    def _maybe_grow(
+        self,
+        obs: Snapshot,
+        spec: models.TrainingJobSpec,
+        status: models.TrainingJobStatus,
+        record: models.AttemptRecord | None,
+        result: PassResult,
+    ) -> None:
+        """While an elastic attempt runs below its largest size: ask Kueue for a bigger
+        replacement slice when the restart pays (elastic_attempt.grow_plan). Nothing changes
+        until Kueue admits it; then the attempt stops at a checkpoint (Resizing)."""
+        workload = obs.workload
+        if workload is None or obs.pending_slices or record is None:
+            return
+        if wl.eviction(workload) is not None or workload_finished(workload):
+            return
+        grow = grow_plan(spec, status, record, self.clock())
+        if grow is None:
+            return
+        sizes = elastic_sizes(spec)
+        assert record.nodes is not None  # grow_plan
+        body = wl.render_replacement(
+            workload, current_nodes=record.nodes, max_nodes=sizes[-1], sizes=sizes
+        )
+        try:
+            self.custom.create_namespaced_custom_object(
+                wl.KUEUE_GROUP,
+                wl.KUEUE_VERSION,
+                workload["metadata"]["namespace"],
+                wl.WORKLOAD_PLURAL,
+                body,
+            )
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            return
+        result.events.append(
+            (
+                "Normal",
+                Reason.GROW_REQUESTED,
+                f"Workload {body['metadata']['name']}: {grow.message}",
+            )
+        )
 
     def _elastic_events(
         self,

@@ -4,12 +4,14 @@ for that size (no Kueue labels, the elastic env, the admitted flavors)."""
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 import pytest
 
 from preemptible_operator import elastic_attempt as ea
-from preemptible_operator import render, workload
+from preemptible_operator import models, render, workload
+from preemptible_operator.classify import Interruption
 from preemptible_operator.conditions import Reason
 from tests.unit.operator.builders import META, cond, make_spec
 from trainer_runtime import protocol
@@ -186,3 +188,112 @@ def test_a_job_without_elastic_renders_as_before() -> None:
     assert job["metadata"]["labels"][render.KUEUE_QUEUE_LABEL] == "lq"
     assert job["spec"]["completions"] == 2
     assert protocol.ENV_ELASTIC_REFERENCE_NODES not in _env(job)
+
+
+# ------------------------------------------------------------------------------ growing
+def _slice(index: int, *conditions: dict[str, Any]) -> dict[str, Any]:
+    wl = _workload(*conditions)
+    wl["metadata"]["name"] = workload.workload_name("tj", index)
+    wl["metadata"]["annotations"][workload.ANNOTATION_SLICE] = str(index)
+    return wl
+
+
+FINISHED_REPLACED = cond("Finished", "WorkloadSliceReplaced")
+
+
+@pytest.mark.parametrize(
+    ("present", "running", "current", "pending"),
+    [
+        ([], None, None, []),
+        ([1], None, 1, []),
+        ([1], 1, 1, []),
+        ([1, 2], 1, 1, [2]),  # a grow asked for, the attempt still on slice 1
+        ([1, 2], None, 2, []),  # nothing runs: the newest live one
+        ([2, 1], 7, 2, []),  # the Job's slice is gone: the newest live one
+    ],
+)
+def test_slices(
+    present: list[int], running: int | None, current: int | None, pending: list[int]
+) -> None:
+    seen = ea.slices([_slice(i) for i in present], running)
+    assert (ea.slice_of(seen.current) if seen.current else None) == current
+    assert [ea.slice_of(w) for w in seen.pending] == pending
+
+
+def test_slices_skip_the_replaced_one_once_the_attempt_ended() -> None:
+    seen = ea.slices([_slice(1, *ADMITTED, FINISHED_REPLACED), _slice(2, *ADMITTED)], None)
+    assert seen.current is not None and ea.slice_of(seen.current) == 2
+    assert [ea.slice_of(w) for w in seen.others] == [1]
+
+
+def test_a_replaced_workload_stops_the_attempt_as_a_resize() -> None:
+    active = Interruption("Active", Reason.STARTED)
+    resized = ea.resize_interruption(_slice(1, *ADMITTED, FINISHED_REPLACED), active, 1)
+    assert resized is not None
+    assert (resized.outcome, resized.reason) == ("Suspended", Reason.RESIZING)
+    # Finished for another reason (the operator's own write at the end), or over already.
+    assert ea.resize_interruption(_slice(1, cond("Finished", "Succeeded")), active, 1) is None
+    over = Interruption("Succeeded", Reason.COMPLETED, "")
+    assert ea.resize_interruption(_slice(1, FINISHED_REPLACED), over, 1) is None
+    # The operator's stop wins over what its stopped pods show (killed at the grace deadline).
+    killed = Interruption("Failed", Reason.TRAINING_FAILED, "exit 137")
+    resized = ea.resize_interruption(_slice(1, FINISHED_REPLACED), killed, 1)
+    assert resized is not None and resized.reason == Reason.RESIZING
+    assert ea.resize_interruption(_slice(1, *ADMITTED), active, 1) is None
+
+
+T0 = 1_800_000_000.0
+
+
+def _ts(offset: float) -> str:
+    return dt.datetime.fromtimestamp(T0 + offset, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _status(*records: Any, save: float | None = None) -> Any:
+    timings = models.Timings(save_seconds_max=save) if save is not None else None
+    return models.TrainingJobStatus(attempts=list(records), timings=timings)
+
+
+def _record(attempt: int, nodes: int, created: float, running: float | None, **kw: Any) -> Any:
+    return models.AttemptRecord(
+        attempt=attempt,
+        job_name=f"tj-a{attempt}",
+        nodes=nodes,
+        start_time=_ts(created),
+        running_time=_ts(running) if running is not None else None,
+        grace_seconds=kw.pop("grace", 60),
+        **kw,
+    )
+
+
+@pytest.mark.parametrize(
+    ("records", "save", "now", "target"),
+    [
+        # 1 -> 2 of 4 (accumulation 2: sizes 1, 2, 4), cooldown 600: a pause <= 300 s pays.
+        ([_record(1, 1, 0, 10)], 20.0, 700, 2),  # pause 20 + 2 x 10
+        ([_record(1, 1, 0, 10)], 20.0, 500, None),  # the size is younger than the cooldown
+        ([_record(1, 1, 0, 200)], 20.0, 900, None),  # pause 20 + 2 x 200 > 300
+        ([_record(1, 1, 0, 10)], None, 700, 2),  # the save unmeasured: the grace (60)
+        ([_record(1, 1, 0, 10, grace=290)], None, 700, None),  # 290 + 20 > 300
+        ([_record(1, 1, 0, None)], 20.0, 700, None),  # not all its pods started yet
+        ([_record(1, 4, 0, 10)], 20.0, 700, None),  # at the largest size already
+        ([_record(1, 2, 0, 10)], 20.0, 700, 4),  # 2 -> 4: pause <= 300 pays
+        # The same size since attempt 1 (the cooldown counts from then), not from attempt 2.
+        ([_record(1, 1, 0, 10, end_time=_ts(400)), _record(2, 1, 420, 430)], 20.0, 700, 2),
+        ([_record(1, 2, 0, 10, end_time=_ts(400)), _record(2, 1, 420, 430)], 20.0, 700, None),
+    ],
+)
+def test_grow_plan(records: list[Any], save: float | None, now: float, target: int | None) -> None:
+    spec = _spec(4, minNodes=1, gradientAccumulationSteps=2, growCooldownSeconds=600)
+    grow = ea.grow_plan(spec, _status(*records, save=save), records[-1], T0 + now)
+    assert (grow.target if grow else None) == target
+    if grow is not None:
+        assert "growCooldownSeconds (600 s)" in grow.message
+
+
+def test_grow_plan_without_elastic_or_after_the_end() -> None:
+    record = _record(1, 1, 0, 10)
+    assert ea.grow_plan(_spec(4), _status(record), record, T0 + 10_000) is None
+    ended = _record(1, 1, 0, 10, end_time=_ts(20))
+    spec = _spec(4, minNodes=1)
+    assert ea.grow_plan(spec, _status(ended), ended, T0 + 10_000) is None
