@@ -359,7 +359,7 @@ POLICY_VALIDATIONS: list[dict[str, str]] = [
             f"('{_SLICE}' in variables.target.metadata.?annotations.orValue({{}}) && "
             f"(request.operation != 'UPDATE' || '{_SLICE}' in "
             "oldObject.metadata.?annotations.orValue({}))) || "
-            "(request.subResource == '' && request.operation == 'UPDATE' && "
+            "(request.?subResource.orValue('') == '' && request.operation == 'UPDATE' && "
             "oldObject.metadata.?ownerReferences.orValue([]).exists(r, "
             "r.kind == 'Job' && r.apiVersion == 'batch/v1' && "
             f"r.name.matches('{_ATTEMPT_JOB_NAME}')) && "

@@ -591,6 +591,9 @@ class Reconciler:
 
         record = current_record(status, obs.attempt, obs.job)
         status.attempt = obs.attempt or status.attempt
+        if spec is not None and record is not None and record.nodes is not None:
+            # From the attempt's record: a pass that adopted the Job shows it too.
+            status.nodes = nodes_shown(record.nodes, spec)
         if status.attempt:
             metrics.ATTEMPT.labels(namespace, name).set(status.attempt)
 
