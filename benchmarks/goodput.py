@@ -21,7 +21,14 @@ arrival trace is replayed under each policy:
     victim order) and no interval: auto. transformers' own Trainer is not run here: its JIT save
     on SIGTERM is emulated by our runtime's (see docs/operator.md, "Goodput benchmark").
 
-All three keep the script's periodic schedule (``--save-steps``).
+(e) ours + elastic (issue 40): (a) with ``spec.elastic`` (minNodes 1, the job's own Workload
+    admitted at the size that fits, grown back at a checkpoint); needs ``--nodes`` of 2 or more.
+
+All of them keep the script's periodic schedule (``--save-steps``). ``--nodes N`` gives every
+TrainingJob N pods of 1 CPU and ``--accumulation A`` the same global batch in every policy;
+``--max-steps S`` makes the jobs finite, and each policy then waits for them and prints the time
+to finish, next to the useful node-seconds (seconds of kept steps, summed over the pods) within
+the trace's window.
 
 Per policy it prints: goodput (steps kept / steps computed), lost steps per preemption, GPU (here
 CPU slot) seconds held after SIGTERM, the preemptor's wait until its pod runs, preemptions per
@@ -35,7 +42,8 @@ summary) are table-tested in tests/unit/benchmarks/test_goodput.py.
 
     python -P benchmarks/goodput.py [--k 2] [--m 3] [--arrivals 6] [--duration 240] [--seed 1]
         [--hold 30] [--step-sleep 0.5] [--save-steps 20] [--save-sleep 0.1]
-        [--policies a,b,c]
+        [--policies a,b,c,e] [--nodes 1] [--accumulation 1] [--grow-cooldown 60]
+        [--max-steps S] [--finish-timeout 1800]
 
 docs/operator.md ("Goodput benchmark") records a run.
 """
@@ -63,11 +71,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 POLL = 0.2
-POLICIES = ("a", "b", "c")
+POLICIES = ("a", "b", "c", "e")
 POLICY_NAMES = {
     "a": "ours: JIT + measured grace + checkpoint-aware victims + interval auto",
     "b": "periodic checkpoints only, fixed 30 s grace",
     "c": "JIT on SIGTERM, fixed 30 s grace, no victim choice",
+    "e": "ours + elastic: (a) with spec.elastic (minNodes 1), shrinks and grows back",
 }
 FIXED_GRACE = 30
 
@@ -95,6 +104,13 @@ class Segment:
     last_time: float
     step_seconds: tuple[float, ...] = ()
     """Wall seconds between its consecutive ``step_end`` events."""
+    step_ends: tuple[float, ...] = ()
+    """Times of its ``step_end`` events, one per step from start_step + 1 (the first of each
+    step when a step ended twice)."""
+    begin_time: float | None = None
+    """Time of its ``train_begin`` (the checkpoint loaded, the first step about to start)."""
+    processes: int = 1
+    """Processes (ranks) this segment stands for: :func:`merge_ranks` folds an attempt's."""
 
 
 def segments_from_events(lines: Iterable[str]) -> list[Segment]:
@@ -106,14 +122,17 @@ def segments_from_events(lines: Iterable[str]) -> list[Segment]:
             continue
         ev = json.loads(line)
         seg = by_pid.setdefault(
-            ev["pid"], {"start": None, "end": None, "first": ev["time"], "ends": []}
+            ev["pid"],
+            {"start": None, "end": None, "first": ev["time"], "ends": [], "by_step": {}},
         )
         seg["last"] = ev["time"]
         if ev["event"] == "train_begin" and seg["start"] is None:
             seg["start"] = int(ev["step"])
+            seg["begin"] = ev["time"]
         elif ev["event"] == "step_end":
             seg["end"] = max(seg["end"] or 0, int(ev["step"]))
             seg["ends"].append(ev["time"])
+            seg["by_step"].setdefault(int(ev["step"]), ev["time"])
     out = []
     for pid, seg in by_pid.items():
         if seg["start"] is None:  # never began training (killed while loading): no steps
@@ -127,9 +146,77 @@ def segments_from_events(lines: Iterable[str]) -> list[Segment]:
                 first_time=seg["first"],
                 last_time=seg["last"],
                 step_seconds=tuple(b - a for a, b in itertools.pairwise(ends)),
+                step_ends=tuple(
+                    t for step, t in sorted(seg["by_step"].items()) if step > seg["start"]
+                ),
+                begin_time=seg.get("begin"),
             )
         )
     return sorted(out, key=lambda s: s.first_time)
+
+
+def merge_ranks(segments: Sequence[Segment], gap: float = 60.0) -> list[Segment]:
+    """One segment per attempt where a job runs several processes (numNodes > 1, each rank
+    writes the same events file): segments in start order that began at the same step within
+    ``gap`` seconds of the attempt's first are its ranks. The attempt's segment is its first
+    rank's, reaching the furthest step any rank finished; ``processes`` counts them."""
+    out: list[Segment] = []
+    for seg in segments:
+        last = out[-1] if out else None
+        if (
+            last is not None
+            and seg.start_step == last.start_step
+            and seg.first_time - last.first_time <= gap
+        ):
+            out[-1] = Segment(
+                pid=last.pid, start_step=last.start_step,
+                end_step=max(last.end_step, seg.end_step), first_time=last.first_time,
+                last_time=max(last.last_time, seg.last_time), step_seconds=last.step_seconds,
+                step_ends=last.step_ends, begin_time=last.begin_time,
+                processes=last.processes + seg.processes,
+            )  # fmt: skip
+        else:
+            out.append(seg)
+    return out
+
+
+def useful_node_seconds(
+    segments: Sequence[Segment],
+    running_at_end: bool,
+    checkpoint_step: int | None,
+    window: tuple[float, float],
+    gap: float = 60.0,
+) -> float:
+    """Seconds of training kept, summed over processes (one per pod: node-seconds), within
+    ``window`` (epoch seconds): each step a process finished counts from its previous step's
+    end (or its ``train_begin``) to its own end, when the job kept it: at most the step the
+    next attempt began at, or, for the last attempt when it is not training at the end, the
+    newest complete checkpoint. Time spent loading, saving after the last kept step, or
+    waiting for quota counts for nothing."""
+    attempts = merge_ranks(segments, gap)
+    bounds: dict[tuple[int, float], int] = {}
+    for a, b in itertools.pairwise(attempts):
+        bounds[(a.start_step, a.first_time)] = b.start_step
+    if attempts:
+        last = attempts[-1]
+        bounds[(last.start_step, last.first_time)] = (
+            last.end_step if running_at_end else min(last.end_step, checkpoint_step or 0)
+        )
+    lo, hi = window
+    total = 0.0
+    for attempt in attempts:
+        keep = bounds[(attempt.start_step, attempt.first_time)]
+        for seg in segments:
+            if seg.start_step != attempt.start_step or not (
+                0 <= seg.first_time - attempt.first_time <= gap
+            ):
+                continue
+            previous = seg.begin_time if seg.begin_time is not None else seg.first_time
+            for step, end in enumerate(seg.step_ends, start=seg.start_step + 1):
+                if step <= keep:
+                    total += max(0.0, min(end, hi) - max(previous, lo))
+                previous = end
+    return round(total, 1)
 
 
 @dataclass(frozen=True)
@@ -368,9 +455,17 @@ def policy_spec(policy: str, name: str, root: Path, kueue: Any, args: argparse.N
     events = root / f"events-{name}.jsonl"
     extra = ["--save-sleep", str(args.save_sleep), "--save-async", "false"]
     extra += ["--events-file", str(events), "--logging-steps", "1000"]
+    if args.accumulation > 1:  # every policy trains the same global batch
+        extra += ["--gradient-accumulation-steps", str(args.accumulation)]
     spec: dict[str, Any] = {}
     grace: dict[str, Any] | None = None
-    if policy == "a":
+    if policy == "e":
+        spec["elastic"] = {
+            "minNodes": 1,
+            "gradientAccumulationSteps": args.accumulation,
+            "growCooldownSeconds": args.grow_cooldown,
+        }
+    if policy in ("a", "e"):
         # The product's defaults: no gracePeriod at all (automatic, GracePolicy's defaults),
         # unless --a-initial-grace asks for the short first grace earlier runs used.
         if args.a_initial_grace is not None:
@@ -384,13 +479,14 @@ def policy_spec(policy: str, name: str, root: Path, kueue: Any, args: argparse.N
     body = toy_training_job(
         name,
         root,
-        max_steps=1_000_000,
+        max_steps=args.max_steps or 1_000_000,
         step_sleep=args.step_sleep,
         save_steps=args.save_steps,
         extra_args=tuple(extra),
         cpu="1",
         queueName=kueue.local_queue,
         priorityClass=kueue.low_priority,
+        numNodes=args.nodes,
         **spec,
     )
     if grace is None:
@@ -418,7 +514,7 @@ def run_policy(
         kubernetes.client.CoreV1Api(client).create_namespace({"metadata": {"name": ns}})
     kueue.create_local_queue(ns)
     extra = ["--checkpoint-path-map", f"{ckpt_root}={ckpt_root}"]
-    if policy == "a":
+    if policy in ("a", "e"):
         extra.append("--priority-boost")
     op = Operator(cp.kubeconfig, workdir / f"operator-{policy}.log", extra)
     names = [f"job-{i}" for i in range(args.m)]
@@ -432,22 +528,26 @@ def run_policy(
             def status(name: str) -> dict[str, Any]:
                 return custom.get_namespaced_custom_object(*tj, name).get("status") or {}
 
+            created_at: dict[str, float] = {}
+            finished_at: dict[str, float] = {}
             for name in names:
                 custom.create_namespaced_custom_object(
                     *tj[:3], tj[3], policy_spec(policy, name, root, kueue, args)
                 )
+                created_at[name] = time.monotonic()
             # Warm-up: K jobs training before the first arrival's clock starts.
             _wait(
                 "K jobs training",
                 lambda: (
                     sum((status(n).get("progress") or {}).get("step", 0) >= 1 for n in names)
-                    >= min(args.k, args.m)
+                    >= min(args.k // args.nodes, args.m)
                 ),
                 timeout=600,
             )
             monitor = Monitor(client, ns)
             thread = monitor.start()
             t0 = time.monotonic()
+            window_start = time.time()
             created: dict[str, float] = {}
             for i, at in enumerate(trace):
                 time.sleep(max(0.0, t0 + at - time.monotonic()))
@@ -462,6 +562,7 @@ def run_policy(
                 batch.create_namespaced_job(ns, body)
                 _say(f"  [{policy}] t={at:6.1f} s preemptor {pre} created")
             time.sleep(max(0.0, t0 + args.duration - time.monotonic()))
+            window_end = time.time()
 
             # Settle: every preemptor ran; no training pod is still stopping.
             def settled() -> bool:
@@ -478,6 +579,19 @@ def run_policy(
 
             with contextlib.suppress(TimeoutError):
                 _wait("settled", settled, timeout=args.hold + 120)
+            if args.max_steps:  # run to the end: the time to finish
+
+                def all_finished() -> bool:
+                    for n in names:
+                        if n not in finished_at and status(n).get("phase") in (
+                            "Succeeded",
+                            "Failed",
+                        ):
+                            finished_at[n] = time.monotonic()
+                    return len(finished_at) == len(names)
+
+                with contextlib.suppress(TimeoutError):
+                    _wait("all jobs finished", all_finished, timeout=args.finish_timeout)
             time.sleep(2 * POLL)
             monitor.stop.set()
             thread.join()
@@ -514,15 +628,20 @@ def run_policy(
         initial = args.a_initial_grace or GracePolicy.initial_seconds
     step_times: list[float] = []
     segs_by_job: dict[str, list[Segment]] = {}
+    node_seconds = 0.0
     for name in names:
         st = statuses[name]
         events = root / f"events-{name}.jsonl"
-        segs = segments_from_events(events.read_text().splitlines() if events.exists() else [])
+        ranks = segments_from_events(events.read_text().splitlines() if events.exists() else [])
+        segs = merge_ranks(ranks)  # one per attempt (numNodes > 1: every rank writes events)
         segs_by_job[name] = segs
         attempts = st.get("attempts") or []
         running = training_at_end(st.get("phase"), attempts, segs)
         ckpt = (st.get("lastCompleteCheckpoint") or {}).get("step")
         jobs.append(job_steps(segs, running, ckpt))
+        node_seconds += useful_node_seconds(
+            ranks, running or st.get("phase") == "Succeeded", ckpt, (window_start, window_end)
+        )
         causes.append(loss_by_cause(attempts, ckpt, initial))
         preemptions.append(int(st.get("preemptions") or 0))
         for a in attempts:
@@ -552,6 +671,15 @@ def run_policy(
         statistics.median(step_times) if step_times else None,
     )
     summary["lost_steps_by_cause"] = merge_causes(causes)
+    summary["useful_node_seconds_in_window"] = round(node_seconds, 1)
+    summary["node_seconds_in_window"] = round(args.k * (window_end - window_start), 1)
+    summary["time_to_finish_seconds"] = _stats(
+        [finished_at[n] - created_at[n] for n in names if n in finished_at]
+    )
+    summary["unfinished"] = [n for n in names if args.max_steps and n not in finished_at]
+    summary["nodes_per_attempt"] = {
+        n: [a.get("nodes") for a in statuses[n].get("attempts") or []] for n in names
+    }
     summary["operator_lost_steps"] = sum(int(s.get("lostSteps") or 0) for s in statuses.values())
     summary["operator_lost_steps_check"] = lost_steps_check(
         summary["steps_lost"],
@@ -594,6 +722,31 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def elastic_table(results: dict[str, dict[str, Any]]) -> str:
+    """The Markdown table of useful node-seconds and time to finish (the elastic comparison)."""
+
+    def fmt(v: Any) -> str:
+        return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+
+    rows = [
+        "| policy | useful node-seconds in the window (of the quota's) | time to finish, s "
+        "(mean; max) | pods per attempt |",
+        "|---|---|---|---|",
+    ]
+    for p, r in results.items():
+        f = r["time_to_finish_seconds"]
+        sizes = "; ".join(
+            ",".join(fmt(n) for n in nodes) for nodes in r["nodes_per_attempt"].values()
+        )
+        rows.append(
+            f"| ({p}) | {fmt(r['useful_node_seconds_in_window'])} "
+            f"({fmt(r['node_seconds_in_window'])}) | {fmt(f['mean'])}; {fmt(f['max'])}"
+            f"{' (unfinished: ' + ', '.join(r['unfinished']) + ')' if r['unfinished'] else ''} "
+            f"| {sizes} |"
+        )
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--k", type=int, default=2, help="quota: jobs that run at once")
@@ -613,11 +766,28 @@ def main(argv: list[str] | None = None) -> int:
         help="policy (a) with gracePeriod {initialSeconds: N, min: 5, max: 120} instead of the "
         "product's defaults (the setup of the runs before issue 37)",
     )
+    parser.add_argument("--nodes", type=int, default=1, help="numNodes of each TrainingJob")
+    parser.add_argument(
+        "--accumulation", type=int, default=1,
+        help="gradient accumulation at --nodes pods (every policy; (e)'s elastic sizes keep "
+        "the global batch: --nodes 3 --accumulation 2 allows 1, 2 and 3 pods)",
+    )  # fmt: skip
+    parser.add_argument("--grow-cooldown", type=int, default=60, help="(e): growCooldownSeconds")
+    parser.add_argument(
+        "--max-steps", type=int, default=None,
+        help="steps per job; then each policy also waits for its jobs to finish and prints the "
+        "time to finish (default: the jobs never finish within the window)",
+    )  # fmt: skip
+    parser.add_argument("--finish-timeout", type=float, default=1800.0)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     policies = [p for p in args.policies.split(",") if p]
     if unknown := set(policies) - set(POLICIES):
         parser.error(f"unknown policies {sorted(unknown)}: choose from {POLICIES}")
+    if "e" in policies and args.nodes < 2:
+        parser.error("policy e (elastic) needs --nodes 2 or more")
+    if args.nodes > args.k:
+        parser.error(f"--nodes {args.nodes} pods of 1 CPU cannot fit --k {args.k}")
     trace = arrival_trace(args.seed, args.arrivals, args.duration, margin=10.0)
     _say(f"trace (seed {args.seed}): preemptors at {trace} s, each holding 1 CPU {args.hold} s")
 
@@ -666,6 +836,8 @@ def main(argv: list[str] | None = None) -> int:
            "seconds": round(time.monotonic() - t_start)}  # fmt: skip
     print(json.dumps(out, indent=2))
     print(table(results))
+    if args.max_steps or "e" in results:
+        print(elastic_table(results))
     for policy, r in results.items():
         for cause, entry in r["lost_steps_by_cause"].items():
             print(f"({policy}) {cause}: {entry['attempts']} attempts, {entry['lost']} steps lost")

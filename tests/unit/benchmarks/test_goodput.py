@@ -224,3 +224,45 @@ def test_training_at_end(
     phase: str, attempts: list[dict[str, Any]], segments: list[Any], running: bool
 ) -> None:
     assert gp.training_at_end(phase, attempts, segments) is running
+
+
+def test_merge_ranks_folds_an_attempts_processes_and_keeps_attempts_apart() -> None:
+    # Attempt 1: 3 ranks from step 0 (one reached 11 before the JIT stop settled on 10);
+    # attempt 2: 2 ranks from step 10, 40 s later; attempt 3: 3 ranks, again at step 10 (a
+    # grow before any step) but 200 s later: another attempt.
+    lines = (
+        _process(1, 0.0, 0, 10) + _process(2, 0.5, 0, 11) + _process(3, 1.0, 0, 10)
+        + _process(4, 40.0, 10, 10) + _process(5, 40.2, 10, 10)
+        + _process(6, 240.0, 10, 20) + _process(7, 240.1, 10, 20) + _process(8, 240.3, 10, 20)
+    )  # fmt: skip
+    merged = gp.merge_ranks(gp.segments_from_events(lines))
+    assert [(s.pid, s.start_step, s.end_step, s.processes) for s in merged] == [
+        (1, 0, 11, 3),
+        (4, 10, 10, 2),
+        (6, 10, 20, 3),
+    ]
+    steps = gp.job_steps(merged, running_at_end=False, checkpoint_step=20)
+    assert (steps.computed, steps.lost) == (21, 1)
+
+
+@pytest.mark.parametrize(
+    ("running", "ckpt", "window", "expected"),
+    [
+        # 2 ranks x 10 steps of 1 s from step 0, then 1 rank x 5 steps from step 8: steps 9 and
+        # 10 of the first attempt were trained again (not kept); the last attempt keeps all 5.
+        (True, None, (0.0, 1000.0), 2 * 8 + 5),
+        # The last attempt preempted and waiting, its newest checkpoint at step 10: 2 kept.
+        (False, 10, (0.0, 1000.0), 2 * 8 + 2),
+        # Only what falls in the window counts (first attempt's steps 1-8 span 0-8 s).
+        (True, None, (4.0, 102.0), 2 * 4 + 2),
+    ],
+)
+def test_useful_node_seconds_count_kept_steps_per_process_within_the_window(
+    running: bool, ckpt: int | None, window: tuple[float, float], expected: float
+) -> None:
+    lines = (
+        _process(1, 0.0, 0, 10, step_s=1.0) + _process(2, 0.0, 0, 10, step_s=1.0)
+        + _process(3, 100.0, 8, 13, step_s=1.0)
+    )  # fmt: skip
+    segs = gp.segments_from_events(lines)
+    assert gp.useful_node_seconds(segs, running, ckpt, window) == pytest.approx(expected)
