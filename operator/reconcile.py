@@ -271,22 +271,23 @@ class Reconciler:
     def _json(resp: Any) -> dict[str, Any]:
         return json.loads(resp.data)
 
-    def _get_tj(self, namespace: str, name: str) -> dict[str, Any] | None:
+    def _get_custom(
+        self, group: str, version: str, namespace: str, plural: str, name: str
+    ) -> dict[str, Any] | None:
+        """One custom object, or None when it does not exist."""
         try:
             return self._json(
                 self.custom.get_namespaced_custom_object(
-                    models.GROUP,
-                    models.VERSION,
-                    namespace,
-                    models.PLURAL,
-                    name,
-                    _preload_content=False,
+                    group, version, namespace, plural, name, _preload_content=False
                 )
             )
         except ApiException as exc:
             if exc.status == 404:
                 return None
             raise
+
+    def _get_tj(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._get_custom(models.GROUP, models.VERSION, namespace, models.PLURAL, name)
 
     def _api_jobs(self, namespace: str, name: str) -> list[dict[str, Any]]:
         data = self._json(
@@ -360,21 +361,9 @@ class Reconciler:
         ]
 
     def _get_elastic_workload(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return self._json(
-                self.custom.get_namespaced_custom_object(
-                    wl.KUEUE_GROUP,
-                    wl.KUEUE_VERSION,
-                    namespace,
-                    wl.WORKLOAD_PLURAL,
-                    name,
-                    _preload_content=False,
-                )
-            )
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        return self._get_custom(
+            wl.KUEUE_GROUP, wl.KUEUE_VERSION, namespace, wl.WORKLOAD_PLURAL, name
+        )
 
     def _node_ready(self, pods: list[dict[str, Any]]) -> dict[str, bool]:
         ready: dict[str, bool] = {}

@@ -116,7 +116,8 @@ def test_eviction_requeues_and_resumes_from_the_jit_checkpoint(
         on_timeout=lambda: tj.describe("evict") + operator.tail(),
     )
     out = control_plane.kubectl("get", "tj", "evict", "-n", tj.ns).stdout.splitlines()
-    assert out[1].split()[4] == "2" and out[1].split()[5] == "1", out
+    row = dict(zip(out[0].split(), out[1].split(), strict=False))
+    assert (row["ATTEMPT"], row["NODES"], row["PREEMPTIONS"]) == ("2", "1/1", "1"), out
     status = _wait_done(tj, "evict", operator)
     assert status["phase"] == "Succeeded", tj.describe("evict")
     first, second = status["attempts"]
