@@ -133,6 +133,11 @@ def test_plain_install_is_one_apply(
         ("patch", "pods", True),
         ("create", "events", True),
         ("patch", "workloads.kueue.x-k8s.io", True),
+        # An elastic TrainingJob's own Workload (docs/elastic.md): created, deleted on suspend
+        # (the admission policy holds these writes to TrainingJob-owned Workloads).
+        ("create", "workloads.kueue.x-k8s.io", True),
+        ("delete", "workloads.kueue.x-k8s.io", True),
+        ("get", "resourceflavors.kueue.x-k8s.io", True),
         ("patch", "clusterkopfpeerings.kopf.dev", True),
         ("get", "nodes", True),
         ("list", "priorityclasses.scheduling.k8s.io", True),
@@ -146,7 +151,8 @@ def test_plain_install_is_one_apply(
         ("create", "trainingjobs.preemptible.dev", False),
         ("update", "jobs.batch", False),
         ("delete", "services", False),
-        ("delete", "workloads.kueue.x-k8s.io", False),
+        ("update", "workloads.kueue.x-k8s.io", False),
+        ("list", "resourceflavors.kueue.x-k8s.io", False),
         ("patch", "nodes", False),
         ("create", "customresourcedefinitions.apiextensions.k8s.io", False),
         ("create", "rolebindings.rbac.authorization.k8s.io", False),
