@@ -36,6 +36,23 @@ def _env(job: Any) -> dict[str, str | None]:
     return {e.name: e.value for e in container.env}
 
 
+def _start_blocker(batch: Any, kueue: Kueue, namespace: str) -> None:
+    """A low-priority Job of 1 CPU, admitted by Kueue: half the session's 2-CPU queue."""
+    batch.create_namespaced_job(
+        namespace,
+        job_manifest(
+            "blocker",
+            [python_container("import time; time.sleep(300)", cpu="1")],
+            labels=kueue.job_labels(kueue.low_priority),
+            suspend=True,
+        ),
+    )
+    wait_for(
+        "the blocker admitted",
+        lambda: batch.read_namespaced_job("blocker", namespace).spec.suspend is False,
+    )
+
+
 def test_elastic_job_starts_small_and_a_preemption_requeues_its_own_workload(
     control_plane: ControlPlane,
     node_agent: NodeAgent,
@@ -62,16 +79,7 @@ def test_elastic_job_starts_small_and_a_preemption_requeues_its_own_workload(
 
     try:
         # A low-priority blocker holds 1 of the queue's 2 CPUs: only 1 pod of quota is free.
-        batch.create_namespaced_job(
-            tj.ns,
-            job_manifest(
-                "blocker",
-                [python_container("import time; time.sleep(300)", cpu="1")],
-                labels=kueue.job_labels(kueue.low_priority),
-                suspend=True,
-            ),
-        )
-        wait_for("the blocker admitted", lambda: admitted("blocker"))
+        _start_blocker(batch, kueue, tj.ns)
 
         body = toy_training_job(
             "el",
@@ -174,19 +182,7 @@ def test_elastic_job_grows_back_through_a_replacement_slice(
     batch = kubernetes.client.BatchV1Api(control_plane.api_client())
     custom = kubernetes.client.CustomObjectsApi(control_plane.api_client())
     try:
-        batch.create_namespaced_job(
-            tj.ns,
-            job_manifest(
-                "blocker",
-                [python_container("import time; time.sleep(300)", cpu="1")],
-                labels=kueue.job_labels(kueue.low_priority),
-                suspend=True,
-            ),
-        )
-        wait_for(
-            "the blocker admitted",
-            lambda: batch.read_namespaced_job("blocker", tj.ns).spec.suspend is False,
-        )
+        _start_blocker(batch, kueue, tj.ns)
         tj.create(
             toy_training_job(
                 "eg",
