@@ -19,6 +19,9 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
@@ -681,6 +684,30 @@ def _status_schema(schema: dict[str, Any], model: type) -> None:
     schema.pop("additionalProperties", None)
 
 
+_FROM_WIRE = "preemptible.fromWire"
+
+
+def _newer_value_kept(value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
+    # A status enum read from the apiserver may hold a value a newer operator added (the CRD
+    # is never downgraded on a rollback, so the apiserver accepts it): kept as the string it is
+    # and written back unchanged, as unknown fields are. From Python it stays an error.
+    try:
+        return handler(value)
+    except ValidationError:
+        if isinstance(value, str) and isinstance(info.context, dict) and info.context.get(_FROM_WIRE):
+            return value
+        raise
+
+
+_NewerValueKept = WrapValidator(_newer_value_kept)
+StatusPhase = Annotated[Phase, _NewerValueKept]
+ConditionStatus = Annotated[Literal["True", "False", "Unknown"], _NewerValueKept]
+AttemptOutcome = Annotated[
+    Literal["Succeeded", "Preempted", "Failed", "Suspended"], _NewerValueKept
+]
+RecordedFailureAction = Annotated[FailurePolicyAction, _NewerValueKept]
+
+
 class _Status(_Model):
     """A status model: fields it does not know are kept and written back unchanged.
 
@@ -693,6 +720,14 @@ class _Status(_Model):
     that is not a field is an error, so a typo never reaches the status silently."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra=_status_schema)
+
+    @classmethod
+    def model_validate(  # type: ignore[override]
+        cls, obj: Any, *, context: dict[str, Any] | None = None, **kwargs: Any
+    ) -> Any:
+        """Parse what the apiserver stores: unknown fields and newer enum values are kept (the
+        constructor, for Python callers, refuses both)."""
+        return super().model_validate(obj, context={_FROM_WIRE: True, **(context or {})}, **kwargs)
 
     @model_validator(mode="after")
     def _wire_names_only(self) -> Any:
@@ -714,7 +749,7 @@ class Condition(_Status):
 
     type: str
     """Admitted, Running, Checkpointing, Preempted, Succeeded, Failed, GracePeriodSufficient."""
-    status: Literal["True", "False", "Unknown"]
+    status: ConditionStatus
     """Condition status."""
     reason: str | None = None
     """CamelCase machine-readable reason."""
@@ -744,7 +779,7 @@ class AttemptRecord(_Status):
     DeadlineTooShort: the runtime did not start a save that could not finish in time...)."""
     message: str | None = None
     """Detail of the ending."""
-    outcome: Literal["Succeeded", "Preempted", "Failed", "Suspended"] | None = None
+    outcome: AttemptOutcome | None = None
     """Outcome class: preemptions and suspensions never count against maxRestarts."""
     start_step: int | None = None
     """Checkpoint step the attempt resumed from (0 for a fresh start)."""
@@ -782,7 +817,7 @@ class AttemptRecord(_Status):
     """The attempt's training rate measured between its scrapes (saves included)."""
     failure_rule: str | None = None
     """The spec.failurePolicy rule a failed attempt matched (its name, else rules[<index>])."""
-    failure_action: FailurePolicyAction | None = None
+    failure_action: RecordedFailureAction | None = None
     """What the failure policy decided for a failed attempt: FailJob, Restart or Ignore."""
     nodes: int | None = None
     """Pods the attempt ran on (spec.numNodes, or the size Kueue admitted for an elastic job)."""
@@ -899,7 +934,7 @@ class TrainingJobStatus(_Status):
 
     # Fields a newer operator wrote are kept (``_Status``); the docstring above is the CRD's.
 
-    phase: Phase | None = None
+    phase: StatusPhase | None = None
     """Pending, Queued, Running, Checkpointing, Requeueing, Suspended, Succeeded or Failed."""
     message: str | None = None
     """Human-readable summary of the current state."""

@@ -28,6 +28,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 NESTED = "futureField"
 TOP = "futureSummary"
+# Enum values a newer version added to its CRD and wrote: a phase, a condition status.
+NEWER_PHASE = "Resizing"
+NEWER_CONDITION = {"type": "FutureReady", "status": "Partly", "reason": "Probe"}
 
 
 def _newer_crd() -> dict[str, Any]:
@@ -40,6 +43,10 @@ def _newer_crd() -> dict[str, Any]:
         "description": "Added by a newer version.",
         "properties": {"kind": {"type": "string"}, "count": {"type": "integer"}},
     }
+    status["properties"]["phase"]["enum"].append(NEWER_PHASE)
+    status["properties"]["conditions"]["items"]["properties"]["status"]["enum"].append(
+        NEWER_CONDITION["status"]
+    )
     return body
 
 
@@ -63,6 +70,8 @@ def _write_newer_fields(tj: TJClient, name: str) -> None:
         status = obj["status"]
         status[TOP] = "written by v-next"
         status["attempts"][0][NESTED] = {"kind": "probe", "count": 3}
+        status["phase"] = NEWER_PHASE
+        status["conditions"] = [*(status.get("conditions") or []), NEWER_CONDITION]
         try:
             tj.custom.replace_namespaced_custom_object_status(
                 models.GROUP, models.VERSION, tj.ns, models.PLURAL, name, obj
@@ -92,6 +101,7 @@ def test_rolled_back_operator_reconciles_and_keeps_newer_status_fields(
     _write_newer_fields(tj, name)
     stored = tj.status(name)
     assert stored[TOP] and stored["attempts"][0][NESTED], "the newer CRD pruned the fields"
+    assert NEWER_CONDITION in stored["conditions"], "the newer CRD refused the enum value"
 
     status = wait_for(
         "Succeeded after the newer fields were written",
@@ -105,4 +115,7 @@ def test_rolled_back_operator_reconciles_and_keeps_newer_status_fields(
     # Written back unchanged by every pass since: a roll forward finds what it recorded.
     assert attempt[NESTED] == {"kind": "probe", "count": 3}
     assert status[TOP] == "written by v-next"
+    # A condition this version does not manage keeps its newer enum value; the phase is this
+    # version's own again.
+    assert NEWER_CONDITION in status["conditions"]
     assert "validation error" not in operator.tail(400)

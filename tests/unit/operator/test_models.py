@@ -126,6 +126,51 @@ def test_status_keeps_fields_a_newer_operator_wrote(raw: dict[str, Any]) -> None
     assert copy.to_k8s() == {**raw, "preemptions": 2}
 
 
+# Enum values a newer operator may add (the CRD is not downgraded on a rollback, so the apiserver
+# stores them): read, kept and written back unchanged, like unknown fields.
+_STATUS_WITH_NEWER_VALUES: list[tuple[str, dict[str, Any]]] = [
+    ("phase", {"phase": "Resizing"}),
+    ("attempts[].outcome", {"attempts": [{"attempt": 1, "jobName": "tj-a1", "outcome": "Resized"}]}),
+    (
+        "attempts[].failureAction",
+        {"attempts": [{"attempt": 1, "jobName": "tj-a1", "failureAction": "Quarantine"}]},
+    ),
+    ("conditions[].status", {"conditions": [{"type": "Running", "status": "Partly"}]}),
+]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [r for _, r in _STATUS_WITH_NEWER_VALUES],
+    ids=[i for i, _ in _STATUS_WITH_NEWER_VALUES],
+)
+def test_status_keeps_enum_values_a_newer_operator_wrote(raw: dict[str, Any]) -> None:
+    status = models.TrainingJobStatus.model_validate(raw)
+    assert status.to_k8s() == raw
+    copy = status.model_copy(deep=True)
+    copy.preemptions = 1
+    assert copy.to_k8s() == {**raw, "preemptions": 1}
+
+
+@pytest.mark.parametrize(
+    ("model", "kwargs"),
+    [
+        (models.TrainingJobStatus, {"phase": "Resizing"}),
+        (models.AttemptRecord, {"attempt": 1, "job_name": "tj-a1", "outcome": "Resized"}),
+        (models.AttemptRecord, {"attempt": 1, "job_name": "tj-a1", "failure_action": "Quarantine"}),
+        (models.Condition, {"type": "Running", "status": "Partly"}),
+    ],
+)
+def test_status_enums_stay_strict_for_python_callers(model: type, kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError, match="Input should be"):
+        model(**kwargs)
+
+
+def test_a_non_string_enum_value_is_still_refused_from_the_wire() -> None:
+    with pytest.raises(ValidationError):
+        models.TrainingJobStatus.model_validate({"phase": 3})
+
+
 def test_status_stays_strict_for_python_callers() -> None:
     with pytest.raises(ValidationError, match="no field"):
         models.AttemptRecord(attempt=1, job_name="tj-a1", lost_step=3)  # type: ignore[call-arg]
