@@ -130,6 +130,14 @@ CASES = [
         "create_attempt",
     ),
     (
+        # A newer operator (before a rollback) ended the attempt with an outcome this version
+        # does not know: the next attempt starts, as after a preemption, and nothing is counted.
+        "newer-outcome-recorded-requeue",
+        PhaseInputs(attempt=2, recorded_outcome="Resized", failures=0, max_restarts=0),
+        "Requeueing",
+        "create_attempt",
+    ),
+    (
         "preempted-recorded-requeue",
         PhaseInputs(attempt=2, recorded_outcome="Preempted"),
         "Requeueing",
