@@ -687,14 +687,20 @@ def _status_schema(schema: dict[str, Any], model: type) -> None:
 _FROM_WIRE = "preemptible.fromWire"
 
 
-def _newer_value_kept(value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
+def _newer_value_kept(
+    value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo
+) -> Any:
     # A status enum read from the apiserver may hold a value a newer operator added (the CRD
     # is never downgraded on a rollback, so the apiserver accepts it): kept as the string it is
     # and written back unchanged, as unknown fields are. From Python it stays an error.
     try:
         return handler(value)
     except ValidationError:
-        if isinstance(value, str) and isinstance(info.context, dict) and info.context.get(_FROM_WIRE):
+        if (
+            isinstance(value, str)
+            and isinstance(info.context, dict)
+            and info.context.get(_FROM_WIRE)
+        ):
             return value
         raise
 

@@ -130,7 +130,10 @@ def test_status_keeps_fields_a_newer_operator_wrote(raw: dict[str, Any]) -> None
 # stores them): read, kept and written back unchanged, like unknown fields.
 _STATUS_WITH_NEWER_VALUES: list[tuple[str, dict[str, Any]]] = [
     ("phase", {"phase": "Resizing"}),
-    ("attempts[].outcome", {"attempts": [{"attempt": 1, "jobName": "tj-a1", "outcome": "Resized"}]}),
+    (
+        "attempts[].outcome",
+        {"attempts": [{"attempt": 1, "jobName": "tj-a1", "outcome": "Resized"}]},
+    ),
     (
         "attempts[].failureAction",
         {"attempts": [{"attempt": 1, "jobName": "tj-a1", "failureAction": "Quarantine"}]},
