@@ -31,6 +31,7 @@ import kubernetes
 import pytest
 
 from preemptible_operator import models
+from preemptible_operator import workload as wlib
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.helpers import job_manifest, python_container
 from tests.cluster.kueue import Kueue
@@ -119,10 +120,12 @@ def test_elastic_job_shrinks_at_once_grows_back_and_trains_every_sample_once(
     netns_agent: NodeAgent,
     kueue: Kueue,
     tj: TJClient,
-    operator: OperatorProcess,
+    least_privilege_operator: OperatorProcess,
     checkpoint_root: Path,
     tmp_path: Path,
 ) -> None:
+    # Only operator/rbac.py's grants and the admission policies: the Workload path needs no more.
+    operator = least_privilege_operator
     t0 = time.monotonic()
     marks: dict[str, float] = {}
 
@@ -224,11 +227,23 @@ def test_elastic_job_shrinks_at_once_grows_back_and_trains_every_sample_once(
     attempts = status["attempts"]
     assert [a.get("nodes") for a in attempts] == [3, 2, 3], describe()
     assert attempts[0]["outcome"] == "Preempted" and attempts[-1]["outcome"] == "Succeeded"
+    # The grow: a replacement slice, admitted, finished the old one; the attempt it ended was a
+    # resize, neither a preemption nor a failure.
+    assert (attempts[1]["outcome"], attempts[1]["reason"]) == ("Suspended", "Resizing"), attempts
+    assert status.get("preemptions") == 1 and status.get("failures", 0) == 0, describe()
+    assert status.get("workload") == wlib.workload_name("el", 2), describe()
+    old = tj.custom.get_namespaced_custom_object(
+        wlib.KUEUE_GROUP, wlib.KUEUE_VERSION, tj.ns, "workloads", wlib.workload_name("el", 1)
+    )
+    finished = [c for c in old["status"]["conditions"] if c["type"] == "Finished"]
+    assert finished and finished[0]["reason"] == "WorkloadSliceReplaced", old["status"]
     assert status.get("lostSteps", 0) == 0, describe()
     for before, after in itertools.pairwise(attempts):
         assert after["startStep"] == before["endStep"], describe()
     reasons = [reason for reason, _ in tj.events("el")]
-    assert "ScaledDown" in reasons and "ScaledUp" in reasons, reasons
+    assert {"ScaledDown", "ScaledUp", "GrowRequested"} <= set(reasons), reasons
+    log = operator.log.read_text(errors="replace")
+    assert "Forbidden" not in log and " 403" not in log, operator.tail(200)
 
     # Exactly once: each step's samples, from the attempt that owns the step, are the
     # reference's; each attempt ran one process per pod.
