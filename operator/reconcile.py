@@ -606,6 +606,8 @@ class Reconciler:
             },
         )
 
+        # ------------------------------------------------------------------ act, then build
+        self._annotate_node_notice(obs.pods)  # an action of every pass (node_notice.py)
         elastic: tuple[ElasticGate, wl.Admission | None] | None = None
         if decision.action == "create_attempt" and self._elastic(spec):
             assert spec is not None  # _elastic
@@ -617,7 +619,6 @@ class Reconciler:
                 # Its Workload's events wake the pass; this is the safety net.
                 result.requeue_after = 0.5 if elastic[0].action != "wait" else 30.0
 
-        # ------------------------------------------------------------------ act, then build
         done = self._act(
             obs, decision, seen_status, interruption, storage_view, inputs.backoff_remaining, now,
             elastic,
@@ -740,14 +741,14 @@ class Reconciler:
         now: str,
         elastic: tuple[ElasticGate, wl.Admission | None] | None = None,
     ) -> ActionResult:
-        """The decided action's API calls, reported for the status built from them (nothing
-        here changes a status or the decision). What must wait for the status write (releasing
+        """The decided action's API calls (after the node notices and, for an elastic create,
+        its gate), reported for the status built from them (nothing here changes a status or
+        the decision). What must wait for the status write (releasing
         pods, deleting an ended attempt's Jobs) goes to the result's ``deferred``."""
         meta = obs.obj["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         spec = obs.spec
         record, recorded = observed.record, observed.recorded
-        self._annotate_node_notice(obs.pods)
         # The attempt is over by its trainer containers, but a regular sidecar keeps a pod
         # running: end those pods (their trainer's state stays readable, the finalizer holds
         # them), or the attempt never ends.
