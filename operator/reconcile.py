@@ -104,7 +104,7 @@ from preemptible_operator.start import (
 from preemptible_operator.status_build import (
     ActionResult,
     Built,
-    Observed,
+    ObservedStatus,
     Started,
     build_status,
     observed_status,
@@ -734,7 +734,7 @@ class Reconciler:
         self,
         obs: Snapshot,
         decision: Decision,
-        observed: Observed,
+        observed: ObservedStatus,
         interruption: Interruption,
         storage_view: CheckpointView | None,
         backoff_left: float,

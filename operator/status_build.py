@@ -41,7 +41,7 @@ from preemptible_operator.unreachable import unreachable_condition
 __all__ = [
     "ActionResult",
     "Built",
-    "Observed",
+    "ObservedStatus",
     "Started",
     "build_status",
     "observed_status",
@@ -50,7 +50,7 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class Observed:
+class ObservedStatus:
     """The status a pass decides on: the read one with what the snapshot adds (the current
     attempt, its record, rank 0's metrics). No step of the pass changes it afterwards."""
 
@@ -68,7 +68,7 @@ class Observed:
 
 def observed_status(
     snap: Snapshot, storage_readable: bool | None, now: str, now_s: float
-) -> Observed:
+) -> ObservedStatus:
     """A copy of the read status with the current attempt (its record rebuilt from the Job when
     a crashed pass never wrote it), its nodes, the elastic Workload, whether storage is
     readable from the operator, the attempt's running time once it runs, and rank 0's
@@ -93,7 +93,7 @@ def observed_status(
             if created_at is not None:
                 wait = max(0.0, now_s - created_at)
         apply_metrics(status, snap.runtime_metrics, spec, snap.attempt)
-    return Observed(status, record, wait)
+    return ObservedStatus(status, record, wait)
 
 
 def with_snapshot(
@@ -156,7 +156,7 @@ class Built:
 
 def build_status(
     snap: Snapshot,
-    observed: Observed,
+    observed: ObservedStatus,
     decision: Decision,
     inputs: PhaseInputs,
     interruption: Interruption,
