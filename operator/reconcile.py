@@ -566,7 +566,7 @@ class Reconciler:
         result = PassResult()
         spec = obs.spec
 
-        # Storage is listed only when an attempt ends or starts (_record_attempt,
+        # Storage is listed only when an attempt ends or starts (_end_look,
         # _create_attempt): while one runs, the runtime's /metrics report its checkpoints.
         storage_view = CheckpointView(spec.checkpoint.uri, self.config.path_map) if spec else None
         readable = storage_view.readable if storage_view is not None else None
