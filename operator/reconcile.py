@@ -13,6 +13,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import json
 import logging
 import random
@@ -31,7 +32,12 @@ from preemptible_operator import metrics, models, render
 from preemptible_operator import workload as wl
 from preemptible_operator.boost import boost_patch, plan_boost
 from preemptible_operator.budget import periodic_delay, spread_interval
-from preemptible_operator.checkpoint_store import CheckpointView, PathMap, StorageReads
+from preemptible_operator.checkpoint_store import (
+    CheckpointView,
+    PathMap,
+    StorageReads,
+    StorageSnapshot,
+)
 from preemptible_operator.children import (
     Refusal,
     api_message,
@@ -44,14 +50,13 @@ from preemptible_operator.classify import (
     Interruption,
     pod_finished,
 )
-from preemptible_operator.conditions import Reason
+from preemptible_operator.conditions import Event, Reason
 from preemptible_operator.deactivation import DEACTIVATE_ON_RECORD, deactivation_patch
 from preemptible_operator.elastic_attempt import (
     ElasticGate,
     admitted_flavors,
     elastic_sizes,
     grow_plan,
-    nodes_shown,
     reservation_held,
     size_event,
     slice_of,
@@ -59,8 +64,7 @@ from preemptible_operator.elastic_attempt import (
     start_gate,
     workload_finished,
 )
-from preemptible_operator.grace import cap_grace, grace_status
-from preemptible_operator.interval import interval_status
+from preemptible_operator.grace import cap_grace
 from preemptible_operator.node_notice import NodeNotice, node_notice, pod_notice_patch
 from preemptible_operator.observation import (
     Snapshot,
@@ -68,7 +72,6 @@ from preemptible_operator.observation import (
     interruption_of,
     phase_inputs,
     running_pods,
-    starts_now,
 )
 from preemptible_operator.ownership import (
     by_attempt,
@@ -80,43 +83,32 @@ from preemptible_operator.ownership import (
 from preemptible_operator.pass_spec import parse_spec_tolerant, pass_spec, spec_of_job
 from preemptible_operator.phases import (
     Decision,
-    PhaseInputs,
-    bound_attempts,
     deadline_remaining,
-    estimate_progress,
     next_attempt_number,
     next_phase,
 )
 from preemptible_operator.priority_classes import PriorityClassValues
-from preemptible_operator.recording import (
-    apply_metrics,
-    apply_snapshot,
-    record_attempt_end,
-)
+from preemptible_operator.recording import AttemptEnd, record_attempt_end
 from preemptible_operator.refusals import (
     awaits_pods,
-    clear_refused,
     no_pods_wait,
     pods_refusal,
-    refusal_outcome,
 )
 from preemptible_operator.scrape import RuntimeMetrics, scrape
-from preemptible_operator.show import (
-    action_status,
-    phase_change_event,
-    phase_conditions,
-    rejected_message,
-    shown_phase,
-    status_message,
-)
 from preemptible_operator.start import (
     adopted_params,
     attempt_created_message,
-    current_record,
     find_record,
-    outcomes,
     plan_attempt,
-    start_attempt,
+)
+from preemptible_operator.status_build import (
+    ActionResult,
+    Built,
+    ObservedStatus,
+    Started,
+    build_status,
+    observed_status,
+    with_snapshot,
 )
 from preemptible_operator.timestamps import now_rfc3339, parse_rfc3339
 from preemptible_operator.unreachable import unreachable_condition
@@ -561,48 +553,30 @@ class Reconciler:
     def _reconcile(
         self, namespace: str, name: str, cached: Cached | None, scrape_metrics: bool = True
     ) -> PassResult:
-        """Observe (``_observe``: one immutable Snapshot), decide (the pure functions of
-        observation.py, start.py, refusals.py, show.py, wake.py, phases.next_phase,
-        recording.py), act (``_act``: the API calls of the one
-        decided action), show and write the status once (``_show``, ``_write_and_post``) and
-        say when the next pass is due (``_schedule``)."""
+        """Observe (``_observe``: one immutable Snapshot, status_build.observed_status: the
+        status decided on), decide (the pure functions of observation.py, start.py, show.py,
+        wake.py, phases.next_phase), act (``_act``: the API calls of the one decided action,
+        reported as an ActionResult), build the new status once (status_build.build_status),
+        write it (``_write_and_post``) and say when the next pass is due (``_schedule``)."""
         obs = self._observe(namespace, name, cached, scrape_metrics=scrape_metrics)
         if obs is None:
             return PassResult(done=True)
-        self._annotate_node_notice(obs.pods)
         now = now_rfc3339()
         old_status = obs.status.to_k8s()
-        status = obs.status.model_copy(deep=True)
         result = PassResult()
-        after_status: list[Callable[[], None]] = []
         spec = obs.spec
-        generation = obs.obj["metadata"].get("generation")
 
-        record = current_record(status, obs.attempt, obs.job)
-        status.attempt = obs.attempt or status.attempt
-        if spec is not None and record is not None and record.nodes is not None:
-            # From the attempt's record: a pass that adopted the Job shows it too.
-            status.nodes = nodes_shown(record.nodes, spec)
-        if spec is not None and spec.elastic is not None and obs.workload is not None:
-            status.workload = obs.workload["metadata"]["name"]
-        if status.attempt:
-            metrics.ATTEMPT.labels(namespace, name).set(status.attempt)
-
-        # Storage is listed only when an attempt ends or starts (_record_attempt,
+        # Storage is listed only when an attempt ends or starts (_end_look,
         # _create_attempt): while one runs, the runtime's /metrics report its checkpoints.
         storage_view = CheckpointView(spec.checkpoint.uri, self.config.path_map) if spec else None
-        if storage_view is not None:
-            status.checkpoint_storage_readable = storage_view.readable
-
-        recorded = record is not None and record.end_time is not None
-        if spec is not None and obs.attempt and not recorded:
-            if record is not None and starts_now(obs, spec, record):
-                record.running_time = now
-                created_at = parse_rfc3339(record.start_time)
-                if created_at is not None:
-                    wait = max(0.0, self.clock() - created_at)
-                    result.on_written.append(lambda: metrics.QUEUE_WAIT_SECONDS.observe(wait))
-            apply_metrics(status, obs.runtime_metrics, spec, obs.attempt)
+        readable = storage_view.readable if storage_view is not None else None
+        seen_status = observed_status(obs, readable, now, self.clock())
+        status, record, recorded = seen_status.status, seen_status.record, seen_status.recorded
+        if status.attempt:
+            metrics.ATTEMPT.labels(namespace, name).set(status.attempt)
+        wait = seen_status.queue_wait
+        if wait is not None:
+            result.on_written.append(lambda: metrics.QUEUE_WAIT_SECONDS.observe(wait))
         left = deadline_remaining(
             status.start_time, spec.active_deadline_seconds if spec else None, self.clock()
         )
@@ -610,6 +584,7 @@ class Reconciler:
         interruption = seen.interruption
         if seen.deactivated_by_other:
             # The next pass reads the new spec and records the attempt.
+            self._annotate_node_notice(obs.pods)
             self._suspend_for_deactivation(obs.obj, interruption.message)
             return PassResult(phase=status.phase, requeue_after=0.0)
         inputs = phase_inputs(obs, status, record, recorded, interruption, self.clock())
@@ -631,6 +606,8 @@ class Reconciler:
             },
         )
 
+        # ------------------------------------------------------------------ act, then build
+        self._annotate_node_notice(obs.pods)  # an action of every pass (node_notice.py)
         elastic: tuple[ElasticGate, wl.Admission | None] | None = None
         if decision.action == "create_attempt" and self._elastic(spec):
             assert spec is not None  # _elastic
@@ -642,125 +619,37 @@ class Reconciler:
                 # Its Workload's events wake the pass; this is the safety net.
                 result.requeue_after = 0.5 if elastic[0].action != "wait" else 30.0
 
-        # ------------------------------------------------------------------ act
-        done = action_status(decision, status, obs.invalid, now, generation)
-        status.conditions, status.completion_time = done.conditions, done.completion_time
-        status.message = done.message
-        if done.event is not None:
-            result.events.append(done.event)
-        refusal = self._act(
-            obs,
-            decision,
-            status,
-            record,
-            interruption,
-            storage_view,
-            inputs.backoff_remaining,
-            now,
-            result,
-            after_status,
+        done = self._act(
+            obs, decision, seen_status, interruption, storage_view, inputs.backoff_remaining, now,
             elastic,
-        )
-
-        if (
-            self._elastic(spec)
-            and decision.phase == "Running"
-            and decision.action == "none"
-            and not recorded
-        ):
-            assert spec is not None  # _elastic
-            self._maybe_grow(obs, spec, status, record, result)
-
-        # ------------------------------------------------------------------ refusals
-        if decision.action == "create_attempt" and refusal is None:
-            status.conditions = clear_refused(status.conditions, now, generation)
-        elif refusal is None and awaits_pods(decision, spec, obs.job, recorded):
-            assert obs.job is not None  # awaits_pods
-            if obs.pods:
-                status.conditions = clear_refused(status.conditions, now, generation)
-            else:
-                # The Job exists and runs but has no pods: the Job controller may be refused
-                # them (a ResourceQuota, Pod Security Admission). It retries by itself; this
-                # shows why, and looks again later (no watch event comes for it).
-                refusal = pods_refusal(obs.job, self._job_events(obs.job))
-                if refusal is None:
-                    result.requeue_after = no_pods_wait(obs.job, self.clock())
-        if refusal is not None:
-            refused = refusal_outcome(
-                status.conditions, refusal, decision, now, generation, self.clock()
-            )
-            status.conditions = refused.conditions
-            if refused.event is not None:
-                result.events.append(refused.event)
-            decision = refused.decision
-            result.phase = decision.phase
-            if refusal.fatal:
-                status.completion_time = status.completion_time or now
-            else:
-                result.requeue_after = refused.requeue_after
-
-        # ------------------------------------------------------------------ unreachable nodes
-        if spec is not None:
-            self._escalate_unreachable(obs, spec, status, recorded, now, generation, result)
-
-        # ------------------------------------------------------------------ status
-        new_phase = self._show(
-            obs, status, old_status, decision, inputs, record, now, result, after_status
-        )
-        if not self._write_and_post(obs, status, old_status, result, after_status):
-            return result  # conflict: the next pass re-reads and redoes this one
-        return self._schedule(obs, status, new_phase, inputs.deadline_remaining, result)
-
-    def _show(
-        self,
-        obs: Snapshot,
-        status: models.TrainingJobStatus,
-        old_status: dict[str, Any],
-        decision: Decision,
-        inputs: PhaseInputs,
-        record: models.AttemptRecord | None,
-        now: str,
-        result: PassResult,
-        after_status: list[Callable[[], None]],
-    ) -> str:
-        """What the status shows after the action (phase, its conditions, grace, checkpoint
-        interval, message); returns the new phase."""
-        spec = obs.spec
-        generation = obs.obj["metadata"].get("generation")
-        shown, new_phase = shown_phase(decision, inputs, spec, status.attempt, status.phase)
-        status.conditions = phase_conditions(status.conditions, new_phase, shown, now, generation)
-        if spec is not None:
-            self._update_grace(status, spec, obs, now, generation, result)
-            status.checkpoint_interval, interval_event = interval_status(status, spec, self.clock())
-            if interval_event:
-                result.events.append(("Normal", Reason.CHECKPOINT_INTERVAL, interval_event))
-        changed = phase_change_event(status.phase, new_phase, decision, result.events)
-        if changed is not None:
-            result.events.append(changed)
-        status.phase = new_phase
-        if new_phase in ("Succeeded", "Failed") and status.completion_time is None:
-            # Every way to the end (a success is recorded straight into Succeeded): the TTL
-            # after finishing counts from here.
-            status.completion_time = now
-        status.progress = estimate_progress(status.progress, status.timings, new_phase)
-        status.message = status_message(status.message, shown, decision, new_phase, obs.invalid)
-        status.observed_generation = generation
-        if obs.rejected is not None:
-            status.message = rejected_message(obs.rejected, spec is not None)
-            if old_status.get("observedGeneration") != generation:
-                result.events.append(("Warning", Reason.SPEC_CHANGE_REJECTED, status.message))
-        if status.attempts:
-            status.attempts, dropped = bound_attempts(status.attempts)
-            if dropped:
-                status.attempts_omitted = (status.attempts_omitted or 0) + dropped
+        )  # fmt: skip
+        built = build_status(
+            obs, seen_status, decision, inputs, interruption, done, now=now,
+            now_s=self.clock(), max_grace_seconds=self.config.max_grace_seconds,
+        )  # fmt: skip
+        result.phase = built.shown.phase
+        result.events.extend(built.events)
+        if built.requeue_after is not None:
+            result.requeue_after = built.requeue_after
+        if built.end is not None and built.record is not None:
+            self._count_end(obs, built.record, built.end, result)
+        if spec is not None and built.grace_recommended is not None:
+            metrics.GRACE_SECONDS.labels(namespace, name).set(built.grace_recommended)
+        after_status: list[Callable[[], None]] = [
+            functools.partial(fn, built) for fn in done.deferred
+        ]
         if (
             self.config.priority_boost
             and spec is not None
             and spec.elastic is None  # the boost is for Kueue's Workloads of attempt Jobs
-            and new_phase == "Running"
+            and built.phase == "Running"
         ):
-            after_status.append(lambda: self._update_priority_boost(obs, spec, status, record))
-        return new_phase
+            after_status.append(
+                lambda: self._update_priority_boost(obs, spec, built.status, built.record)
+            )
+        if not self._write_and_post(obs, built.status, old_status, result, after_status):
+            return result  # conflict: the next pass re-reads and redoes this one
+        return self._schedule(obs, built.status, built.phase, inputs.deadline_remaining, result)
 
     def _write_and_post(
         self,
@@ -845,23 +734,21 @@ class Reconciler:
         self,
         obs: Snapshot,
         decision: Decision,
-        status: models.TrainingJobStatus,
-        record: models.AttemptRecord | None,
+        observed: ObservedStatus,
         interruption: Interruption,
         storage_view: CheckpointView | None,
         backoff_left: float,
         now: str,
-        result: PassResult,
-        after_status: list[Callable[[], None]],
         elastic: tuple[ElasticGate, wl.Admission | None] | None = None,
-    ) -> Refusal | None:
-        """The decided action's API calls. What must wait for the status write (releasing pods,
-        deleting an ended attempt's Jobs) goes to ``after_status``; a refused create is
-        returned (the status shows it)."""
+    ) -> ActionResult:
+        """The decided action's API calls (after the node notices and, for an elastic create,
+        its gate), reported for the status built from them (nothing here changes a status or
+        the decision). What must wait for the status write (releasing
+        pods, deleting an ended attempt's Jobs) goes to the result's ``deferred``."""
         meta = obs.obj["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         spec = obs.spec
-        recorded = record is not None and record.end_time is not None
+        record, recorded = observed.record, observed.recorded
         # The attempt is over by its trainer containers, but a regular sidecar keeps a pod
         # running: end those pods (their trainer's state stays readable, the finalizer holds
         # them), or the attempt never ends.
@@ -879,11 +766,12 @@ class Reconciler:
                 self._stop_pods(obs.pods)
                 self._delete_job(obs.job)
             if obs.pods:
-                result.requeue_after = 1.0  # the next pass releases their attempt finalizers
+                return ActionResult(requeue_after=1.0)  # the next pass releases the finalizers
         elif action == "create_attempt" and spec is not None:
-            return self._create_attempt(
-                obs, spec, status, record, recorded, decision.reason, now, result, elastic
+            created = self._create_attempt(
+                obs, spec, observed.status, record, recorded, decision.reason, now, elastic
             )
+            return created or ActionResult()
         elif action == "stop_attempt":
             self._stop_pods(obs.pods)
         elif action == "stop_previous":
@@ -893,7 +781,7 @@ class Reconciler:
             self._stop_pods(pods)
             for job in jobs:
                 self._delete_job(job)
-            result.requeue_after = 1.0
+            return ActionResult(requeue_after=1.0)
         elif action == "deactivate_workload":
             if self._elastic(spec):
                 # The TrainingJob's own Workload was evicted: the operator stops the attempt
@@ -908,28 +796,45 @@ class Reconciler:
         elif action == "record_attempt" and spec is not None and record is not None:
             if interruption.reason in DEACTIVATE_ON_RECORD:
                 self._deactivate_workload(namespace, obs.workload, obs.workload_version)
-            self._record_attempt(obs, spec, status, record, interruption, storage_view, now, result)
             pods = list(obs.pods)
-            # The newest failed attempt's Job stays (its pods' logs) until the TrainingJob is
-            # deleted; preempted attempts' Jobs and older failed ones go.
-            jobs = [
-                dict(j)
-                for j in jobs_to_delete(
-                    obs.jobs, outcomes(status), obs.attempt, obs.pods_by_attempt
-                )
-            ]
-            after_status.append(lambda: self._clean_up_later(namespace, name, pods, jobs))
-            result.requeue_after = 0.0  # the next attempt at once
+
+            def clean_up(built: Built) -> None:
+                # The newest failed attempt's Job stays (its pods' logs) until the TrainingJob
+                # is deleted; preempted attempts' Jobs and older failed ones go.
+                jobs = jobs_to_delete(obs.jobs, built.outcomes, obs.attempt, obs.pods_by_attempt)
+                self._clean_up_later(namespace, name, pods, [dict(j) for j in jobs])
+
+            return ActionResult(
+                storage=self._end_look(obs, record, storage_view),
+                ends_attempt=True,
+                requeue_after=0.0,  # the next attempt at once
+                deferred=(clean_up,),
+            )
         elif action in ("finish", "cleanup"):
             if self._elastic(spec):
                 self._end_elastic_workload(obs, decision, now)
             held = held_pods(obs.pods_by_attempt)
             if held:
-                after_status.append(lambda: self._release_pods(held))
-                result.requeue_after = 1.0  # confirm they were released
+                return ActionResult(
+                    requeue_after=1.0,  # confirm they were released
+                    deferred=(lambda _built: self._release_pods(held),),
+                )
         elif action == "wait_backoff":
-            result.requeue_after = max(0.5, backoff_left)
-        return None
+            return ActionResult(requeue_after=max(0.5, backoff_left))
+        elif action == "none" and spec is not None and not recorded:
+            if self._elastic(spec) and decision.phase == "Running":
+                grown = self._maybe_grow(obs, spec, observed.status, record)
+                return ActionResult(events=(grown,) if grown is not None else ())
+            if awaits_pods(decision, spec, obs.job, recorded) and not obs.pods:
+                assert obs.job is not None  # awaits_pods
+                # The Job exists and runs but has no pods: the Job controller may be refused
+                # them (a ResourceQuota, Pod Security Admission). It retries by itself; the
+                # status shows why, and the pass looks again later (no watch event comes).
+                refused = pods_refusal(obs.job, self._job_events(obs.job))
+                if refused is not None:
+                    return ActionResult(refusal=refused)
+                return ActionResult(requeue_after=no_pods_wait(obs.job, self.clock()))
+        return ActionResult()
 
     def periodic_intervals(self) -> tuple[float, float]:
         """(poll, progress-only status write) period of one running job now: the configured
@@ -983,12 +888,11 @@ class Reconciler:
         recorded: bool,
         reason: str,
         now: str,
-        result: PassResult,
         elastic: tuple[ElasticGate, wl.Admission | None] | None = None,
-    ) -> Refusal | None:
-        """Create the attempt's Service and Job; a permanent refusal of either is returned
-        (nothing in ``status`` changed then), a temporary error raised. ``elastic``: the
-        admitted size of an elastic job's attempt (_elastic_gate)."""
+    ) -> ActionResult:
+        """Create the attempt's Service and Job (planned from ``status``, the one decided on):
+        the attempt started, or a permanent refusal of either; a temporary error raised.
+        ``elastic``: the admitted size of an elastic job's attempt (_elastic_gate)."""
         meta = obs.obj["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         attempt = next_attempt_number(obs.attempt, recorded)
@@ -996,11 +900,10 @@ class Reconciler:
         # The look the pass recording the previous attempt took, when it was just now.
         storage = self._storage.snapshot(view, (meta["uid"], attempt - 1))
         reported = status.last_complete_checkpoint
-        if storage is not None:
-            apply_snapshot(status, storage)
         plan = plan_attempt(
-            obs, spec, status, recorded, reported, storage, self.config.max_grace_seconds
-        )
+            obs, spec, with_snapshot(status, storage), recorded, reported, storage,
+            self.config.max_grace_seconds,
+        )  # fmt: skip
         params = plan.params
         if elastic is not None:
             gate, admission = elastic
@@ -1018,7 +921,7 @@ class Reconciler:
             # Rendezvous (MASTER_ADDR) only: one pod needs no DNS name.
             refused = self._ensure_service(meta, spec)
             if refused is not None:
-                return refused
+                return ActionResult(refusal=refused, storage=storage)
         job_body = render.render_job(meta, spec, params)
         if elastic is not None and obs.workload is not None:
             # Which of the TrainingJob's Workloads this attempt runs under (slices()).
@@ -1031,7 +934,7 @@ class Reconciler:
                 refused = _refusal("Job", job_body["metadata"]["name"], exc)
                 if refused is None:
                     raise
-                return refused
+                return ActionResult(refusal=refused, storage=storage)
             created = False
             existing = self._json(
                 self.batch.read_namespaced_job(
@@ -1039,15 +942,11 @@ class Reconciler:
                 )
             )
             if not owned_by(existing, meta["uid"]):
-                return self._replace_foreign(existing, "Job", meta)
+                foreign = self._replace_foreign(existing, "Job", meta)
+                return ActionResult(refusal=foreign, storage=storage)
             params = adopted_params(existing, params)
             nodes = render.attempt_nodes(spec, params)
         self._clean_up_later(namespace, name, plan.old_pods, plan.old_jobs)
-        start_attempt(status, name, params, now)
-        started = find_record(status, params.attempt)
-        if started is not None and started.nodes is None:
-            started.nodes = nodes
-        status.nodes = nodes_shown(nodes, spec)
         metrics.GRACE_SECONDS.labels(namespace, name).set(params.grace_seconds)
         if created:
             # Posted now: the Job exists whatever happens to this pass's status write.
@@ -1061,7 +960,7 @@ class Reconciler:
             )
             if elastic is not None:
                 self._elastic_events(obs, spec, plan.previous, nodes, *elastic)
-        return None
+        return ActionResult(storage=storage, started=Started(params, nodes))
 
     # ------------------------------------------------------------------ elastic (issue 40)
     def _elastic(self, spec: models.TrainingJobSpec | None) -> bool:
@@ -1232,19 +1131,19 @@ class Reconciler:
         spec: models.TrainingJobSpec,
         status: models.TrainingJobStatus,
         record: models.AttemptRecord | None,
-        result: PassResult,
-    ) -> None:
+    ) -> Event | None:
         """While an elastic attempt runs below its largest size: ask Kueue for a bigger
-        replacement slice when the restart pays (elastic_attempt.grow_plan). Nothing changes
-        until Kueue admits it; then the attempt stops at a checkpoint (Resizing)."""
+        replacement slice when the restart pays (elastic_attempt.grow_plan); the Event that
+        says so. Nothing changes until Kueue admits it; then the attempt stops at a checkpoint
+        (Resizing)."""
         workload = obs.workload
         if workload is None or obs.pending_slices or record is None:
-            return
+            return None
         if wl.eviction(workload) is not None or workload_finished(workload):
-            return
+            return None
         grow = grow_plan(spec, status, record, self.clock())
         if grow is None:
-            return
+            return None
         sizes = elastic_sizes(spec)
         assert record.nodes is not None  # grow_plan
         body = wl.render_replacement(
@@ -1261,13 +1160,11 @@ class Reconciler:
         except ApiException as exc:
             if exc.status != 409:
                 raise
-            return
-        result.events.append(
-            (
-                "Normal",
-                Reason.GROW_REQUESTED,
-                f"Workload {body['metadata']['name']}: {grow.message}",
-            )
+            return None
+        return (
+            "Normal",
+            Reason.GROW_REQUESTED,
+            f"Workload {body['metadata']['name']}: {grow.message}",
         )
 
     def _elastic_events(
@@ -1294,6 +1191,32 @@ class Reconciler:
                 "admitted pod(s) stay reserved and unused until the next attempt",
             )
 
+    def _end_look(
+        self, obs: Snapshot, record: models.AttemptRecord, view: CheckpointView | None
+    ) -> StorageSnapshot | None:
+        """The record_attempt action's look at storage (the look the next attempt's create
+        reuses)."""
+        key = (obs.obj["metadata"]["uid"], record.attempt)
+        return self._storage.snapshot(view, key) if view is not None else None
+
+    def _count_end(
+        self, obs: Snapshot, record: models.AttemptRecord, end: AttemptEnd, result: PassResult
+    ) -> None:
+        """The metrics of a recorded attempt end; the counters once the status that records it
+        is written (a pass redone after a conflict records the same attempt again)."""
+        meta = obs.obj["metadata"]
+        labels = (meta["namespace"], meta["name"])
+        if end.sigterm_to_exit is not None:
+            metrics.SIGTERM_TO_EXIT_SECONDS.labels(*labels).set(end.sigterm_to_exit)
+        if record.grace_seconds is not None:
+            metrics.ATTEMPT_GRACE_SECONDS.labels(*labels).set(record.grace_seconds)
+        lost = end.lost_steps
+        if lost:
+            result.on_written.append(lambda: metrics.LOST_STEPS.labels(*labels).inc(lost))
+        preempted = end.preempted
+        if preempted is not None:
+            result.on_written.append(lambda: metrics.PREEMPTIONS.labels(preempted).inc())
+
     def _record_attempt(
         self,
         obs: _Observed,
@@ -1305,28 +1228,13 @@ class Reconciler:
         now: str,
         result: PassResult,
     ) -> None:
-        """Look at storage (the look the next attempt's create reuses) and record the ended
-        attempt (recording.record_attempt_end) in the pass's status."""
-        meta = obs.obj["metadata"]
-        key = (meta["uid"], record.attempt)
-        snapshot = self._storage.snapshot(view, key) if view is not None else None
-        generation = meta.get("generation")
+        """The look and the recording (recording.record_attempt_end) applied to a ``status`` of
+        the caller's own; a pass instead builds its status from the look (build_status)."""
         end = record_attempt_end(
-            status, record, spec, obs.pods, interruption, snapshot, now, self.clock(), generation
-        )
-        labels = (meta["namespace"], meta["name"])
-        if end.sigterm_to_exit is not None:
-            metrics.SIGTERM_TO_EXIT_SECONDS.labels(*labels).set(end.sigterm_to_exit)
-        if record.grace_seconds is not None:
-            metrics.ATTEMPT_GRACE_SECONDS.labels(*labels).set(record.grace_seconds)
-        # Counted once the status that records it is written (a pass redone after a conflict
-        # records the same attempt again).
-        lost = end.lost_steps
-        if lost:
-            result.on_written.append(lambda: metrics.LOST_STEPS.labels(*labels).inc(lost))
-        preempted = end.preempted
-        if preempted is not None:
-            result.on_written.append(lambda: metrics.PREEMPTIONS.labels(preempted).inc())
+            status, record, spec, obs.pods, interruption, self._end_look(obs, record, view), now,
+            self.clock(), obs.obj["metadata"].get("generation"),
+        )  # fmt: skip
+        self._count_end(obs, record, end, result)
         result.events.extend(end.events)
 
     def _ensure_service(self, meta: dict[str, Any], spec: models.TrainingJobSpec) -> Refusal | None:
@@ -1690,24 +1598,6 @@ class Reconciler:
             if ip and (pod.get("status") or {}).get("phase") == "Running":
                 return scrape(ip, spec.metrics_port, timeout=self.config.scrape_timeout)
         return None
-
-    def _update_grace(
-        self,
-        status: models.TrainingJobStatus,
-        spec: models.TrainingJobSpec,
-        obs: _Observed,
-        now: str,
-        generation: int | None,
-        result: PassResult,
-    ) -> None:
-        """The grace recommendation and condition (grace.grace_status) applied to ``status``."""
-        grace = grace_status(status, spec, self.config.max_grace_seconds, now, generation)
-        status.grace_period = grace.grace_period
-        status.conditions = grace.conditions
-        meta = obs.obj["metadata"]
-        metrics.GRACE_SECONDS.labels(meta["namespace"], meta["name"]).set(grace.recommended)
-        if grace.event is not None:
-            result.events.append(grace.event)
 
     # ------------------------------------------------------------------------------ writing
     def _write_status(

@@ -1,6 +1,7 @@
-"""What a refused child does to the pass (pure): condition CreateRefused, the decision it
-replaces, the Warning Event and when to retry; and when to look for the pods the Job controller
-is refused (tests/unit/operator/test_refusals.py). What a refusal is: children.py.
+"""What a refused child does to the pass's status (pure): condition CreateRefused, the decision
+the status shows instead (the pass keeps its own), the Warning Event and when to retry; and when
+to look for the pods the Job controller is refused (tests/unit/operator/test_refusals.py). What a
+refusal is: children.py.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def no_pods_wait(job: dict[str, Any], now: float) -> float:
 
 @dataclass(frozen=True)
 class RefusalOutcome:
-    """What a refused child does to the pass: CreateRefused True, the decision it replaces."""
+    """What a refused child shows: CreateRefused True, the decision the status shows."""
 
     conditions: list[models.Condition]
     decision: Decision
