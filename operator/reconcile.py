@@ -88,7 +88,7 @@ from preemptible_operator.phases import (
     next_phase,
 )
 from preemptible_operator.priority_classes import PriorityClassValues
-from preemptible_operator.recording import AttemptEnd, record_attempt_end
+from preemptible_operator.recording import AttemptEnd
 from preemptible_operator.refusals import (
     awaits_pods,
     no_pods_wait,
@@ -111,7 +111,6 @@ from preemptible_operator.status_build import (
     with_snapshot,
 )
 from preemptible_operator.timestamps import now_rfc3339, parse_rfc3339
-from preemptible_operator.unreachable import unreachable_condition
 from preemptible_operator.wake import deadline_wake, wake_after
 
 __all__ = [
@@ -1217,26 +1216,6 @@ class Reconciler:
         if preempted is not None:
             result.on_written.append(lambda: metrics.PREEMPTIONS.labels(preempted).inc())
 
-    def _record_attempt(
-        self,
-        obs: _Observed,
-        spec: models.TrainingJobSpec,
-        status: models.TrainingJobStatus,
-        record: models.AttemptRecord,
-        interruption: Interruption,
-        view: CheckpointView | None,
-        now: str,
-        result: PassResult,
-    ) -> None:
-        """The look and the recording (recording.record_attempt_end) applied to a ``status`` of
-        the caller's own; a pass instead builds its status from the look (build_status)."""
-        end = record_attempt_end(
-            status, record, spec, obs.pods, interruption, self._end_look(obs, record, view), now,
-            self.clock(), obs.obj["metadata"].get("generation"),
-        )  # fmt: skip
-        self._count_end(obs, record, end, result)
-        result.events.extend(end.events)
-
     def _ensure_service(self, meta: dict[str, Any], spec: models.TrainingJobSpec) -> Refusal | None:
         """Create the rendezvous Service. AlreadyExists is success only when it is ours; one of
         an earlier incarnation (same name, being garbage collected) is waited for (the pass is
@@ -1473,23 +1452,6 @@ class Reconciler:
                 return
             raise
         self._event(obj, "Warning", Reason.WORKLOAD_DEACTIVATED, message)
-
-    def _escalate_unreachable(
-        self,
-        obs: _Observed,
-        spec: models.TrainingJobSpec,
-        status: models.TrainingJobStatus,
-        recorded: bool,
-        now: str,
-        generation: int | None,
-        result: PassResult,
-    ) -> None:
-        """Condition NodeUnreachable (unreachable.unreachable_condition) applied to ``status``."""
-        status.conditions, event = unreachable_condition(
-            obs, spec, status.conditions, recorded, now, generation, self.clock()
-        )
-        if event is not None:
-            result.events.append(event)
 
     def _deactivate_workload(
         self, namespace: str, workload: dict[str, Any] | None, version: str | None

@@ -303,12 +303,8 @@ def test_recording_an_attempt_over_hung_storage_ends_in_time(
     from preemptible_operator import models
     from preemptible_operator.classify import Interruption
     from preemptible_operator.conditions import Reason
-    from preemptible_operator.reconcile import (
-        OperatorConfig,
-        PassResult,
-        Reconciler,
-        _Observed,
-    )
+    from preemptible_operator.reconcile import OperatorConfig, Reconciler, _Observed
+    from preemptible_operator.recording import record_attempt_end
     from tests.unit.operator.builders import make_spec
 
     path_map = PathMap((("/ckpt", f"probefile://{tmp_path}"),))
@@ -337,16 +333,11 @@ def test_recording_an_attempt_over_hung_storage_ends_in_time(
     view = CheckpointView(spec.checkpoint.uri, path_map)
     probe.hang = True
     began = time.monotonic()
-    r._record_attempt(
-        obs,
-        spec,
-        status,
-        record,
-        Interruption("Preempted", Reason.KUEUE_EVICTED, "evicted"),
-        view,
-        "2026-12-04T00:00:00Z",
-        PassResult(),
-    )
+    look = r._end_look(obs, record, view)  # the record_attempt action's look
+    record_attempt_end(
+        status, record, spec, [], Interruption("Preempted", Reason.KUEUE_EVICTED, "evicted"),
+        look, "2026-12-04T00:00:00Z", time.time(), 1,
+    )  # fmt: skip
     assert time.monotonic() - began < 2.0
     assert record.checkpoint == "/ckpt/run/checkpoint-6"  # the runtime's report stands
     # The create pass's look (key: the attempt just recorded) is the same one, at once.

@@ -24,7 +24,11 @@ from preemptible_operator.failure_policy import (
 from preemptible_operator.phases import PhaseInputs, next_phase
 from preemptible_operator.reconcile import OperatorConfig, PassResult, Reconciler, _Observed
 from preemptible_operator.timestamps import parse_rfc3339
-from preemptible_operator.unreachable import OUT_OF_SERVICE_TAINT, stuck_on_unreachable_nodes
+from preemptible_operator.unreachable import (
+    OUT_OF_SERVICE_TAINT,
+    stuck_on_unreachable_nodes,
+    unreachable_condition,
+)
 from tests.unit.operator.builders import make_job, make_pod, make_spec
 from trainer_runtime import protocol
 
@@ -387,7 +391,10 @@ def test_the_reconciler_raises_node_unreachable_once_and_clears_it() -> None:
 
     def run(pods: list[dict[str, Any]]) -> PassResult:
         result = PassResult()
-        rec._escalate_unreachable(observed(pods), spec, status, False, "t", 1, result)
+        status.conditions, event = unreachable_condition(
+            observed(pods), spec, status.conditions, False, "t", 1, rec.clock()
+        )
+        result.events.extend([event] if event is not None else [])
         return result
 
     first = run([_pod()])
