@@ -43,6 +43,9 @@ __all__ = [
 ENV = "PREEMPTIBLE_DIRECT_READ"
 # A file with less than this fraction of its pages in the page cache is read with O_DIRECT.
 COLD_BELOW = 0.5
+# resident_fraction: a large file's residency from this many windows of this many bytes
+SAMPLE_WINDOWS = 64
+SAMPLE_BYTES = 1 << 20
 # What a filesystem answers to an O_DIRECT open or request it does not take.
 REFUSED = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -82,9 +85,13 @@ def _lib() -> Any:
     return _libc
 
 
-def resident_fraction(fd: int, size: int) -> float | None:
+def resident_fraction(
+    fd: int, size: int, *, windows: int = SAMPLE_WINDOWS, window: int = SAMPLE_BYTES
+) -> float | None:
     """Fraction of the first ``size`` bytes of ``fd`` in the page cache (``mincore`` of a
-    read-only mapping: no page is read or touched); None where it cannot be told."""
+    read-only mapping: no page is read or touched); None where it cannot be told. A file
+    larger than ``windows`` x ``window`` bytes is sampled in that many windows spread evenly
+    over it (the whole of 800 MB took 12-19 ms warm; a shard of tens of GB would take ~1 s)."""
     if size <= 0:
         return 1.0
     try:
@@ -94,13 +101,24 @@ def resident_fraction(fd: int, size: int) -> float | None:
     addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     if addr in (None, ctypes.c_void_p(-1).value):
         return None
+    page = mmap.PAGESIZE
+    window = max(page, window // page * page)
+    if size <= windows * window:
+        ranges = [(0, size)]
+    else:
+        step = (size - window) // (windows - 1) // page * page
+        ranges = [(i * step, window) for i in range(windows)]
     try:
-        pages = -(-size // mmap.PAGESIZE)
-        vec = ctypes.create_string_buffer(pages)
-        if libc.mincore(addr, size, vec) != 0:
-            return None
-        # one byte a page, bit 0 set where resident (the other bits are reserved, zero)
-        return (pages - vec.raw.count(0)) / pages
+        total = resident = 0
+        for start, length in ranges:
+            pages = -(-length // page)
+            vec = ctypes.create_string_buffer(pages)
+            if libc.mincore(addr + start, length, vec) != 0:
+                return None
+            # one byte a page, bit 0 set where resident (the other bits are reserved, zero)
+            total += pages
+            resident += pages - vec.raw.count(0)
+        return resident / total
     finally:
         libc.munmap(addr, size)
 

@@ -150,6 +150,31 @@ def test_residency_decides(tmp_path: Path) -> None:
     os.close(fd2)
 
 
+@pytest.mark.parametrize("windows", [2, 3, 64])
+def test_a_large_file_is_sampled(tmp_path: Path, windows: int) -> None:
+    """Sampled in windows: the first half cold, the second warm reads as about half."""
+    size = 64 * 4096
+    path = tmp_path / "f"
+    path.write_bytes(b"y" * size)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.pread(fd, size // 2, size // 2)  # the second half back in the page cache
+        whole = resident_fraction(fd, size)
+        sampled = resident_fraction(fd, size, windows=windows, window=4096)
+    finally:
+        os.close(fd)
+    assert whole is not None and 0.4 <= whole <= 0.6
+    assert sampled is not None and 0.3 <= sampled <= 0.7
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert resident_fraction(fd, size, windows=windows, window=4096) == 0.0
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize(("value", "direct"), [("0", False), ("1", True), ("", True)])
 def test_the_switch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str, direct: bool
