@@ -35,6 +35,10 @@ whole comparison twice, with the defaults and with the tunings, and prints both 
 ``--profile`` runs our resume (and our blocking save) under cProfile in the child and prints
 the functions that took the time, with time stamps of the resume's phases: what moved it.
 ``--io-only`` skips the asynchronous-save and no-save children (save, resume and raw rows only).
+``--direct-read both`` runs ours twice per repeat, alternating: with the default (a cold optimizer
+file read with ``O_DIRECT``, ``checkpoint/direct_read.py``) and with it read through the page
+cache (``PREEMPTIBLE_DIRECT_READ=0``), and prints both resumes and their ratio; ``off`` runs only
+the latter.
 
 With ``--s3`` (needs the tier's S3 server, built by ``tests/cluster/build.sh``; started here on
 loopback): ours saves (blocking) to ``s3://`` and resumes from there, against a raw multipart
@@ -42,7 +46,7 @@ upload (``s3fs.pipe_file``) and a raw download (``s3fs.cat_file``, its concurren
 of the same number of bytes with the same client, in a child process of their own.
 
     python benchmarks/checkpoint_io.py [--params 20M,100M] [--repeats 2] [--workdir DIR] [--s3]
-        [--tunings on|off|both] [--warm] [--profile] [--io-only]
+        [--tunings on|off|both] [--warm] [--profile] [--io-only] [--direct-read on|off|both]
 """
 
 from __future__ import annotations
@@ -132,6 +136,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(int(spec.get("threads") or 1))
     for key in [k for k in os.environ if k.startswith("PREEMPTIBLE_")]:
         del os.environ[key]
+    if spec.get("page_cache_read"):
+        os.environ["PREEMPTIBLE_DIRECT_READ"] = "0"  # the A/B of --direct-read both
     mode, impl, width, out = spec["mode"], spec["impl"], spec["width"], spec["output_dir"]
     if impl == "hf":
         from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -455,6 +461,7 @@ def _bench(
     cold: bool = True,
     profile: bool = False,
     io_only: bool = False,
+    direct_read: str = "on",
 ) -> None:
     width = int(math.sqrt(params / 4))
     real = 4 * width * width
@@ -475,6 +482,13 @@ def _bench(
         # Alternating who goes first: a child's speed depends on what ran before it (memory the
         # previous process left behind is faster to touch on this kind of VM).
         trainers = [("hf", ""), ("ours", "sync")] + ([] if io_only else [("ours", "async")])
+        # --direct-read: ours with the cold optimizer file read through the page cache
+        # (PREEMPTIBLE_DIRECT_READ=0) instead of, or beside, the default O_DIRECT read
+        if direct_read == "off":
+            trainers[1] = ("ours", "pagecache")
+        elif direct_read == "both":
+            # the two of ours alternate too
+            trainers.insert(1 if rep % 2 else 2, ("ours", "pagecache"))
         if rep % 2:
             trainers = [*trainers[1:], trainers[0]]
         for impl, variant in (*trainers, ("raw", "")):
@@ -486,6 +500,7 @@ def _bench(
                 "threads": threads,
                 "tunings": tunings,
                 "profile": profile,
+                "page_cache_read": variant == "pagecache",
             }
             if impl == "raw":
                 r = _raw_write({**base, "bytes": ckpt_bytes, "rep": rep})
@@ -512,7 +527,7 @@ def _bench(
             add(f"{name}_mb_s", t["bytes"] / t.get("write_s", t["save_s"]) / 1e6)
             add(f"{name}_steps_per_s", t["steps_per_s"])
             add(f"{name}_rss_save", t["peak_rss"])
-            if "profile" in t and variant == "sync":
+            if "profile" in t and variant != "async":
                 print(f"  rep {rep}: profile of our blocking run with a save:\n{t['profile']}")
             line = (
                 f"  rep {rep}: {name:10s} save {t['save_s']:.2f}s stall {t['stall_s']:.2f}s "
@@ -528,9 +543,10 @@ def _bench(
                     _read_through(Path(ckpt))
                 r = _run({**base, "mode": "resume", "checkpoint": ckpt,
                           "output_dir": str(out / "resumed")})  # fmt: skip
-                add(f"{impl}_resume_s", r["resume_s"])
-                add(f"{impl}_rss_resume", r["peak_rss"])
-                add(f"{impl}_cold_s", r["cold_start_s"])
+                who = name if variant == "pagecache" else impl
+                add(f"{who}_resume_s", r["resume_s"])
+                add(f"{who}_rss_resume", r["peak_rss"])
+                add(f"{who}_cold_s", r["cold_start_s"])
                 line += f"; resume {r['resume_s']:.2f}s (peak RSS {r['peak_rss'] / 1e9:.2f} GB)"
                 if "profile" in r:
                     print(f"  rep {rep}: profile of our resume:\n{r['profile']}")
@@ -595,6 +611,18 @@ def _bench(
         f"  {'resume ' + ('cold' if cold else 'warm') + ': ours s / transformers s:':48s} "
         f"{_ratio(f.get('ours_resume_s', []), f.get('hf_resume_s', []))} (target <= 0.5)"
     )
+    if f.get("ours_pagecache_resume_s"):
+        direct = "; ours: the optimizer with O_DIRECT" if direct_read == "both" else ""
+        print(
+            f"  resume, optimizer read through the page cache: "
+            f"{_fmt(f['ours_pagecache_resume_s'])}; / transformers "
+            f"{_ratio(f['ours_pagecache_resume_s'], f.get('hf_resume_s', []))}{direct}"
+        )
+        if direct_read == "both":
+            print(
+                f"  {'resume: ours O_DIRECT / ours page cache:':48s} "
+                f"{_ratio(f.get('ours_resume_s', []), f['ours_pagecache_resume_s'])}"
+            )
     print("other ratios (medians):")
     ratios = [
         ("blocking save bandwidth ours / raw fsynced", "ours_sync_mb_s", "raw_mb_s"),
@@ -656,6 +684,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="cProfile our resume and save in the child")  # fmt: skip
     p.add_argument("--io-only", action="store_true",
                    help="skip the async-save and no-save children")  # fmt: skip
+    p.add_argument(
+        "--direct-read",
+        choices=("on", "off", "both"),
+        default="on",
+        help="ours reads a cold optimizer file with O_DIRECT (on: the default of a user's "
+        "process), through the page cache (off: PREEMPTIBLE_DIRECT_READ=0), or both, "
+        "alternating in each repeat",
+    )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child is not None:
@@ -679,7 +715,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for params in _parse_params(args.params):
             for tuned in tunings:
                 _bench(params, args.repeats, workdir, args.threads, tuned, s3, cold=not args.warm,
-                       profile=args.profile, io_only=args.io_only)  # fmt: skip
+                       profile=args.profile, io_only=args.io_only,
+                       direct_read=args.direct_read)  # fmt: skip
     finally:
         if s3 is not None:
             s3.stop()

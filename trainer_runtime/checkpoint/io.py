@@ -53,6 +53,7 @@ from trainer_runtime.checkpoint.digest import (
     new_hasher,
 )
 from trainer_runtime.checkpoint.direct_io import DEPTH, staging_pool
+from trainer_runtime.checkpoint.direct_read import aligned_empty, close_quietly, open_direct
 from trainer_runtime.checkpoint.layout import (
     CORRUPT_NAME,
     MANIFEST_FORMAT,
@@ -970,7 +971,7 @@ class CheckpointReader:
             return
         try:
             size = os.path.getsize(path)
-            buf = torch.empty(size, dtype=torch.uint8)
+            buf = aligned_empty(size)  # page-aligned: a cold file is read into it with O_DIRECT
         except (OSError, RuntimeError):
             return  # the load reports it (a missing file, no memory)
         stop = threading.Event()
@@ -1058,10 +1059,21 @@ class CheckpointReader:
                 size = os.path.getsize(path)
                 prepared = filename in self._prepared
                 out = self._prepared_buffer(filename, size)
+                # a cold file: from the disk straight into the buffer (direct_read.py)
+                direct_fd = open_direct(path, size)
+                if direct_fd is not None and out is None:
+                    out = aligned_empty(size)
                 try:
                     with open(path, "rb", buffering=0) as fh:
-                        buf = read_into_buffer(fh, size, hasher.update if hasher else None, out=out)
+                        buf = read_into_buffer(
+                            fh,
+                            size,
+                            hasher.update if hasher else None,
+                            out=out,
+                            direct_fd=direct_fd,
+                        )
                 finally:
+                    close_quietly(direct_fd)
                     if prepared:
                         self._stop_faulting()  # what it did not reach, the read faulted
                 read_stats.add(size)
