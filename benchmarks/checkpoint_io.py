@@ -326,43 +326,13 @@ def _raw_write(spec: dict[str, Any]) -> dict[str, Any]:
         finally:
             os.close(fd)
         seconds[mode] = time.perf_counter() - started
-        if mode == "direct":
-            read = _raw_cold_read(path, whole, total, flag, chunk)
-            if read is not None:
-                seconds["direct_read"] = read
         path.unlink()
     whole.close()
-    read_s = seconds.pop("direct_read", None)
     best = min(seconds.values())
     result = {"raw_s": best, "raw_mb_s": total / best / 1e6}
-    if read_s is not None:
-        result.update({"raw_read_s": read_s, "raw_read_mb_s": total / read_s / 1e6})
     result.update({f"raw_{m}_mb_s": total / s / 1e6 for m, s in seconds.items()})
     result.update({f"raw_{m}_s": s for m, s in seconds.items()})
     return result
-
-
-def _raw_cold_read(path: Path, whole: mmap.mmap, total: int, flag: int, chunk: int) -> float | None:
-    """The cold read's limit: the file just written read back with ``O_DIRECT`` (nothing of it in
-    the page cache) into the same aligned buffer, 64 MiB per call: what a cold resume of that
-    many bytes cannot beat on this disk."""
-    try:
-        fd = os.open(path, os.O_RDONLY | flag)
-    except OSError:
-        return None
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        started = time.perf_counter()
-        done = 0
-        with memoryview(whole) as view:
-            while done < total:
-                got = os.preadv(fd, [view[done : min(total, done + chunk)]], done)
-                if got <= 0:
-                    return None
-                done += got
-        return time.perf_counter() - started
-    finally:
-        os.close(fd)
 
 
 def _raw_s3(spec: dict[str, Any]) -> dict[str, Any]:
@@ -535,7 +505,7 @@ def _bench(
             if impl == "raw":
                 r = _raw_write({**base, "bytes": ckpt_bytes, "rep": rep})
                 for key in ("raw_s", "raw_mb_s", "raw_buffered_mb_s", "raw_direct_mb_s",
-                            "raw_direct_s", "raw_read_s", "raw_read_mb_s"):  # fmt: skip
+                            "raw_direct_s"):  # fmt: skip
                     add(key, r.get(key))
                 _remove(out)
                 modes = ", ".join(
@@ -543,11 +513,7 @@ def _bench(
                     for m in ("buffered", "direct")
                     if f"raw_{m}_mb_s" in r
                 )
-                read = ""
-                if "raw_read_s" in r:
-                    mb_s = r["raw_read_mb_s"]
-                    read = f"; O_DIRECT cold read {r['raw_read_s']:.2f}s ({mb_s:.0f} MB/s)"
-                print(f"  rep {rep}: raw write+fsync {r['raw_mb_s']:.0f} MB/s ({modes}){read}",
+                print(f"  rep {rep}: raw write+fsync {r['raw_mb_s']:.0f} MB/s ({modes})",
                       flush=True)  # fmt: skip
                 continue
             name = impl + (f"_{variant}" if variant else "")
@@ -618,12 +584,7 @@ def _bench(
         ("async save: training stall s", None, "ours_async_stall_s", None),
         ("async save: stall of the first s", None, "ours_async_first_stall_s", None),
         ("async save: background write s", None, "ours_async_write_s", None),
-        (
-            "resume s (train() -> first step; raw: read)",
-            "hf_resume_s",
-            "ours_resume_s",
-            "raw_read_s",
-        ),
+        ("resume s (train() -> first step)", "hf_resume_s", "ours_resume_s", None),
         ("resume: process start -> first step s", "hf_cold_s", "ours_cold_s", None),
         ("training steps/s", "hf_nosave_steps_per_s", "ours_nosave_steps_per_s", None),
         ("peak RSS GB, run with a save", "hf_rss_save", "ours_sync_rss_save", None),
@@ -650,15 +611,6 @@ def _bench(
         f"  {'resume ' + ('cold' if cold else 'warm') + ': ours s / transformers s:':48s} "
         f"{_ratio(f.get('ours_resume_s', []), f.get('hf_resume_s', []))} (target <= 0.5)"
     )
-    if cold and f.get("raw_read_s"):
-        # The floor: with ours at the disk's read limit, the resume ratio cannot go below
-        # (raw read / transformers), whatever ours does.
-        print(
-            f"  {'resume cold: ours s / raw O_DIRECT read s:':48s} "
-            f"{_ratio(f.get('ours_resume_s', []), f['raw_read_s'])} (1.0 = at the disk's limit); "
-            f"raw read / transformers {_ratio(f['raw_read_s'], f.get('hf_resume_s', []))} "
-            "(the lowest ratio this disk allows)"
-        )
     if f.get("ours_pagecache_resume_s"):
         direct = "; ours: the optimizer with O_DIRECT" if direct_read == "both" else ""
         print(

@@ -93,26 +93,6 @@ def test_raw_write_writes_the_aligned_bytes_and_times_both_modes(tmp_path: Path,
     assert r["raw_s"] == min(r[f"raw_{m}_s"] for m in ("buffered", "direct") if f"raw_{m}_s" in r)
     assert "raw_buffered_mb_s" in r
     assert not (tmp_path / "raw.bin").exists()
-    if "raw_direct_s" in r:  # the cold read's floor is timed from the O_DIRECT write's file
-        assert (
-            r["raw_read_s"] > 0
-            and r["raw_read_mb_s"] == size // 4096 * 4096 / r["raw_read_s"] / 1e6
-        )
-        assert r["raw_s"] != r["raw_read_s"]  # the write's best, not the read
-
-
-def test_raw_cold_read_reads_back_every_byte_written(tmp_path: Path) -> None:
-    import mmap
-
-    flag = getattr(os, "O_DIRECT", 0)
-    path = tmp_path / "f.bin"
-    data = os.urandom(3 * 4096)
-    path.write_bytes(data)
-    whole = mmap.mmap(-1, len(data))
-    seconds = bench._raw_cold_read(path, whole, len(data), flag, 4096)
-    if seconds is None:
-        pytest.skip("this filesystem refuses O_DIRECT")
-    assert seconds > 0 and bytes(whole) == data
 
 
 @pytest.mark.parametrize(
