@@ -316,8 +316,8 @@ def lost_steps_check(
 
 def attempt_accounting(attempt: dict[str, Any]) -> dict[str, Any]:
     """What an attempt's record says about its steps (for the per-job output)."""
-    keys = ("attempt", "startStep", "endStep", "lastScrapedStep", "stepsPerSecond", "lostSteps",
-            "lostStepsEstimated", "outcome")  # fmt: skip
+    keys = ("attempt", "startStep", "endStep", "lastScrapedStep", "stepsPerSecond",
+            "unreachableSince", "lostSteps", "lostStepsEstimated", "outcome")  # fmt: skip
     return {k: attempt[k] for k in keys if attempt.get(k) is not None}
 
 

@@ -10,8 +10,10 @@ An attempt whose pods left no termination message (a kill at the grace deadline,
 runtime without a SIGTERM handler) reported its last step only through /metrics, scraped every so
 often: the steps it did after that scrape are estimated from the scrape's time, the step rate
 measured between this attempt's scrapes and the time its training stopped (its container's end,
-or SIGTERM plus the runtime's kill wait when it was asked to stop). The record says it is an
-estimate (``lostStepsEstimated``).
+or SIGTERM plus the runtime's kill wait when it was asked to stop). When its pods left no end
+either (a lost node: no terminated state, the pod deleted), the time it stopped lies between its
+last answered scrape and the first unanswered one after it (``unreachableSince``): the middle of
+that span. The record says it is an estimate (``lostStepsEstimated``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ __all__ = [
     "attempt_ran",
     "estimated_end_step",
     "limited_preemptions",
+    "lost_contact_stopped_at",
     "step_rate",
     "training_stopped_at",
 ]
@@ -114,6 +117,23 @@ def training_stopped_at(
     if sigterm_to_exit is None:
         return finished_at + STAMP_MIDDLE
     return min(finished_at, finished_at - sigterm_to_exit + kill_wait) + STAMP_MIDDLE
+
+
+def lost_contact_stopped_at(
+    last_answered: float | None, unreachable_since: float | None, ended: float
+) -> float | None:
+    """When rank 0 stopped training on a node that was lost (no terminated state, so no end
+    time of its own): it still answered its last scrape (``last_answered``, a lower bound) and
+    no longer the first scrape after it (``unreachable_since``, an upper bound; ``ended``, when
+    the operator saw the attempt end, is one too). The middle of the two bounds: the smallest
+    worst-case error (half the time between two scrapes). None when a bound is unknown (never
+    scraped, or no scrape failed before its pods were gone)."""
+    if last_answered is None or unreachable_since is None:
+        return None
+    upper = min(unreachable_since, ended)
+    if upper <= last_answered:
+        return last_answered
+    return (last_answered + upper) / 2.0
 
 
 def estimated_end_step(

@@ -814,13 +814,19 @@ class AttemptRecord(_Status):
     lost_steps_estimated: bool | None = None
     """True when no pod of the attempt left a termination message (a kill at the grace
     deadline, an OOM kill, a lost node): endStep and lostSteps are then estimated from
-    lastScrapedStep, its time and stepsPerSecond up to when training stopped."""
+    lastScrapedStep, its time and stepsPerSecond up to when training stopped (its container's
+    end; on a lost node, the middle of lastScrapedTime and unreachableSince)."""
     last_scraped_step: int | None = None
     """The last step scraped from the attempt's rank 0 (/metrics) and written to status."""
     last_scraped_time: str | None = None
     """When lastScrapedStep was scraped (RFC3339, milliseconds)."""
     steps_per_second: float | None = None
     """The attempt's training rate measured between its scrapes (saves included)."""
+    unreachable_since: str | None = None
+    """When the first scrape of rank 0's /metrics after its last answered one went unanswered
+    (RFC3339, milliseconds; cleared when it answers again): when its pods end with no
+    terminated state (a lost node), training stopped between lastScrapedTime and this time,
+    and lostSteps is estimated at their middle."""
     failure_rule: str | None = None
     """The spec.failurePolicy rule a failed attempt matched (its name, else rules[<index>])."""
     failure_action: RecordedFailureAction | None = None

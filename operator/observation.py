@@ -69,7 +69,8 @@ class Snapshot:
     previous_pods: list[dict[str, Any]] = field(default_factory=list)
     """Pods labelled with this name that belong to an earlier incarnation and still run."""
     runtime_metrics: RuntimeMetrics | None = None
-    """Rank 0's /metrics, read by periodic passes while the current attempt has running pods."""
+    """Rank 0's /metrics, read by periodic passes while the current attempt has running pods
+    (``answered`` False: rank 0 runs but did not answer)."""
     pending_slices: tuple[dict[str, Any], ...] = ()
     """An elastic job's newer Workload slices not finished (a grow asked of Kueue); ``workload``
     is then the one its current attempt runs under (elastic_attempt.slices)."""

@@ -1552,13 +1552,17 @@ class Reconciler:
     def _scrape_rank0(
         self, pods: list[dict[str, Any]], spec: models.TrainingJobSpec
     ) -> RuntimeMetrics | None:
+        """Rank 0's /metrics (None: no running rank 0 with an address); an unanswered scrape
+        says when it was asked (the upper bound of a lost node's training, accounting.py)."""
         for pod in pods:
             ann = pod["metadata"].get("annotations") or {}
             if ann.get(render.JOB_COMPLETION_INDEX_ANNOTATION, "0") != "0":
                 continue
             ip = (pod.get("status") or {}).get("podIP")
             if ip and (pod.get("status") or {}).get("phase") == "Running":
-                return scrape(ip, spec.metrics_port, timeout=self.config.scrape_timeout)
+                asked_at = time.time()
+                got = scrape(ip, spec.metrics_port, timeout=self.config.scrape_timeout)
+                return got if got is not None else RuntimeMetrics.unanswered(asked_at)
         return None
 
     # ------------------------------------------------------------------------------ writing

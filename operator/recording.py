@@ -18,6 +18,7 @@ from preemptible_operator.accounting import (
     attempt_lost_steps,
     attempt_ran,
     estimated_end_step,
+    lost_contact_stopped_at,
     step_rate,
     training_stopped_at,
 )
@@ -117,10 +118,20 @@ def apply_metrics(
     attempt: int,
 ) -> None:
     """Rank 0's /metrics into the status: progress (whose step: ``attempt``), the timings'
-    maxima and latest values, and a newer complete checkpoint than the one known."""
+    maxima and latest values, and a newer complete checkpoint than the one known. An
+    unanswered scrape after one of this attempt's answered ones marks its record
+    ``unreachableSince`` (kept until it answers again: the first failure is the bound)."""
     if m is None:
         return
     progress = status.progress or models.Progress()
+    record = next((r for r in status.attempts or [] if r.attempt == attempt), None)
+    if not m.answered:
+        own = progress.attempt == attempt and progress.scraped_at is not None
+        if own and m.scraped_at is not None and record is not None and record.end_time is None:
+            record.unreachable_since = record.unreachable_since or rfc3339_ms(m.scraped_at)
+        return
+    if record is not None and record.end_time is None:
+        record.unreachable_since = None
     step = m.int("step")
     if step is not None:
         own = progress.attempt == attempt
@@ -276,6 +287,14 @@ def record_attempt_end(
             if first is not None
             else None
         )
+        if stopped is None:
+            # No end of its own (a lost node): between its last answered scrape and the
+            # first unanswered one.
+            stopped = lost_contact_stopped_at(
+                parse_rfc3339(record.last_scraped_time),
+                parse_rfc3339(record.unreachable_since),
+                now_s,
+            )
         guess = estimated_end_step(
             record.last_scraped_step,
             parse_rfc3339(record.last_scraped_time),

@@ -27,6 +27,14 @@ class RuntimeMetrics:
     scraped_at: float | None = None
     """When the body was read (seconds since the epoch): the time of ``step`` (the lost-steps
     estimate extrapolates from it, accounting.estimated_end_step)."""
+    answered: bool = True
+    """False: the pod did not answer (``values`` empty; ``scraped_at`` is when it was asked). A
+    rank 0 that stops answering is an upper bound of when it stopped training (a lost node)."""
+
+    @classmethod
+    def unanswered(cls, asked_at: float) -> RuntimeMetrics:
+        """A scrape started at ``asked_at`` that got no (usable) answer."""
+        return cls({}, scraped_at=asked_at, answered=False)
 
     def get(self, key: str) -> float | None:
         return self.values.get(key)

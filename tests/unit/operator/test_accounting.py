@@ -13,6 +13,7 @@ from preemptible_operator.accounting import (
     attempt_ran,
     estimated_end_step,
     limited_preemptions,
+    lost_contact_stopped_at,
     step_rate,
     training_stopped_at,
 )
@@ -140,6 +141,34 @@ def test_training_stopped_at(
     finished_at: float | None, sigterm_to_exit: float | None, kill_wait: float, expected: float
 ) -> None:
     assert training_stopped_at(finished_at, sigterm_to_exit, kill_wait) == expected
+
+
+@pytest.mark.parametrize(
+    ("last_answered", "unreachable_since", "ended", "expected"),
+    [
+        # answered at 1000, not at 1001.2: stopped in between, at the middle
+        (1000.0, 1001.2, 1060.0, 1000.6),
+        # the operator was down between the two scrapes: a wide span, still its middle
+        (1000.0, 1010.0, 1060.0, 1005.0),
+        # the attempt was seen ended before the failed scrape's time: the end is the bound
+        (1000.0, 1010.0, 1002.0, 1001.0),
+        (1000.0, 1000.0, 1060.0, 1000.0),  # no time between them
+        (1000.0, 999.0, 1060.0, 1000.0),  # clocks out of order: never before the answer
+        # a bound unknown: no estimate (never scraped, no scrape failed before the pods went)
+        (None, 1001.0, 1060.0, None),
+        (1000.0, None, 1060.0, None),
+    ],
+)
+def test_lost_contact_stopped_at(
+    last_answered: float | None,
+    unreachable_since: float | None,
+    ended: float,
+    expected: float | None,
+) -> None:
+    """A lost node's pod leaves no end: its training stopped between its last answered scrape
+    and the first unanswered one (issue 39, finding 5)."""
+    got = lost_contact_stopped_at(last_answered, unreachable_since, ended)
+    assert got == (pytest.approx(expected) if expected is not None else None)
 
 
 @pytest.mark.parametrize(

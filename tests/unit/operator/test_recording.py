@@ -253,8 +253,13 @@ NO_MESSAGE_CASES = [
     ("oom", _ended(137, finished=T0 - 20, reason="OOMKilled"), 1, 261, 161, True),
     # no SIGTERM handler (a periodic-only script): died at SIGTERM
     ("no-handler", _ended(143, finished=T0 - 50, sigterm=T0 - 50), 1, 201, 101, True),
-    # a lost node: its end is unknown, so the last scrape (an undercount, still an estimate)
-    ("node-lost", _ended(None, finished=None), 1, 100, 0, True),
+    # a lost node: no end of its own; rank 0 stopped answering 21 s after its last scrape:
+    # stopped at the middle, 10.5 s of 2 steps/s
+    ("node-lost", _ended(None, finished=None), 1, 121, 21, True, SCRAPED_AT + 21.0),
+    # the first unanswered scrape came after the attempt was seen ended: the end bounds it
+    ("node-lost-late-scrape", _ended(None, finished=None), 1, 200, 100, True, T0 + 50.0),
+    # no scrape failed before its pods were gone: the last scrape (an undercount, an estimate)
+    ("node-lost-unseen", _ended(None, finished=None), 1, 100, 0, True),
     # ended before any scrape of its own (progress still shows attempt 0's): nothing known
     ("never-scraped", _ended(137, finished=T0 - 20, reason="OOMKilled"), 0, 100, 0, True),
     # a termination message: exact, whatever the scrapes say
@@ -270,8 +275,8 @@ NO_MESSAGE_CASES = [
 
 
 @pytest.mark.parametrize(
-    ("pod", "progress_attempt", "end_step", "lost", "estimated"),
-    [c[1:] for c in NO_MESSAGE_CASES],
+    ("pod", "progress_attempt", "end_step", "lost", "estimated", "unreachable_since"),
+    [(*c[1:], None)[:6] for c in NO_MESSAGE_CASES],
     ids=[c[0] for c in NO_MESSAGE_CASES],
 )
 def test_lost_steps_without_a_message_are_estimated(
@@ -280,11 +285,19 @@ def test_lost_steps_without_a_message_are_estimated(
     end_step: int,
     lost: int,
     estimated: bool | None,
+    unreachable_since: float | None,
 ) -> None:
     """The last scraped step is up to a status write old when the pod ends without a message:
     the steps at the measured rate from that scrape to when training stopped are added, and the
-    record says it is an estimate (issue 39, finding 5)."""
-    record = models.AttemptRecord(attempt=1, job_name="tj-a1", grace_seconds=30, start_step=100)
+    record says it is an estimate (issue 39, finding 5). On a lost node (no end of its own) it
+    stopped between the last answered scrape and the first unanswered one."""
+    record = models.AttemptRecord(
+        attempt=1,
+        job_name="tj-a1",
+        grace_seconds=30,
+        start_step=100,
+        unreachable_since=rfc3339_ms(unreachable_since) if unreachable_since else None,
+    )
     status = models.TrainingJobStatus(
         attempt=1,
         attempts=[record],
@@ -335,6 +348,35 @@ def test_scrapes_record_the_step_its_time_and_the_attempts_rate() -> None:
     # the next attempt starts its own rate
     apply_metrics(status, RuntimeMetrics({"step": 5.0}), spec, attempt=3)
     assert (progress.scraped_at, progress.steps_per_second) == (None, None)
+
+
+def test_an_unanswered_scrape_marks_when_rank0_became_unreachable() -> None:
+    """The first unanswered scrape after an answered one of the same attempt is kept on its
+    record (the upper bound of a lost node's training); an answer clears it (issue 39)."""
+    spec = make_spec()
+    record = models.AttemptRecord(attempt=2, job_name="tj-a2")
+    earlier = models.AttemptRecord(attempt=1, job_name="tj-a1", end_time=T0_RFC)
+    status = models.TrainingJobStatus(
+        attempts=[earlier, record], progress=models.Progress(step=80, attempt=1, scraped_at=T0_RFC)
+    )
+    # not answered before this attempt's own first answer (loading, or the step is attempt
+    # 1's): nothing to bound
+    apply_metrics(status, RuntimeMetrics.unanswered(T0 + 1.0), spec, attempt=2)
+    assert record.unreachable_since is None and earlier.unreachable_since is None
+    apply_metrics(status, _scrape(90, T0 + 2.0), spec, attempt=2)
+    apply_metrics(status, RuntimeMetrics.unanswered(T0 + 3.25), spec, attempt=2)
+    assert record.unreachable_since == rfc3339_ms(T0 + 3.25)
+    # the progress is left as the last answer had it
+    assert status.progress is not None and status.progress.step == 90
+    assert status.progress.scraped_at == rfc3339_ms(T0 + 2.0)
+    apply_metrics(status, RuntimeMetrics.unanswered(T0 + 4.5), spec, attempt=2)
+    assert record.unreachable_since == rfc3339_ms(T0 + 3.25)  # the first failure is the bound
+    apply_metrics(status, _scrape(95, T0 + 5.0), spec, attempt=2)
+    assert record.unreachable_since is None  # answered again: a passing hiccup
+    # an ended attempt's record is never changed
+    earlier.unreachable_since = None
+    apply_metrics(status, RuntimeMetrics.unanswered(T0 + 6.0), spec, attempt=1)
+    assert earlier.unreachable_since is None
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,13 @@ import threading
 import time
 from typing import Any
 
+import kubernetes
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
+from preemptible_operator.reconcile import OperatorConfig, Reconciler
 from preemptible_operator.scrape import parse_metrics, scrape
+from tests.unit.operator.builders import make_pod, make_spec
 from trainer_runtime.protocol import METRIC_NAMES
 
 TEXT = f"""# HELP {METRIC_NAMES["step"]} step
@@ -170,3 +173,33 @@ def test_scrape_bounds_the_status_line_and_headers(head: bytes, trickled: bytes)
     finally:
         stop.set()
     assert elapsed < 1.0 + 0.5, elapsed
+
+
+def test_rank0_that_stops_answering_is_an_unanswered_scrape() -> None:
+    """The pass tells a rank 0 that runs but no longer answers (a lost node: the upper bound
+    of its training, attempts[].unreachableSince) from one with nothing to scrape (issue 39)."""
+    registry = CollectorRegistry()
+    Gauge(METRIC_NAMES["step"], "step", registry=registry).set(17)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    port = server.server_port
+    reconciler = Reconciler(kubernetes.client.ApiClient(), OperatorConfig(scrape_timeout=0.5))
+    spec = make_spec(metricsPort=port)
+    rank0 = make_pod(index=0)
+    rank0["status"]["podIP"] = "127.0.0.1"
+    other = make_pod("tj-a1-1-x", index=1)
+    other["status"]["podIP"] = "127.0.0.2"
+    try:
+        m = reconciler._scrape_rank0([other, rank0], spec)
+        assert m is not None and m.answered and m.int("step") == 17
+    finally:
+        server.shutdown()
+        thread.join(5)
+    before = time.time()
+    m = reconciler._scrape_rank0([other, rank0], spec)
+    assert m is not None and not m.answered and m.values == {}
+    assert m.scraped_at is not None and before <= m.scraped_at <= time.time()
+    # no running rank 0 with an address: nothing was asked
+    assert reconciler._scrape_rank0([other], spec) is None
+    pending = make_pod(index=0, phase="Pending")
+    pending["status"]["podIP"] = "127.0.0.1"
+    assert reconciler._scrape_rank0([pending], spec) is None
