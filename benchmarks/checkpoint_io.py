@@ -284,14 +284,9 @@ def _drop_cache(path: Path) -> str:
         return "drop_caches"
     except OSError:
         pass
-    for f in sorted(path.rglob("*")):
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    from trainer_runtime.testing import drop_from_page_cache
+
+    drop_from_page_cache(path)
     return "fadvise"
 
 

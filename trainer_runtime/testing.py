@@ -57,6 +57,7 @@ __all__ = [
     "append_event",
     "checkpoint_step",
     "configure_faults",
+    "drop_from_page_cache",
     "fault_config",
     "load_model_tensors",
     "read_events",
@@ -317,6 +318,25 @@ def register_test_filesystems() -> None:
     """Make ``slowfile://`` and ``fulldiskfile://`` URLs resolvable by fsspec in this process."""
     register_implementation("slowfile", SlowLocalFileSystem, clobber=True)
     register_implementation("fulldiskfile", FullDiskLocalFileSystem, clobber=True)
+
+
+# --------------------------------------------------------------------------------------------
+# cold reads
+# --------------------------------------------------------------------------------------------
+
+
+def drop_from_page_cache(path: str | os.PathLike[str]) -> None:
+    """Make a file, or every file under a directory, cold: written back (fsync) and its clean
+    pages dropped (``POSIX_FADV_DONTNEED``), so the next read comes from the disk."""
+    root = Path(path)
+    for f in sorted(root.rglob("*")) if root.is_dir() else [root]:
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,18 +26,9 @@ from trainer_runtime.checkpoint.io import CheckpointReader, CheckpointWriter
 from trainer_runtime.checkpoint.model_state import OPTIMIZER_NAME
 from trainer_runtime.checkpoint.safetensors_stream import READ_BLOCK_BYTES, read_into_buffer
 from trainer_runtime.errors import ResumeError
+from trainer_runtime.testing import drop_from_page_cache
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
-
-
-def _cold(path: Path) -> None:
-    """Drop the file's pages from the page cache (clean pages go on DONTNEED)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _file(tmp_path: Path, size: int) -> tuple[Path, bytes]:
@@ -45,7 +36,7 @@ def _file(tmp_path: Path, size: int) -> tuple[Path, bytes]:
     data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g).numpy().tobytes()
     path = tmp_path / "f"
     path.write_bytes(data)
-    _cold(path)
+    drop_from_page_cache(path)
     return path, data
 
 
@@ -138,13 +129,13 @@ def test_residency_decides(tmp_path: Path) -> None:
     try:
         path.read_bytes()
         assert resident_fraction(fd, 1 << 20) == 1.0
-        _cold(path)
+        drop_from_page_cache(path)
         assert resident_fraction(fd, 1 << 20) == 0.0
     finally:
         os.close(fd)
     path.read_bytes()  # warm: read through the page cache, which already holds it
     assert open_direct(str(path), 1 << 20) is None
-    _cold(path)
+    drop_from_page_cache(path)
     fd2 = open_direct(str(path), 1 << 20)
     assert fd2 is not None
     os.close(fd2)
@@ -245,7 +236,7 @@ def _checkpoint(tmp_path: Path) -> tuple[str, Path]:
     w.write_optimizer_state(OPTIMIZER_NAME, state)
     path = w.commit().path
     file = Path(path) / OPTIMIZER_NAME
-    _cold(file)
+    drop_from_page_cache(file)
     return path, file
 
 
@@ -267,7 +258,7 @@ def test_the_reader_reads_a_cold_optimizer_file_directly(
 ) -> None:
     path, file = _checkpoint(tmp_path)
     expected = CheckpointReader(path, verify=False)
-    _cold(file)
+    drop_from_page_cache(file)
     got = _spy_open_direct(monkeypatch)
     reader = CheckpointReader(path)
     if prepare:
@@ -276,7 +267,7 @@ def test_the_reader_reads_a_cold_optimizer_file_directly(
     state = reader.load_optimizer()
     reader.wait_verified()
     assert got and got[0] is not None, "the cold file was opened with O_DIRECT"
-    _cold(file)
+    drop_from_page_cache(file)
     want = expected.load_optimizer()
     assert state is not None and want is not None
     for pid, entry in want["state"].items():
@@ -291,7 +282,7 @@ def test_a_corrupt_cold_optimizer_file_is_refused(
     raw = bytearray(file.read_bytes())
     raw[-5] ^= 0x40
     file.write_bytes(bytes(raw))
-    _cold(file)
+    drop_from_page_cache(file)
     got = _spy_open_direct(monkeypatch)
     reader = CheckpointReader(path)
     reader.prepare_owned(OPTIMIZER_NAME)
@@ -310,7 +301,7 @@ def test_a_resized_cold_optimizer_file_is_refused(
     reader.prepare_owned(OPTIMIZER_NAME)
     raw = file.read_bytes()
     file.write_bytes(raw[:change] if change < 0 else raw + b"\0" * change)
-    _cold(file)
+    drop_from_page_cache(file)
     got = _spy_open_direct(monkeypatch)
     with pytest.raises(ResumeError):
         reader.load_optimizer()

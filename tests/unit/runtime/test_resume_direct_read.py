@@ -14,6 +14,7 @@ from trainer_runtime.checkpoint import io
 from trainer_runtime.checkpoint.direct_read import ENV, open_direct
 from trainer_runtime.checkpoint.model_state import OPTIMIZER_NAME
 from trainer_runtime.protocol import ENV_ATTEMPT, ENV_OUTPUT_DIR, ENV_RESUME_FROM
+from trainer_runtime.testing import drop_from_page_cache
 
 from ..builders import StopAt
 from .test_resume import assert_same_training, make_trainer
@@ -25,17 +26,6 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in (ENV_OUTPUT_DIR, ENV_RESUME_FROM, ENV_ATTEMPT, ENV):
         monkeypatch.delenv(name, raising=False)
-
-
-def _drop_cache(root: Path) -> None:
-    for path in root.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 @pytest.mark.parametrize(("cold", "switch", "direct"), [
@@ -59,7 +49,7 @@ def test_a_cold_resume_reads_the_optimizer_directly(
     first.add_callback(StopAt(5))
     first.train()
     if cold:
-        _drop_cache(tmp_path / "run")
+        drop_from_page_cache(tmp_path / "run")
     else:
         for path in (tmp_path / "run").rglob(OPTIMIZER_NAME):
             path.read_bytes()
