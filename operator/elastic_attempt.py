@@ -14,6 +14,7 @@ from typing import Any, Literal
 from preemptible_operator import models
 from preemptible_operator.classify import Interruption
 from preemptible_operator.conditions import Reason
+from preemptible_operator.phases import Decision
 from preemptible_operator.timestamps import parse_rfc3339
 from preemptible_operator.workload import ANNOTATION_SLICE, Admission, eviction
 from trainer_runtime.elastic import restart_pays, sizes_keeping_global_batch
@@ -26,6 +27,7 @@ __all__ = [
     "admitted_flavors",
     "attempt_size",
     "elastic_sizes",
+    "gated_decision",
     "grow_plan",
     "nodes_shown",
     "replaced",
@@ -144,6 +146,14 @@ def start_gate(
         )
     message = f"Kueue admitted {admission.count} pod(s) of Workload {workload_name}"
     return ElasticGate("start", message, nodes=nodes, unused=admission.count - nodes)
+
+
+def gated_decision(decision: Decision, gate: ElasticGate) -> Decision:
+    """An elastic job's create, held by its Workload: no attempt Job before Kueue admits a size
+    that keeps the global batch (the job shows Queued with the gate's reason)."""
+    if decision.action != "create_attempt" or gate.action == "start":
+        return decision
+    return Decision("Queued", "none", Reason.QUEUED, gate.message)
 
 
 def size_event(

@@ -56,6 +56,7 @@ from preemptible_operator.elastic_attempt import (
     ElasticGate,
     admitted_flavors,
     elastic_sizes,
+    gated_decision,
     grow_plan,
     reservation_held,
     size_event,
@@ -588,6 +589,13 @@ class Reconciler:
             return PassResult(phase=status.phase, requeue_after=0.0)
         inputs = phase_inputs(obs, status, record, recorded, interruption, self.clock())
         decision = next_phase(inputs)
+        elastic: tuple[ElasticGate, wl.Admission | None] | None = None
+        if decision.action == "create_attempt" and self._elastic(spec):
+            assert spec is not None  # _elastic
+            # The TrainingJob's own Workload decides whether and at what size the attempt
+            # starts (a read of its admitted flavors; the gate's writes are actions, _act).
+            elastic = self._elastic_gate(obs, spec)
+            decision = gated_decision(decision, elastic[0])
         result.action = decision.action
         result.phase = decision.phase
         log.info(
@@ -607,17 +615,6 @@ class Reconciler:
 
         # ------------------------------------------------------------------ act, then build
         self._annotate_node_notice(obs.pods)  # an action of every pass (node_notice.py)
-        elastic: tuple[ElasticGate, wl.Admission | None] | None = None
-        if decision.action == "create_attempt" and self._elastic(spec):
-            assert spec is not None  # _elastic
-            elastic = self._elastic_gate(obs, spec, now)
-            if elastic[0].action != "start":
-                # No attempt Job before the TrainingJob's Workload is admitted.
-                decision = Decision("Queued", "none", Reason.QUEUED, elastic[0].message)
-                result.action, result.phase = decision.action, decision.phase
-                # Its Workload's events wake the pass; this is the safety net.
-                result.requeue_after = 0.5 if elastic[0].action != "wait" else 30.0
-
         done = self._act(
             obs, decision, seen_status, interruption, storage_view, inputs.backoff_remaining, now,
             elastic,
@@ -755,6 +752,8 @@ class Reconciler:
         if ending:
             self._stop_pods([dict(p) for p in ending])
         action = decision.action
+        if elastic is not None and elastic[0].action != "start" and spec is not None:
+            return self._open_gate(obs, spec, elastic[0], now)
         if action == "fail_invalid":
             if obs.job is not None and not recorded:
                 self._stop_pods(obs.pods)
@@ -967,24 +966,30 @@ class Reconciler:
         return spec is not None and spec.elastic is not None and self.config.kueue
 
     def _elastic_gate(
-        self, obs: Snapshot, spec: models.TrainingJobSpec, now: str
+        self, obs: Snapshot, spec: models.TrainingJobSpec
     ) -> tuple[ElasticGate, wl.Admission | None]:
-        """The create path of an elastic job (elastic_attempt.start_gate), with its write: the
-        Workload created, or its reservation released (the previous attempt is gone)."""
+        """The create path of an elastic job (elastic_attempt.start_gate) from its Workload and
+        the size Kueue admitted (a read of the admitted ResourceFlavors); writes nothing."""
         meta = obs.obj["metadata"]
         workload = obs.workload
         name = workload["metadata"]["name"] if workload else wl.workload_name(meta["name"])
-        sizes = elastic_sizes(spec)
         admission = None
         if workload is not None and not workload_finished(workload):
             admission = wl.admitted_size(workload, self._flavors(admitted_flavors(workload)))
-        gate = start_gate(workload, admission, sizes, name)
+        return start_gate(workload, admission, elastic_sizes(spec), name), admission
+
+    def _open_gate(
+        self, obs: Snapshot, spec: models.TrainingJobSpec, gate: ElasticGate, now: str
+    ) -> ActionResult:
+        """The action of a Queued elastic job: its Workload created, or the reservation of an
+        evicted one released (the previous attempt is gone: the same Workload requeues)."""
         if gate.action == "create_workload":
-            self._create_workload(obs, spec, sizes)
+            self._create_workload(obs, spec, elastic_sizes(spec))
         elif gate.action == "clear_reservation":
-            assert workload is not None  # start_gate
-            self._clear_reservation(workload, now)
-        return gate, admission
+            assert obs.workload is not None  # start_gate
+            self._clear_reservation(obs.workload, now)
+        # Its Workload's events wake the pass; this is the safety net.
+        return ActionResult(requeue_after=30.0 if gate.action == "wait" else 0.5)
 
     def _flavors(self, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
         flavors: dict[str, dict[str, Any]] = {}

@@ -13,6 +13,7 @@ from preemptible_operator import elastic_attempt as ea
 from preemptible_operator import models, render, workload
 from preemptible_operator.classify import Interruption
 from preemptible_operator.conditions import Reason
+from preemptible_operator.phases import Decision
 from tests.unit.operator.builders import META, cond, make_spec
 from trainer_runtime import protocol
 
@@ -297,3 +298,40 @@ def test_grow_plan_without_elastic_or_after_the_end() -> None:
     ended = _record(1, 1, 0, 10, end_time=_ts(20))
     spec = _spec(4, minNodes=1)
     assert ea.grow_plan(spec, _status(ended), ended, T0 + 10_000) is None
+
+
+# ------------------------------------------------------------------ the gate holds the create
+
+_CREATE = Decision("Pending", "create_attempt", Reason.ATTEMPT_CREATED)
+
+
+@pytest.mark.parametrize(
+    ("decision", "gate", "want"),
+    [
+        (_CREATE, ea.ElasticGate("start", "admitted 2", nodes=2), _CREATE),
+        (
+            _CREATE,
+            ea.ElasticGate("create_workload", "creating Kueue Workload tj-w1"),
+            Decision("Queued", "none", Reason.QUEUED, "creating Kueue Workload tj-w1"),
+        ),
+        (
+            _CREATE,
+            ea.ElasticGate("clear_reservation", "releasing"),
+            Decision("Queued", "none", Reason.QUEUED, "releasing"),
+        ),
+        (
+            _CREATE,
+            ea.ElasticGate("wait", "waiting for Kueue admission"),
+            Decision("Queued", "none", Reason.QUEUED, "waiting for Kueue admission"),
+        ),
+        # Only a create is gated.
+        (
+            Decision("Running", "none", Reason.STARTED),
+            ea.ElasticGate("wait", "w"),
+            Decision("Running", "none", Reason.STARTED),
+        ),
+    ],
+    ids=["start", "create-workload", "clear-reservation", "wait", "not-a-create"],
+)
+def test_gated_decision(decision: Any, gate: ea.ElasticGate, want: Any) -> None:
+    assert ea.gated_decision(decision, gate) == want
