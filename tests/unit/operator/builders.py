@@ -91,3 +91,26 @@ def make_snapshot(**overrides: Any) -> Any:
     }
     fields.update(overrides)
     return Snapshot(**fields)
+
+
+def make_storage_snapshot(step: int, attempt: int = 1) -> Any:
+    """The operator's look at storage (checkpoint_store.StorageSnapshot): checkpoint-<step>
+    complete, nothing incomplete."""
+    from preemptible_operator.checkpoint_store import StorageSnapshot
+    from trainer_runtime.checkpoint.layout import CheckpointInfo
+
+    name = f"checkpoint-{step}"
+    return StorageSnapshot(
+        latest_complete=CheckpointInfo(
+            path=f"/ops/run/{name}",
+            name=name,
+            step=step,
+            complete=True,
+            reason=None,
+            size_bytes=1,
+            manifest=None,
+            attempt=attempt,
+        ),
+        latest_complete_path=f"/ckpt/run/{name}",
+        incomplete=(),
+    )

@@ -10,15 +10,13 @@ import pytest
 
 from preemptible_operator import conditions as conds
 from preemptible_operator import models
-from preemptible_operator.checkpoint_store import StorageSnapshot
 from preemptible_operator.classify import Interruption
 from preemptible_operator.conditions import Reason
 from preemptible_operator.recording import apply_metrics, record_attempt_end, rfc3339, rfc3339_ms
 from preemptible_operator.scrape import RuntimeMetrics
 from preemptible_operator.timestamps import parse_rfc3339
-from tests.unit.operator.builders import make_pod, make_spec
+from tests.unit.operator.builders import make_pod, make_spec, make_storage_snapshot
 from trainer_runtime import protocol
-from trainer_runtime.checkpoint.layout import CheckpointInfo
 
 T0 = 1_780_000_000.0
 T0_RFC = "2026-05-28T20:26:40Z"
@@ -197,20 +195,7 @@ def test_rank0_sigterm_and_timings() -> None:
 def test_storage_snapshot_newer_than_the_report_wins() -> None:
     """Storage shows a newer complete checkpoint than the runtime's report: it is recorded."""
     pods = [make_pod(phase="Failed", exit_code=75, message=PREEMPTED_AT_12)]
-    snapshot = StorageSnapshot(
-        latest_complete=CheckpointInfo(
-            path="/ops/run/checkpoint-14",
-            name="checkpoint-14",
-            step=14,
-            complete=True,
-            reason=None,
-            size_bytes=1,
-            manifest=None,
-            attempt=1,
-        ),
-        latest_complete_path="/ckpt/run/checkpoint-14",
-        incomplete=(),
-    )
+    snapshot = make_storage_snapshot(14)
     record = models.AttemptRecord(attempt=1, job_name="tj-a1", grace_seconds=30)
     status = models.TrainingJobStatus(attempts=[record])
     record_attempt_end(status, record, make_spec(), pods, KUEUE, snapshot, T0_RFC, T0, 1)

@@ -11,7 +11,6 @@ import pytest
 
 from preemptible_operator import conditions as conds
 from preemptible_operator import models, render
-from preemptible_operator.checkpoint_store import StorageSnapshot
 from preemptible_operator.children import Refusal
 from preemptible_operator.classify import Interruption
 from preemptible_operator.conditions import Reason
@@ -23,9 +22,13 @@ from preemptible_operator.status_build import (
     observed_status,
     with_snapshot,
 )
-from tests.unit.operator.builders import make_job, make_pod, make_snapshot
+from tests.unit.operator.builders import (
+    make_job,
+    make_pod,
+    make_snapshot,
+    make_storage_snapshot,
+)
 from trainer_runtime import protocol
-from trainer_runtime.checkpoint.layout import CheckpointInfo
 
 T0 = 1_780_000_000.0
 T0_RFC = "2026-05-28T20:26:40Z"
@@ -41,20 +44,7 @@ PODS_REFUSED = Refusal(Reason.PODS_REFUSED, "no pods: quota", fatal=False)
 STARTED = Started(
     render.AttemptParams(attempt=1, grace_seconds=30, resume_from="", suspended=False), nodes=1
 )
-STORAGE = StorageSnapshot(
-    latest_complete=CheckpointInfo(
-        path="/ops/run/checkpoint-8",
-        name="checkpoint-8",
-        step=8,
-        complete=True,
-        reason=None,
-        size_bytes=1,
-        manifest=None,
-        attempt=1,
-    ),
-    latest_complete_path="/ckpt/run/checkpoint-8",
-    incomplete=(),
-)
+STORAGE = make_storage_snapshot(8)
 PREEMPTED_AT_12 = protocol.TerminationMessage(
     reason="preempted", step=12, checkpoint="/ckpt/run/checkpoint-12", complete=True
 ).model_dump_json()
