@@ -74,7 +74,9 @@ FUSE_SUPER_MAGIC = 0x65735546
 # itself (EINVAL, EOPNOTSUPP), or a write out of order where only sequential ones are allowed
 # (mountpoint-s3: EINVAL; ESPIPE where one is taken as a seek). A real I/O error (EIO, ENOSPC)
 # still fails the save.
-_REFUSED = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ESPIPE})
+READ_REFUSED = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
+"""What a filesystem answers to an ``O_DIRECT`` open or read it does not take."""
+_REFUSED = READ_REFUSED | {errno.ESPIPE}
 # devices (st_dev) where a request was refused: later files there are written buffered
 _refusing_devices: set[int] = set()
 _logged: set[str] = set()

@@ -20,14 +20,19 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import mmap
 import os
 from typing import Any
 
 import torch
 
-from trainer_runtime.checkpoint.direct_io import ALIGN, FUSE_SUPER_MAGIC, filesystem_magic
+from trainer_runtime.checkpoint.direct_io import (
+    ALIGN,
+    FUSE_SUPER_MAGIC,
+    READ_REFUSED,
+    direct_io_supported,
+    filesystem_magic,
+)
 
 __all__ = [
     "ALIGN",
@@ -46,8 +51,7 @@ COLD_BELOW = 0.5
 # resident_fraction: a large file's residency from this many windows of this many bytes
 SAMPLE_WINDOWS = 64
 SAMPLE_BYTES = 1 << 20
-# What a filesystem answers to an O_DIRECT open or request it does not take.
-REFUSED = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
+REFUSED = READ_REFUSED
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _libc: Any = None
 
@@ -55,7 +59,7 @@ _libc: Any = None
 def direct_reads_enabled() -> bool:
     """``$PREEMPTIBLE_DIRECT_READ``: ``0`` turns direct reads off; anything else (or unset):
     on, where the platform has ``O_DIRECT``."""
-    return _O_DIRECT != 0 and os.environ.get(ENV, "").strip() != "0"
+    return direct_io_supported() and os.environ.get(ENV, "").strip() != "0"
 
 
 def aligned_empty(size: int) -> torch.Tensor:

@@ -21,7 +21,6 @@ the reading).
 from __future__ import annotations
 
 import ctypes
-import errno
 import io
 import json
 import mmap
@@ -35,6 +34,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from trainer_runtime.checkpoint.direct_io import ALIGN, READ_REFUSED
 from trainer_runtime.checkpoint.staging import RingStream, StagingRing, staging_pool
 from trainer_runtime.errors import CheckpointError
 
@@ -66,10 +66,6 @@ READ_THREADS = 2
 FAULT_IN_CHUNK = 32 << 20
 # fault_in_alongside: CPUs a process needs before a helper faults in beside a read
 FAULT_IN_MIN_CPUS = 2
-# read_into_buffer's direct reads: alignment O_DIRECT needs, and what a filesystem answers to a
-# request it does not take (direct_read.REFUSED; kept here to keep this module's imports light)
-DIRECT_ALIGN = 4096
-_DIRECT_REFUSED = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -405,22 +401,22 @@ def read_into_buffer(
     # O_DIRECT wants the buffer, the file offset and the length page-aligned
     direct = [
         direct_fd is not None
-        and buf.data_ptr() % DIRECT_ALIGN == 0
-        and start % DIRECT_ALIGN == 0
-        and READ_BLOCK_BYTES % DIRECT_ALIGN == 0
+        and buf.data_ptr() % ALIGN == 0
+        and start % ALIGN == 0
+        and READ_BLOCK_BYTES % ALIGN == 0
     ]
 
     def read(lo: int, hi: int) -> None:
         done = lo
         while done < hi:
-            whole = (hi - done) // DIRECT_ALIGN * DIRECT_ALIGN
+            whole = (hi - done) // ALIGN * ALIGN
             n = None
-            if direct[0] and whole and done % DIRECT_ALIGN == 0:
+            if direct[0] and whole and done % ALIGN == 0:
                 assert direct_fd is not None
                 try:
                     n = os.preadv(direct_fd, [view[done : done + whole]], start + done)
                 except OSError as exc:
-                    if exc.errno not in _DIRECT_REFUSED:
+                    if exc.errno not in READ_REFUSED:
                         raise
                     direct[0] = False  # this and every later request: through the page cache
             if n is None:
