@@ -7,6 +7,7 @@ plus the processing class's files, all listed in our manifest (fsynced, complete
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from tests.transformers.ckpt_support import (
     safetensors_names,
 )
 from trainer_runtime.checkpoint.layout import CheckpointStore
+from trainer_runtime.testing import drop_from_page_cache
 
 KINDS = ["gpt2", "llama", "bert_classifier"]
 
@@ -127,3 +129,37 @@ def test_resume_of_a_tied_model_continues_exactly(tmp_path: Path, tok) -> None:
     want = losses(full)
     assert losses(resumed, since=3) == {s: want[s] for s in (4, 5, 6)}
     assert_same_state(resumed_model.state_dict(), full.model.state_dict())
+
+
+def test_a_cold_resume_continues_as_transformers_own_does(
+    tmp_path: Path, tok, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same script under both Trainers, each resumed from its own checkpoint-3 with the
+    page cache dropped (a resume on a new node): ours reads the optimizer file with O_DIRECT
+    (issue 38.5) and both continue with the same losses."""
+    from trainer_runtime.checkpoint import io as checkpoint_io
+    from trainer_runtime.checkpoint.direct_read import open_direct
+    from trainer_runtime.checkpoint.model_state import OPTIMIZER_NAME
+
+    opened: list[tuple[str, bool]] = []
+
+    def spy(path: str, size: int) -> int | None:
+        fd = open_direct(path, size)
+        opened.append((os.path.basename(path), fd is not None))
+        return fd
+
+    monkeypatch.setattr(checkpoint_io, "open_direct", spy)
+    resumed: dict[str, dict[int, float]] = {}
+    for side in (THEIRS, OURS):
+        data, collate = causal_data(tok), collator_for("gpt2", tok)
+        make_trainer(side, build_model("gpt2", tok), tmp_path / side, tok, data, collate).train()
+        checkpoint = tmp_path / side / "checkpoint-3"
+        drop_from_page_cache(checkpoint)
+        again = make_trainer(side, build_model("gpt2", tok), tmp_path / f"{side}-resumed", tok,
+                             data, collate)  # fmt: skip
+        again.train(resume_from_checkpoint=str(checkpoint))
+        resumed[side] = losses(again, since=3)
+    assert opened == [(OPTIMIZER_NAME, True)], opened  # ours only, and cold: direct
+    assert sorted(resumed[OURS]) == sorted(resumed[THEIRS]) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[OURS][step] == pytest.approx(resumed[THEIRS][step], rel=1e-6), step
